@@ -1,0 +1,110 @@
+"""Prompt datasets and the group sampler that assigns prompts and seeds to training steps."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from dataclasses import dataclass
+
+from rayflow.errors import ConfigError
+from rayflow.types import RolloutRequest, SamplingParams
+
+
+def load_prompts(path: str) -> list[str]:
+    """Prompts from a .txt (one per line; blank lines and # comments skipped) or a .jsonl file
+    ({"prompt": "..."} per line). Errors name the file and line."""
+    if not os.path.isfile(path):
+        raise ConfigError("data.prompts", path, "an existing .txt or .jsonl file")
+    ext = os.path.splitext(path)[1]
+    if ext not in (".txt", ".jsonl"):
+        raise ConfigError("data.prompts", path, "a .txt (one prompt per line) or .jsonl ({\"prompt\": ...} per line) file")
+    prompts = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            text = line.strip()
+            if not text or (ext == ".txt" and text.startswith("#")):
+                continue
+            if ext == ".jsonl":
+                try:
+                    record = json.loads(text)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
+                if not isinstance(record, dict) or not isinstance(record.get("prompt"), str) or not record["prompt"].strip():
+                    raise ValueError(f'{path}:{lineno}: expected {{"prompt": "<non-empty text>"}}, got {text[:80]!r}')
+                text = record["prompt"].strip()
+            prompts.append(text)
+    if not prompts:
+        raise ValueError(f"{path}: no prompts (the file is empty or only blank lines / comments)")
+    return prompts
+
+
+@dataclass(frozen=True)
+class PromptGroup:
+    """One prompt and the G seeds of its samples."""
+
+    group_id: int
+    prompt_id: int
+    prompt: str
+    seeds: tuple[int, ...]
+
+    def requests(self, params: SamplingParams, micro_batch_size: int) -> list[RolloutRequest]:
+        """The group as rollout requests of at most micro_batch_size samples each."""
+        out = []
+        for start in range(0, len(self.seeds), micro_batch_size):
+            seeds = list(self.seeds[start : start + micro_batch_size])
+            out.append(
+                RolloutRequest(
+                    request_id=f"g{self.group_id}-s{start}",
+                    prompts=[self.prompt] * len(seeds),
+                    prompt_ids=[self.prompt_id] * len(seeds),
+                    group_ids=[self.group_id] * len(seeds),
+                    seeds=seeds,
+                    params=params,
+                )
+            )
+        return out
+
+
+class GroupSampler:
+    """Deterministic stream of prompt groups: epochs over the prompts (shuffled per epoch with the
+    run seed), each group with G fresh seeds. Its position is two integers, so a resumed run
+    continues with exactly the groups it would have drawn.
+
+    Seeds are base_seed · 1_000_003 + a running sample counter: distinct within a group (identical
+    group members would make the advantages vanish) and across the run.
+    """
+
+    def __init__(self, prompts: list[str], group_size: int, seed: int, shuffle: bool = True):
+        self.prompts = prompts
+        self.group_size = group_size
+        self.seed = seed
+        self.shuffle = shuffle
+        self.groups_drawn = 0
+
+    def _order(self, epoch: int) -> list[int]:
+        order = list(range(len(self.prompts)))
+        if self.shuffle:
+            random.Random(self.seed * 7919 + epoch).shuffle(order)
+        return order
+
+    def next_group(self) -> PromptGroup:
+        n = self.groups_drawn
+        epoch, position = divmod(n, len(self.prompts))
+        prompt_id = self._order(epoch)[position]
+        first = self.seed * 1_000_003 + n * self.group_size
+        self.groups_drawn += 1
+        return PromptGroup(
+            group_id=n,
+            prompt_id=prompt_id,
+            prompt=self.prompts[prompt_id],
+            seeds=tuple(range(first, first + self.group_size)),
+        )
+
+    def state_dict(self) -> dict:
+        return {"groups_drawn": self.groups_drawn, "seed": self.seed}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state["seed"] != self.seed:
+            raise ValueError(f"data position was saved with trainer.seed={state['seed']}, this run has {self.seed}")
+        self.groups_drawn = state["groups_drawn"]

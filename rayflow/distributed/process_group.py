@@ -1,0 +1,154 @@
+"""Process groups between Ray actors.
+
+- The backend follows the device, decided in one place: nccl for CUDA tensors, gloo otherwise.
+- Rendezvous is a TCP store on a free port of the rank-0 actor's node (rank 0 picks the port and
+  hosts the store; the caller hands (address, port) to the others).
+- A process may belong to several named groups at once (a replica's CFG group and the weight-sync
+  group, say): each CollectiveGroup is a standalone ProcessGroup on its own store prefix, not
+  carved out of a global default group, so groups of different membership coexist.
+- Every collective has a timeout; a timed-out or broken collective raises CollectiveError naming
+  the group, this rank and the node, instead of hanging.
+- Collective traffic binds to the network interface that holds the node's Ray address (loopback
+  on a laptop run), never to whatever the hostname resolves to.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+def device_backend(device: torch.device | str) -> str:
+    """nccl when the device is CUDA, gloo otherwise."""
+    return "nccl" if torch.device(device).type == "cuda" else "gloo"
+
+
+def node_ip() -> str:
+    """This node's address as Ray knows it (127.0.0.1 for a loopback-only local Ray)."""
+    import ray
+
+    return ray.util.get_node_ip_address()
+
+
+def free_port(address: str) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((address, 0))
+        return s.getsockname()[1]
+
+
+def interface_of(address: str) -> str | None:
+    """The network interface holding `address`, e.g. "lo" for 127.0.0.1."""
+    import psutil
+
+    for name, addrs in psutil.net_if_addrs().items():
+        if any(a.family == socket.AF_INET and a.address == address for a in addrs):
+            return name
+    return None
+
+
+def bind_collectives_to(address: str) -> None:
+    """Make gloo and nccl use the interface of `address` (set before the first group is created)."""
+    interface = interface_of(address)
+    if interface is not None:
+        os.environ["GLOO_SOCKET_IFNAME"] = interface
+        os.environ["NCCL_SOCKET_IFNAME"] = interface
+
+
+@dataclass(frozen=True)
+class Rendezvous:
+    """Where a group's members meet: rank 0's TCP store."""
+
+    address: str
+    port: int
+
+    @staticmethod
+    def on_this_node() -> "Rendezvous":
+        address = node_ip()
+        return Rendezvous(address, free_port(address))
+
+    @property
+    def init_method(self) -> str:
+        return f"tcp://{self.address}:{self.port}"
+
+
+class CollectiveError(RuntimeError):
+    """A collective failed or timed out; the message names the group, rank and node."""
+
+
+class CollectiveGroup:
+    """One named group of `size` ranks. Methods take and return tensors on this rank's device."""
+
+    def __init__(self, name: str, rendezvous: Rendezvous, rank: int, size: int, device: torch.device | str,
+                 timeout_s: float = 300.0):
+        self.name, self.rank, self.size = name, rank, size
+        self.device = torch.device(device)
+        self.backend = device_backend(self.device)
+        self.timeout_s = timeout_s
+        self.address = node_ip()
+        bind_collectives_to(self.address)
+        timeout = datetime.timedelta(seconds=timeout_s)
+        self._store = dist.TCPStore(
+            rendezvous.address, rendezvous.port, size, is_master=(rank == 0), timeout=timeout,
+            wait_for_workers=False,
+        )
+        store = dist.PrefixStore(f"rayflow/{name}", self._store)
+        if self.backend == "gloo":
+            options = dist.ProcessGroupGloo._Options()
+            options._timeout = timeout
+            options._devices = [dist.ProcessGroupGloo.create_device(hostname=self.address)]
+            self._pg = dist.ProcessGroupGloo(store, rank, size, options)
+        else:
+            options = dist.ProcessGroupNCCL.Options()
+            options._timeout = timeout
+            self._pg = dist.ProcessGroupNCCL(store, rank, size, options)
+
+    def _wait(self, work, what: str) -> None:
+        try:
+            work.wait()
+        except RuntimeError as e:
+            raise CollectiveError(
+                f"{what} in group {self.name!r} failed on rank {self.rank}/{self.size} at node {self.address} "
+                f"(timeout {self.timeout_s:.0f}s): a peer died or stalled. {str(e).splitlines()[0]}"
+            ) from None
+
+    def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's `tensor` (same shape and dtype on all ranks), in rank order."""
+        tensor = tensor.contiguous()
+        out = [torch.empty_like(tensor) for _ in range(self.size)]
+        self._wait(self._pg.allgather([out], [tensor]), "all_gather")
+        return out
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """In place: every rank's `tensor` becomes rank `src`'s."""
+        options = dist.BroadcastOptions()
+        options.rootRank = src
+        self._wait(self._pg.broadcast([tensor], options), "broadcast")
+        return tensor
+
+    def barrier(self) -> None:
+        self.all_gather(torch.zeros(1, device=self.device))
+
+    def destroy(self) -> None:
+        """Release the group's connections (and, on rank 0, the store)."""
+        pg, self._pg = self._pg, None
+        if pg is not None and hasattr(pg, "shutdown"):
+            try:
+                pg.shutdown()
+            except RuntimeError:
+                pass
+        self._store = None
+
+
+def init_default_group(rendezvous: Rendezvous, rank: int, size: int, device: torch.device | str,
+                       timeout_s: float = 300.0) -> None:
+    """The process's default group (what FSDP2's device mesh uses), on the node's interface."""
+    bind_collectives_to(node_ip())
+    dist.init_process_group(
+        device_backend(device), init_method=rendezvous.init_method, rank=rank, world_size=size,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )

@@ -1,0 +1,15 @@
+"""Errors that name what was wrong, the value given, and what is allowed."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A config key, request field or file holds a value that is not allowed."""
+
+    def __init__(self, key: str, value: Any, allowed: str):
+        self.key = key
+        self.value = value
+        self.allowed = allowed
+        super().__init__(f"{key}: got {value!r}; allowed: {allowed}")

@@ -1,0 +1,132 @@
+"""LoRA adapters on the transformer: "default" (trained) and, for DiffusionNFT, "old" (a frozen EMA shadow).
+
+peft's adapter switching also flips requires_grad (activating "old" freezes "default", disabling
+adapters freezes both). rayflow re-asserts the trainable/frozen split after every switch, so
+"default" is the only trainable tensor whatever was active last: under FSDP2 with
+reshard_after_forward=False, a parameter all-gathered while frozen would otherwise get no grad.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+TRAINED_ADAPTER = "default"
+EMA_ADAPTER = "old"
+
+
+def _tuner_layers(transformer: nn.Module) -> list[nn.Module]:
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    return [m for m in transformer.modules() if isinstance(m, BaseTunerLayer)]
+
+
+def add_lora(
+    transformer: nn.Module,
+    *,
+    rank: int,
+    alpha: float,
+    targets: list[str] | tuple[str, ...],
+    init: str = "gaussian",
+    with_ema: bool = False,
+) -> list[str]:
+    """Inject the "default" adapter (and "old", equal to it, when `with_ema`); return the adapted module names.
+
+    Every target must bind at least one module: a name that binds none (a typo, or an architecture
+    without that projection) is an error naming it, not a silently smaller adapter.
+    """
+    from peft import LoraConfig
+
+    config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=list(targets), init_lora_weights=init)
+    try:
+        transformer.add_adapter(config, adapter_name=TRAINED_ADAPTER)
+    except ValueError as e:
+        raise ValueError(f"learner.lora_targets: {list(targets)} bind no module of {type(transformer).__name__} ({e})") from None
+    adapted = [name for name, m in transformer.named_modules() if m in set(_tuner_layers(transformer))]
+    unbound = [t for t in targets if not any(name == t or name.endswith("." + t) for name in adapted)]
+    if unbound:
+        raise ValueError(
+            f"learner.lora_targets: {unbound} bind no module of {type(transformer).__name__}; "
+            f"adapted modules end in {sorted({n.split('.')[-1] for n in adapted})}"
+        )
+    if with_ema:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Already found a `peft_config`")  # two adapters is the point
+            transformer.add_adapter(config, adapter_name=EMA_ADAPTER)
+        copy_adapter(transformer, src=TRAINED_ADAPTER, dst=EMA_ADAPTER)
+    activate(transformer, TRAINED_ADAPTER)
+    return adapted
+
+
+def adapter_names(transformer: nn.Module) -> list[str]:
+    names: set[str] = set()
+    for layer in _tuner_layers(transformer):
+        names.update(layer.lora_A.keys())
+    return sorted(names)
+
+
+def adapter_parameters(transformer: nn.Module, adapter: str) -> dict[str, torch.Tensor]:
+    """The adapter's parameters by canonical name (the adapter segment removed, e.g.
+    "transformer_blocks.0.attn.to_q.lora_A.weight"), so adapters of different names line up."""
+    segment = f".{adapter}."
+    params = {
+        name.replace(segment, "."): p
+        for name, p in transformer.named_parameters()
+        if (".lora_A." in name or ".lora_B." in name) and segment in name
+    }
+    if not params:
+        raise KeyError(f"adapter {adapter!r} not found; the transformer has {adapter_names(transformer)}")
+    return params
+
+
+def set_trainable(transformer: nn.Module) -> None:
+    """Only "default" LoRA parameters require grad; everything else is frozen."""
+    segment = f".{TRAINED_ADAPTER}."
+    for name, p in transformer.named_parameters():
+        p.requires_grad_((".lora_A." in name or ".lora_B." in name) and segment in name)
+
+
+def activate(transformer: nn.Module, adapter: str) -> None:
+    """Make `adapter` the one the forward uses (adapters enabled), then re-assert the trainable split."""
+    for layer in _tuner_layers(transformer):
+        layer.enable_adapters(True)
+        layer.set_adapter(adapter)
+    set_trainable(transformer)
+
+
+@contextlib.contextmanager
+def using_adapter(transformer: nn.Module, adapter: str) -> Iterator[None]:
+    """Forward under `adapter`, then back to "default"; the trainable split holds inside and after."""
+    activate(transformer, adapter)
+    try:
+        yield
+    finally:
+        activate(transformer, TRAINED_ADAPTER)
+
+
+@contextlib.contextmanager
+def base_model(transformer: nn.Module) -> Iterator[None]:
+    """Forward with every adapter disabled: the reference policy for the KL term."""
+    for layer in _tuner_layers(transformer):
+        layer.enable_adapters(False)
+    try:
+        yield
+    finally:
+        activate(transformer, TRAINED_ADAPTER)
+
+
+@torch.no_grad()
+def copy_adapter(transformer: nn.Module, src: str, dst: str) -> None:
+    src_params = adapter_parameters(transformer, src)
+    for name, p in adapter_parameters(transformer, dst).items():
+        p.copy_(src_params[name])
+
+
+def rollout_adapter_name(needs_ema_rollout: bool) -> str:
+    """The adapter rollouts sample under: the EMA "old" when the algorithm rolls out under an EMA
+    (DiffusionNFT), else "default". In-process evaluation and weight sync both ask this."""
+    return EMA_ADAPTER if needs_ema_rollout else TRAINED_ADAPTER

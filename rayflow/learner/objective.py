@@ -1,0 +1,172 @@
+"""Forward + backward of the RL objectives over a shard of trajectories, on any DiffusionModel.
+
+The single-process reference trainer and the FSDP2 learner ranks both call these, so the two
+compute the same thing by construction. Each function runs micro-batches of the shard, and
+backpropagates one denoising step at a time (activations of one step only), with the loss scaled
+so the accumulated gradient is that of the mean over the shard's samples x trained steps.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+
+from rayflow.algorithms.diffusion_nft import diffusion_nft_loss, noised, optimality_probability
+from rayflow.algorithms.flow_grpo import flow_grpo_loss
+from rayflow.cfg.policy import CFGPolicy
+from rayflow.config import AlgorithmConfig
+from rayflow.learner.lora import EMA_ADAPTER, base_model, using_adapter
+from rayflow.models.base import DiffusionModel, PromptEmbeds
+from rayflow.sampling.flow_sde import flow_step
+from rayflow.types import Trajectory
+
+
+def micro_batches(trajectories: list[Trajectory], size: int) -> list[list[Trajectory]]:
+    return [trajectories[i : i + size] for i in range(0, len(trajectories), size)]
+
+
+def _stack_latent(trajs: list[Trajectory], index: int, device: torch.device) -> torch.Tensor:
+    return torch.stack([t.latent(index) for t in trajs]).to(device)
+
+
+def _conds(trajs: list[Trajectory], device: torch.device) -> dict[str, PromptEmbeds]:
+    names = trajs[0].conds.keys()
+    padded = {name: PromptEmbeds.pad([t.conds[name] for t in trajs]) for name in names}
+    return {
+        name: PromptEmbeds(p.embeds.to(device), None if p.mask is None else p.mask.to(device))
+        for name, p in padded.items()
+    }
+
+
+def _advantages(trajs: list[Trajectory], device: torch.device) -> torch.Tensor:
+    missing = [t.seed for t in trajs if t.advantage is None]
+    if missing:
+        raise ValueError(f"trajectories with seeds {missing} have no advantage; compute advantages before training")
+    return torch.tensor([t.advantage for t in trajs], dtype=torch.float32, device=device)
+
+
+def _check_same_params(trajs: list[Trajectory]) -> None:
+    params = trajs[0].params
+    if any(t.params != params for t in trajs):
+        raise ValueError("a micro-batch mixes trajectories sampled with different SamplingParams")
+
+
+class _Metrics:
+    """Running means of named scalars, weighted by the loss scale of each contribution."""
+
+    def __init__(self) -> None:
+        self.sums: dict[str, float] = defaultdict(float)
+
+    def add(self, weight: float, **values: torch.Tensor) -> None:
+        for name, value in values.items():
+            self.sums[name] += weight * float(value)
+
+    def result(self) -> dict[str, float]:
+        return dict(self.sums)
+
+
+def _guided_velocity(model: DiffusionModel, policy: CFGPolicy, x: torch.Tensor, timestep: torch.Tensor,
+                     conds: dict[str, PromptEmbeds], params) -> torch.Tensor:
+    branches = policy.build(conds, params.guidance_scale)
+    preds = [model.predict_velocity(x, timestep, height=params.height, width=params.width, **b.kwargs) for b in branches]
+    return policy.combine(preds, params.guidance_scale)
+
+
+def flow_grpo_backward(
+    model: DiffusionModel,
+    policy: CFGPolicy,
+    shard: list[Trajectory],
+    algo: AlgorithmConfig,
+    micro_batch_size: int,
+) -> dict[str, float]:
+    """Accumulate FlowGRPO gradients of the shard; returns loss/policy, loss/kl, clip_frac, approx_kl."""
+    metrics = _Metrics()
+    device = model.device
+    for mb in micro_batches(shard, micro_batch_size):
+        _check_same_params(mb)
+        params = mb[0].params
+        trained = params.resolved_sde_steps()
+        sigmas, timesteps = mb[0].sigmas, mb[0].timesteps
+        conds = _conds(mb, device)
+        advantages = _advantages(mb, device)
+        old_log_probs = torch.stack([t.log_probs for t in mb]).to(device)  # [b, T]
+        scale = len(mb) / len(shard) / len(trained)
+        for j in trained:
+            x, x_next = _stack_latent(mb, j, device), _stack_latent(mb, j + 1, device)
+            step = dict(sde_type=params.sde_type, noise_level=params.noise_level, prev_sample=x_next, sigma_max=sigmas[1])
+            v = _guided_velocity(model, policy, x, timesteps[j], conds, params)
+            _, log_prob, mean, std = flow_step(v, x, sigmas[j], sigmas[j + 1], **step)
+            ref_mean = None
+            if algo.kl_beta > 0:
+                with torch.no_grad(), base_model(model.transformer):
+                    v_ref = _guided_velocity(model, policy, x, timesteps[j], conds, params)
+                    _, _, ref_mean, _ = flow_step(v_ref, x, sigmas[j], sigmas[j + 1], **step)
+            out = flow_grpo_loss(
+                log_prob, old_log_probs[:, j], advantages, algo.clip_range,
+                mean=mean, ref_mean=ref_mean, std=std, kl_beta=algo.kl_beta,
+            )
+            (out.loss * scale).backward()
+            metrics.add(scale, **{"loss/policy": out.policy, "loss/kl": out.kl,
+                                  "train/clip_frac": out.clip_frac, "train/approx_kl": out.approx_kl})
+    return metrics.result()
+
+
+def nft_noise_and_steps(trajectory: Trajectory, run_seed: int, version: int, num_timesteps: int | None
+                        ) -> tuple[list[int], torch.Tensor]:
+    """The timestep indices a sample trains on at this version, and its ε for each ([k, N, C]).
+
+    Drawn from a generator keyed by (run seed, version, sample seed) alone, so every learner rank,
+    any micro-batching and the reference trainer draw the same."""
+    g = torch.Generator().manual_seed(hash((run_seed, version, trajectory.seed)) & (2**63 - 1))
+    T = trajectory.params.num_steps
+    steps = list(range(T)) if num_timesteps is None else sorted(torch.randperm(T, generator=g)[: min(num_timesteps, T)].tolist())
+    final = trajectory.latent(T)
+    noise = torch.randn((len(steps), *final.shape), generator=g, dtype=torch.float32)
+    return steps, noise
+
+
+def diffusion_nft_backward(
+    model: DiffusionModel,
+    shard: list[Trajectory],
+    algo: AlgorithmConfig,
+    micro_batch_size: int,
+    run_seed: int,
+    version: int,
+) -> dict[str, float]:
+    """Accumulate DiffusionNFT gradients of the shard (conditional velocity, no CFG: NFT trains the
+    policy itself); returns loss/policy and loss/kl."""
+    metrics = _Metrics()
+    device = model.device
+    for mb in micro_batches(shard, micro_batch_size):
+        _check_same_params(mb)
+        params = mb[0].params
+        T = params.num_steps
+        positive = _conds(mb, device)["positive"]
+        x0 = _stack_latent(mb, T, device)
+        r = optimality_probability(_advantages(mb, device), algo.adv_clip_max)
+        draws = [nft_noise_and_steps(t, run_seed, version, algo.nft_timesteps) for t in mb]
+        k = len(draws[0][0])
+        scale = len(mb) / len(shard) / k
+        for slot in range(k):
+            idx = torch.tensor([steps[slot] for steps, _ in draws])
+            sigma = mb[0].sigmas[idx].to(device)
+            timestep = mb[0].timesteps[idx].to(device)
+            x_t = noised(x0, torch.stack([noise[slot] for _, noise in draws]).to(device), sigma)
+
+            def velocity() -> torch.Tensor:
+                return model.predict_velocity(x_t, timestep, positive, height=params.height, width=params.width)
+
+            with torch.no_grad(), using_adapter(model.transformer, EMA_ADAPTER):
+                v_old = velocity()
+            v_ref = None
+            if algo.kl_beta > 0:
+                with torch.no_grad(), base_model(model.transformer):
+                    v_ref = velocity()
+            out = diffusion_nft_loss(
+                velocity(), v_old, x0, x_t, sigma, r,
+                beta=algo.nft_beta, adv_clip_max=algo.adv_clip_max, v_ref=v_ref, kl_beta=algo.kl_beta,
+            )
+            (out.loss * scale).backward()
+            metrics.add(scale, **{"loss/policy": out.policy, "loss/kl": out.kl})
+    return metrics.result()

@@ -1,0 +1,21 @@
+from rayflow.models.base import (
+    DiffusionModel,
+    PromptEmbeds,
+    Schedule,
+    load_model,
+    model_class,
+    pipeline_class_of,
+    register_model,
+    registered_pipeline_classes,
+)
+
+__all__ = [
+    "DiffusionModel",
+    "PromptEmbeds",
+    "Schedule",
+    "load_model",
+    "model_class",
+    "pipeline_class_of",
+    "register_model",
+    "registered_pipeline_classes",
+]

@@ -1,0 +1,165 @@
+"""DiffusionModel: what rayflow needs from a flow-matching text-to-image pipeline, and the registry.
+
+A model is found by the pipeline class name in its `model_index.json`, so a directory written
+by diffusers' `save_pretrained` (or downloaded from a hub) loads without further configuration.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+from torch import nn
+
+_REGISTRY: dict[str, type["DiffusionModel"]] = {}
+
+
+def register_model(cls: type["DiffusionModel"]) -> type["DiffusionModel"]:
+    """Class decorator: register a DiffusionModel under its `pipeline_class` name."""
+    _REGISTRY[cls.pipeline_class] = cls
+    return cls
+
+
+def registered_pipeline_classes() -> list[str]:
+    _import_builtin_models()
+    return sorted(_REGISTRY)
+
+
+@dataclass
+class PromptEmbeds:
+    """Text conditioning for a batch: embeds [B, L, D]; mask [B, L] (1 = token) or None when all valid."""
+
+    embeds: torch.Tensor
+    mask: torch.Tensor | None
+
+    def unpadded(self) -> list[torch.Tensor]:
+        """One [L_i, D] tensor per sample, padding removed."""
+        if self.mask is None:
+            return list(self.embeds.unbind(0))
+        return [e[m.bool()] for e, m in zip(self.embeds, self.mask)]
+
+    @staticmethod
+    def pad(embeds: list[torch.Tensor]) -> "PromptEmbeds":
+        """Stack [L_i, D] tensors right-padded with zeros; the mask is None when no sample needs padding,
+        as the diffusers pipelines pass it."""
+        longest = max(e.shape[0] for e in embeds)
+        stacked = torch.stack([torch.cat([e, e.new_zeros(longest - e.shape[0], e.shape[1])]) for e in embeds])
+        if all(e.shape[0] == longest for e in embeds):
+            return PromptEmbeds(stacked, None)
+        mask = torch.stack(
+            [torch.arange(longest, device=stacked.device) < e.shape[0] for e in embeds]
+        ).long()
+        return PromptEmbeds(stacked, mask)
+
+
+@dataclass
+class Schedule:
+    """The sigma schedule of one generation: sigmas [T+1] float32 ending in 0, timesteps [T]."""
+
+    sigmas: torch.Tensor
+    timesteps: torch.Tensor
+
+
+class DiffusionModel(ABC):
+    """A flow-matching pipeline split into the pieces an RL loop calls separately.
+
+    Latents are the transformer's token layout [B, N, C]. The transformer is the only module that
+    is trained (through LoRA); `transformer` exposes it.
+    """
+
+    pipeline_class: ClassVar[str]
+    """The diffusers pipeline class name this model loads (the registry key)."""
+    lora_target_modules: ClassVar[tuple[str, ...]]
+    """Default LoRA targets: the attention projections of every transformer block."""
+
+    transformer: nn.Module
+    device: torch.device
+    dtype: torch.dtype
+
+    @classmethod
+    @abstractmethod
+    def load(cls, path: str, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> "DiffusionModel":
+        """Load the pipeline at `path` through `from_pretrained`."""
+
+    @classmethod
+    @abstractmethod
+    def size_multiple(cls) -> int:
+        """Image height and width must be multiples of this (VAE scale x patch size)."""
+
+    @abstractmethod
+    def encode_prompt(self, prompts: list[str]) -> PromptEmbeds:
+        """Text conditioning for each prompt, exactly as the pipeline computes it."""
+
+    @abstractmethod
+    def prepare_latents(self, seeds: list[int], height: int, width: int) -> tuple[torch.Tensor, list[torch.Generator]]:
+        """Initial noise [B, N, C] and one generator per sample.
+
+        Sample i equals the pipeline's latents for one image with
+        `generator=torch.Generator("cpu").manual_seed(seeds[i])`; generator i is that generator after
+        the draw, so the sample's SDE noise continues its own stream (never a copy of its initial noise).
+        """
+
+    @abstractmethod
+    def schedule(self, num_steps: int, height: int, width: int, shift: float | None = None) -> Schedule:
+        """The pipeline's sigma/timestep schedule for this size (shift None = the scheduler's own)."""
+
+    @abstractmethod
+    def predict_velocity(
+        self, latents: torch.Tensor, timestep: torch.Tensor, cond: PromptEmbeds, height: int, width: int
+    ) -> torch.Tensor:
+        """The transformer's velocity [B, N, C] at `timestep` (scalar or [B], in scheduler units)."""
+
+    @abstractmethod
+    def decode(self, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
+        """Final latents [B, N, C] -> images [B, H, W, 3] uint8."""
+
+    @abstractmethod
+    def load_lora(self, path: str) -> None:
+        """Load a diffusers-format LoRA directory into the transformer (as the pipeline's load_lora_weights)."""
+
+    def check_size(self, height: int, width: int) -> None:
+        m = self.size_multiple()
+        for key, value in (("height", height), ("width", width)):
+            if value <= 0 or value % m:
+                raise ValueError(f"sampling.{key}: got {value}; allowed: a positive multiple of {m} for {self.pipeline_class}")
+
+
+def pipeline_class_of(path: str) -> str:
+    """The `_class_name` in `path/model_index.json`, with a clear error if this is not a pipeline."""
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"model.path: {path!r} is not a directory (expected a diffusers pipeline directory)")
+    index = os.path.join(path, "model_index.json")
+    if not os.path.isfile(index):
+        raise ValueError(
+            f"model.path: {path!r} has no model_index.json, so it is not a diffusers pipeline directory "
+            f"(write one with pipeline.save_pretrained)"
+        )
+    try:
+        with open(index) as f:
+            return json.load(f)["_class_name"]
+    except (json.JSONDecodeError, KeyError) as e:
+        raise ValueError(f"model.path: {index} is not a valid model_index.json ({e})") from None
+
+
+def model_class(pipeline_class: str) -> type[DiffusionModel]:
+    """The registered DiffusionModel for a pipeline class name."""
+    _import_builtin_models()
+    if pipeline_class not in _REGISTRY:
+        raise ValueError(
+            f"pipeline class {pipeline_class!r} is not registered with rayflow; "
+            f"registered: {registered_pipeline_classes()}"
+        )
+    return _REGISTRY[pipeline_class]
+
+
+def load_model(path: str, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> DiffusionModel:
+    """Load the pipeline at `path` as the DiffusionModel registered for its class."""
+    return model_class(pipeline_class_of(path)).load(path, device=device, dtype=dtype)
+
+
+def _import_builtin_models() -> None:
+    from rayflow.models import qwen_image  # noqa: F401  (registers itself)

@@ -1,0 +1,128 @@
+"""Qwen-Image as a DiffusionModel: the diffusers QwenImagePipeline's own pieces, called separately.
+
+Every piece delegates to the pipeline object (its encode_prompt, latent packing, shift
+computation, VAE normalisation), so rayflow's sampler reproduces `QwenImagePipeline.__call__`
+by construction, for the tiny offline model and for the real one alike.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from rayflow.models.base import DiffusionModel, PromptEmbeds, Schedule, register_model
+
+
+@register_model
+class QwenImageModel(DiffusionModel):
+    pipeline_class = "QwenImagePipeline"
+    lora_target_modules = (
+        "to_q",
+        "to_k",
+        "to_v",
+        "to_out.0",
+        "add_q_proj",
+        "add_k_proj",
+        "add_v_proj",
+        "to_add_out",
+    )
+
+    def __init__(self, pipe, device: torch.device, dtype: torch.dtype):
+        self.pipe = pipe
+        self.transformer = pipe.transformer
+        self.device = device
+        self.dtype = dtype
+
+    @classmethod
+    def load(cls, path: str, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> "QwenImageModel":
+        from diffusers import QwenImagePipeline
+
+        pipe = QwenImagePipeline.from_pretrained(path, dtype=dtype)
+        pipe.set_progress_bar_config(disable=True)
+        device = torch.device(device)
+        pipe.to(device)
+        for module in (pipe.transformer, pipe.vae, pipe.text_encoder):
+            module.requires_grad_(False).eval()
+        return cls(pipe, device, dtype)
+
+    @classmethod
+    def size_multiple(cls) -> int:
+        # VAE downsamples 8x, the transformer packs 2x2 latent patches.
+        return 16
+
+    @property
+    def _vae_scale(self) -> int:
+        return self.pipe.vae_scale_factor
+
+    @torch.no_grad()
+    def encode_prompt(self, prompts: list[str]) -> PromptEmbeds:
+        embeds, mask = self.pipe.encode_prompt(prompt=prompts, device=self.device)
+        return PromptEmbeds(embeds, mask)
+
+    def _latent_hw(self, height: int, width: int) -> tuple[int, int]:
+        # The pipeline's own rounding: latent grid of the VAE, even for 2x2 packing.
+        return 2 * (height // (self._vae_scale * 2)), 2 * (width // (self._vae_scale * 2))
+
+    def prepare_latents(self, seeds: list[int], height: int, width: int) -> tuple[torch.Tensor, list[torch.Generator]]:
+        h, w = self._latent_hw(height, width)
+        channels = self.transformer.config.in_channels // 4
+        generators = [torch.Generator("cpu").manual_seed(s) for s in seeds]
+        # Drawn per sample on the CPU, as the pipeline's randn_tensor does with one generator per image.
+        noise = [torch.randn((1, 1, channels, h, w), generator=g, dtype=self.dtype) for g in generators]
+        latents = torch.cat(noise).to(self.device)
+        return self.pipe._pack_latents(latents, len(seeds), channels, h, w), generators
+
+    def schedule(self, num_steps: int, height: int, width: int, shift: float | None = None) -> Schedule:
+        from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift, retrieve_timesteps
+
+        h, w = self._latent_hw(height, width)
+        image_seq_len = (h // 2) * (w // 2)
+        config = self.pipe.scheduler.config
+        if shift is None:
+            mu = calculate_shift(
+                image_seq_len,
+                config.get("base_image_seq_len", 256),
+                config.get("max_image_seq_len", 4096),
+                config.get("base_shift", 0.5),
+                config.get("max_shift", 1.15),
+            )
+        else:
+            # An exponential time shift with mu = ln(s) is the static shift s.
+            mu = math.log(shift)
+        sigmas = np.linspace(1.0, 1 / num_steps, num_steps)
+        timesteps, _ = retrieve_timesteps(self.pipe.scheduler, num_steps, self.device, sigmas=sigmas, mu=mu)
+        return Schedule(sigmas=self.pipe.scheduler.sigmas.to(torch.float32).clone(), timesteps=timesteps.clone())
+
+    def predict_velocity(
+        self, latents: torch.Tensor, timestep: torch.Tensor, cond: PromptEmbeds, height: int, width: int
+    ) -> torch.Tensor:
+        h, w = self._latent_hw(height, width)
+        batch = latents.shape[0]
+        timestep = torch.as_tensor(timestep, device=latents.device).expand(batch).to(latents.dtype)
+        return self.transformer(
+            hidden_states=latents.to(self.dtype),
+            timestep=timestep / 1000,
+            guidance=None,
+            encoder_hidden_states_mask=cond.mask,
+            encoder_hidden_states=cond.embeds,
+            img_shapes=[[(1, h // 2, w // 2)]] * batch,
+            attention_kwargs={},
+            return_dict=False,
+        )[0]
+
+    def load_lora(self, path: str) -> None:
+        self.pipe.load_lora_weights(path)
+
+    @torch.no_grad()
+    def decode(self, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
+        vae = self.pipe.vae
+        latents = self.pipe._unpack_latents(latents, height, width, self._vae_scale).to(vae.dtype)
+        z = vae.config.z_dim
+        mean = torch.tensor(vae.config.latents_mean).view(1, z, 1, 1, 1).to(latents.device, latents.dtype)
+        inv_std = 1.0 / torch.tensor(vae.config.latents_std).view(1, z, 1, 1, 1).to(latents.device, latents.dtype)
+        latents = latents / inv_std + mean
+        image = vae.decode(latents, return_dict=False)[0][:, :, 0]
+        image = self.pipe.image_processor.postprocess(image, output_type="pt")  # [B, 3, H, W] in [0, 1]
+        return (image.permute(0, 2, 3, 1).float() * 255).round().to(torch.uint8).cpu()

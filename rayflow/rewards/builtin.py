@@ -1,0 +1,64 @@
+"""Offline rewards to train against without any model download."""
+
+from __future__ import annotations
+
+import io
+import re
+
+import torch
+from PIL import Image
+
+from rayflow.rewards.registry import register_reward
+
+# RGB in [0, 1] of the colours a prompt may name.
+PALETTE: dict[str, tuple[float, float, float]] = {
+    "red": (1.0, 0.0, 0.0),
+    "green": (0.0, 1.0, 0.0),
+    "blue": (0.0, 0.0, 1.0),
+    "yellow": (1.0, 1.0, 0.0),
+    "cyan": (0.0, 1.0, 1.0),
+    "magenta": (1.0, 0.0, 1.0),
+    "purple": (0.5, 0.0, 0.5),
+    "orange": (1.0, 0.5, 0.0),
+    "white": (1.0, 1.0, 1.0),
+    "black": (0.0, 0.0, 0.0),
+}
+_COLOUR_WORD = re.compile(r"\b(" + "|".join(PALETTE) + r")\b", re.IGNORECASE)
+_MAX_RGB_DISTANCE = 3**0.5
+
+
+def named_colour(prompt: str) -> str:
+    """The first palette colour named in the prompt; a clear error if there is none."""
+    match = _COLOUR_WORD.search(prompt)
+    if match is None:
+        raise ValueError(f"color reward: prompt {prompt!r} names no colour; known colours: {sorted(PALETTE)}")
+    return match.group(1).lower()
+
+
+@register_reward("color")
+class ColorReward:
+    """How close the image is to the colour its prompt names: 1 − mean over pixels of the RGB distance
+    to that colour / sqrt(3), in [0, 1]. Dense on purpose: a thresholded "fraction of pixels of that
+    colour" is 0 for every sample of a random model, which leaves GRPO no signal."""
+
+    def __call__(self, images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
+        rgb = images.float() / 255.0  # [B, H, W, 3]
+        targets = torch.tensor([PALETTE[named_colour(p)] for p in prompts])  # [B, 3]
+        distance = torch.linalg.vector_norm(rgb - targets[:, None, None, :], dim=-1)  # [B, H, W]
+        return 1.0 - distance.mean(dim=(1, 2)) / _MAX_RGB_DISTANCE
+
+
+@register_reward("jpeg_compressibility")
+class JpegCompressibility:
+    """Minus the JPEG size in kilobytes (DDPO's compressibility reward): simpler images score higher."""
+
+    def __init__(self, quality: int = 95):
+        self.quality = quality
+
+    def __call__(self, images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
+        sizes = []
+        for image in images:
+            buffer = io.BytesIO()
+            Image.fromarray(image.numpy()).save(buffer, format="JPEG", quality=self.quality)
+            sizes.append(buffer.tell() / 1000.0)
+        return -torch.tensor(sizes, dtype=torch.float32)

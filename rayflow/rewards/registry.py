@@ -1,0 +1,38 @@
+from __future__ import annotations
+
+from typing import Any, Callable, Protocol
+
+import torch
+
+from rayflow.errors import ConfigError
+
+
+class RewardFn(Protocol):
+    def __call__(self, images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
+        """images [B, H, W, 3] uint8, one prompt per image -> rewards [B] float32."""
+
+
+_REWARDS: dict[str, Callable[..., RewardFn]] = {}
+
+
+def register_reward(name: str):
+    """Decorator: register a reward factory (a class or function taking the reward's kwargs)."""
+
+    def wrap(factory: Callable[..., RewardFn]) -> Callable[..., RewardFn]:
+        _REWARDS[name] = factory
+        return factory
+
+    return wrap
+
+
+def registered_rewards() -> list[str]:
+    return sorted(_REWARDS)
+
+
+def make_reward(name: str, **kwargs: Any) -> RewardFn:
+    if name not in _REWARDS:
+        raise ConfigError("reward.functions[].name", name, f"one of {registered_rewards()}")
+    try:
+        return _REWARDS[name](**kwargs)
+    except TypeError as e:
+        raise ConfigError(f"reward.functions[{name}].kwargs", kwargs, f"the arguments of reward {name!r} ({e})") from None

@@ -1,0 +1,171 @@
+"""The data contract: what crosses between the driver, rollout replicas, reward workers and learners.
+
+Shapes use B = samples, T = denoising steps, K = captured latents, N = latent tokens,
+C = latent channels per token, L = prompt tokens, D = text embedding width.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from rayflow.errors import ConfigError
+
+SDE_TYPES = ("sde", "cps", "ode")
+
+
+@dataclass
+class SamplingParams:
+    """How one rollout samples. Also the `sampling` section of the config."""
+
+    height: int = 64
+    """Image height in pixels; a multiple of the model's VAE scale x patch size (16 for Qwen-Image)."""
+    width: int = 64
+    """Image width in pixels; same rule as height."""
+    num_steps: int = 8
+    """Denoising steps T."""
+    guidance_scale: float = 4.0
+    """Classifier-free guidance scale; 1.0 disables CFG (one branch)."""
+    negative_prompt: str = " "
+    """The unconditional branch's prompt (Qwen-Image's true CFG needs one; " " is its convention)."""
+    sde_type: str = "sde"
+    """"sde" (Flow-GRPO), "cps" (coefficients-preserving) or "ode" (deterministic Euler)."""
+    noise_level: float = 0.7
+    """The SDE noise level a."""
+    sde_step_indices: list[int] | None = None
+    """Steps that sample stochastically (others run ODE, log-prob 0). None: every step but the last; []: none."""
+    return_step_indices: list[int] | None = None
+    """Latents x_i to capture, i in 0..T (T is the final latent). None: all."""
+    shift: float | None = None
+    """Sigma-schedule shift; None keeps the model scheduler's own (resolution-dependent for Qwen-Image)."""
+
+    def validate(self, prefix: str = "sampling") -> None:
+        def need(ok: bool, key: str, allowed: str) -> None:
+            if not ok:
+                raise ConfigError(f"{prefix}.{key}", getattr(self, key), allowed)
+
+        need(self.num_steps >= 1, "num_steps", "an integer >= 1")
+        need(self.height >= 1, "height", "a positive multiple of the model's VAE scale x patch size")
+        need(self.width >= 1, "width", "a positive multiple of the model's VAE scale x patch size")
+        need(self.guidance_scale >= 1.0, "guidance_scale", "a float >= 1.0 (1.0 disables CFG)")
+        need(self.sde_type in SDE_TYPES, "sde_type", f"one of {list(SDE_TYPES)}")
+        need(self.noise_level >= 0.0, "noise_level", "a float >= 0")
+        if self.sde_type == "sde":
+            # Its log-prob divides by the noise std, which is 0 at noise level 0.
+            need(self.noise_level > 0.0, "noise_level", "a float > 0 for sde_type=sde")
+        if self.sde_type == "cps":
+            need(self.noise_level <= 1.0, "noise_level", "a float in [0, 1] for sde_type=cps")
+        need(self.shift is None or self.shift > 0, "shift", "null or a float > 0")
+        T = self.num_steps
+        if self.sde_step_indices is not None:
+            need(
+                all(0 <= i < T for i in self.sde_step_indices) and _unique(self.sde_step_indices),
+                "sde_step_indices",
+                f"null or distinct step indices in [0, {T - 1}] (num_steps={T})",
+            )
+        if self.return_step_indices is not None:
+            need(
+                all(0 <= i <= T for i in self.return_step_indices) and _unique(self.return_step_indices),
+                "return_step_indices",
+                f"null or distinct latent indices in [0, {T}] ({T} is the final latent)",
+            )
+
+    def resolved_sde_steps(self) -> list[int]:
+        """The stochastic step indices: sde_step_indices, or every step but the last; none for "ode"."""
+        if self.sde_type == "ode":
+            return []
+        if self.sde_step_indices is None:
+            return list(range(self.num_steps - 1))
+        return sorted(self.sde_step_indices)
+
+    def resolved_return_steps(self) -> list[int]:
+        """The captured latent indices in 0..T, sorted."""
+        if self.return_step_indices is None:
+            return list(range(self.num_steps + 1))
+        return sorted(self.return_step_indices)
+
+
+def _unique(xs: list[int]) -> bool:
+    return len(set(xs)) == len(xs)
+
+
+@dataclass
+class RolloutRequest:
+    """A batch of samples to generate with one SamplingParams; list fields hold one entry per sample.
+
+    The G samples of one prompt carry G distinct seeds: identical trajectories in a group make
+    its advantages vanish.
+    """
+
+    request_id: str
+    prompts: list[str]
+    prompt_ids: list[int]
+    group_ids: list[int]
+    seeds: list[int]
+    params: SamplingParams
+
+    def validate(self) -> None:
+        n = len(self.prompts)
+        for key in ("prompt_ids", "group_ids", "seeds"):
+            got = len(getattr(self, key))
+            if got != n:
+                raise ConfigError(f"request.{key}", f"{got} entries", f"one per prompt ({n})")
+        if n == 0:
+            raise ConfigError("request.prompts", "[]", "at least one prompt")
+        by_group: dict[int, set[int]] = {}
+        for g, s in zip(self.group_ids, self.seeds):
+            if s in by_group.setdefault(g, set()):
+                raise ConfigError("request.seeds", f"seed {s} twice in group {g}", "distinct seeds within a group")
+            by_group[g].add(s)
+        self.params.validate(prefix="request.params")
+
+
+@dataclass
+class Trajectory:
+    """One sample's rollout: what the learner needs to replay its forward passes, and its reward."""
+
+    prompt: str
+    prompt_id: int
+    group_id: int
+    seed: int
+    params: SamplingParams
+    latents: torch.Tensor
+    """[K, N, C] latents x_i at the captured indices (float32)."""
+    latent_indices: list[int]
+    """The K indices i in 0..T of the rows of `latents`; T is the final latent."""
+    timesteps: torch.Tensor
+    """[T] model timesteps of the steps."""
+    sigmas: torch.Tensor
+    """[T+1] sigmas, the last one 0."""
+    log_probs: torch.Tensor
+    """[T] log-prob of each step's transition (0 on ODE steps)."""
+    sde_mask: torch.Tensor
+    """[T] bool, True where the step was stochastic."""
+    versions: torch.Tensor
+    """[T] int64 policy version that produced each step."""
+    conds: dict[str, torch.Tensor]
+    """The prompt conditionings the CFG branches used, by name ("positive", "negative", ...):
+    [L_name, D] each, padding removed. Enough to replay the guided forward."""
+    image: torch.Tensor | None = None
+    """[H, W, 3] uint8 decoded image."""
+    rewards: dict[str, float] = field(default_factory=dict)
+    """Reward components by name."""
+    reward: float | None = None
+    """The weighted total reward."""
+    advantage: float | None = None
+
+    def latent(self, index: int) -> torch.Tensor:
+        """x_index, [N, C]; a clear error if that index was not captured."""
+        try:
+            row = self.latent_indices.index(index)
+        except ValueError:
+            raise KeyError(
+                f"latent x_{index} was not captured (captured: {self.latent_indices}); "
+                f"add it to sampling.return_step_indices"
+            ) from None
+        return self.latents[row]
+
+    @property
+    def oldest_version(self) -> int:
+        return int(self.versions.min())

@@ -1,0 +1,24 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="rayflow",
+    version="0.1.0",
+    description="Ray-native online RL (FlowGRPO, DiffusionNFT) for flow-matching text-to-image models",
+    packages=find_packages(include=["rayflow", "rayflow.*"]),
+    python_requires=">=3.10",
+    install_requires=[
+        "ray[default]>=2.60",
+        "torch>=2.6",
+        "diffusers>=0.42",
+        "peft>=0.17",
+        "transformers>=5.0",
+        "tokenizers",
+        "omegaconf>=2.3",
+        "tensorboard",
+        "safetensors",
+        "pillow",
+        "tqdm",
+        "numpy",
+    ],
+    extras_require={"test": ["pytest>=8", "pytest-timeout", "requests", "pyyaml", "jsonschema"]},
+)

@@ -1,0 +1,56 @@
+import os
+
+# Keep every Ray process on loopback (RAY-LOCAL.md); must be set before Ray starts.
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+
+import pytest
+import torch
+
+from rayflow.models.tiny import save_tiny_model
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> str:
+    """The tiny offline Qwen-Image (seed 0), built once per test session."""
+    return save_tiny_model(str(tmp_path_factory.mktemp("models") / "tiny-qwen-image"), size="tiny", seed=0)
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    # Results must not depend on the machine's core count; tests compare bit for bit.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="session")
+def tiny_pipeline(tiny_model_dir):
+    """diffusers' own QwenImagePipeline over the tiny model: the oracle. Shared; do not modify it."""
+    from diffusers import QwenImagePipeline
+
+    pipe = QwenImagePipeline.from_pretrained(tiny_model_dir)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tiny_model_dir):
+    """The tiny model loaded through rayflow's registry. Shared; do not load adapters into it."""
+    from rayflow.models import load_model
+
+    return load_model(tiny_model_dir)
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    """One local Ray per test session, on loopback, with explicit logical resources.
+
+    Tests that need actors take this fixture; they must remove what they create (actors,
+    placement groups) so the next test finds the resources free.
+    """
+    import ray
+
+    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=True)
+    yield ray
+    ray.shutdown()

@@ -1,0 +1,136 @@
+import pytest
+
+from rayflow.config import RayflowConfig, from_dict, load_config, to_dict, to_yaml
+from rayflow.errors import ConfigError
+
+
+def config_error(overrides: list[str], path: str | None = None) -> ConfigError:
+    with pytest.raises(ConfigError) as info:
+        load_config(path, overrides)
+    return info.value
+
+
+def test_defaults_load_and_validate():
+    cfg = load_config()
+    expected = RayflowConfig()
+    expected.trainer.logdir = "outputs/run/tensorboard"  # the default interpolation, resolved
+    assert cfg == expected
+    cfg.validate()
+    assert cfg.algorithm.batch_size == 16 and not cfg.algorithm.needs_ema_rollout
+
+
+def test_yaml_plus_overrides_merge_and_interpolate(tmp_path):
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(
+        "trainer:\n  total_steps: 50\n  output_dir: /runs/a\n"
+        "sampling:\n  num_steps: 4\n  sde_step_indices: [0, 1]\n"
+        "algorithm:\n  group_size: 4\n"
+    )
+    cfg = load_config(str(recipe), ["trainer.total_steps=3", "sampling.noise_level=0.5", "learner.lr=3e-4"])
+    assert cfg.trainer.total_steps == 3  # the override wins over the YAML
+    assert cfg.trainer.output_dir == "/runs/a"
+    assert cfg.trainer.logdir == "/runs/a/tensorboard"
+    assert (cfg.sampling.num_steps, cfg.sampling.sde_step_indices, cfg.sampling.noise_level) == (4, [0, 1], 0.5)
+    assert cfg.algorithm.group_size == 4 and cfg.algorithm.batch_size == 8
+    assert cfg.learner.lr == 3e-4 and isinstance(cfg.learner.lr, float)
+    assert cfg.learner.betas == [0.9, 0.999]  # untouched defaults stay
+
+
+def test_user_interpolation_resolves(tmp_path):
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("trainer:\n  output_dir: /runs/b\n  logdir: ${trainer.output_dir}/tb\n")
+    assert load_config(str(recipe)).trainer.logdir == "/runs/b/tb"
+    assert load_config(str(recipe), ["trainer.output_dir=/runs/c"]).trainer.logdir == "/runs/c/tb"
+    err = config_error(["trainer.logdir=${trainer.nowhere}/tb"])
+    assert "interpolation" in err.allowed
+
+
+@pytest.mark.parametrize(
+    "overrides, key, value, allowed",
+    [
+        (["bogus.x=1"], "bogus", {"x": 1}, "'sampling'"),
+        (["trainer.bogus=1"], "trainer.bogus", 1, "'total_steps'"),
+        (["learner.lr=fast"], "learner.lr", "fast", "a number"),
+        (["trainer.total_steps=1.5"], "trainer.total_steps", 1.5, "an integer"),
+        (["trainer.total_steps=true"], "trainer.total_steps", True, "an integer"),
+        (["sampling=[64, 64]"], "sampling", [64, 64], "a mapping with keys ['height'"),
+        (["reward.functions=[{name: color, kwargs: [1]}]"], "reward.functions[0].kwargs", [1], "a mapping"),
+        (["rollout.cfg_parallel_size=0"], "rollout.cfg_parallel_size", 0, ">= 1"),
+        (["sampling.num_steps=0"], "sampling.num_steps", 0, ">= 1"),
+        (["sampling.height=60"], "sampling.height", 60, "multiple of 16"),
+        (["sampling.width=72"], "sampling.width", 72, "multiple of 16"),
+        (["sampling.guidance_scale=0.5"], "sampling.guidance_scale", 0.5, ">= 1.0"),
+        (["sampling.noise_level=0"], "sampling.noise_level", 0.0, "> 0 for sde_type=sde"),
+        (["sampling.sde_type=cps", "sampling.noise_level=1.5"], "sampling.noise_level", 1.5, "[0, 1] for sde_type=cps"),
+        (["sampling.sde_type=bogus"], "sampling.sde_type", "bogus", "['sde', 'cps', 'ode']"),
+        (["sampling.sde_step_indices=[0,8]"], "sampling.sde_step_indices", [0, 8], "[0, 7]"),
+        (["sampling.sde_step_indices=[1,1]"], "sampling.sde_step_indices", [1, 1], "distinct"),
+        (["sampling.return_step_indices=[0,9]"], "sampling.return_step_indices", [0, 9], "[0, 8]"),
+        (["algorithm.name=diffusion_nft"], "sampling.sde_type", "sde", "'ode' for algorithm.name=diffusion_nft"),
+        (["algorithm.name=ppo"], "algorithm.name", "ppo", "['flow_grpo', 'diffusion_nft']"),
+        (["sampling.sde_type=ode"], "sampling.sde_type", "ode", "'sde' or 'cps' for algorithm.name=flow_grpo"),
+        (
+            ["sampling.sde_step_indices=[2]", "sampling.return_step_indices=[2,8]"],
+            "sampling.return_step_indices", [2, 8], "missing [3]",
+        ),
+        (
+            ["algorithm.name=diffusion_nft", "sampling.sde_type=ode", "sampling.return_step_indices=[0]"],
+            "sampling.return_step_indices", [0], "final latent 8",
+        ),
+        (["learner.micro_batch_size=3"], "learner.micro_batch_size", 3, "= 16 / 1"),
+        (["learner.world_size=3", "learner.micro_batch_size=1"], "learner.micro_batch_size", 1, "= 16 / 3"),
+        (["reward.functions=[{name: nope}]"], "reward.functions[0].name", "nope", "'color'"),
+        (["async.over_stale=later"], "async.over_stale", "later", "'regenerate' or 'drop'"),
+    ],
+)
+def test_errors_name_key_value_and_allowed(overrides, key, value, allowed):
+    err = config_error(overrides)
+    assert (err.key, err.value) == (key, value)
+    assert allowed in err.allowed
+    assert str(err) == f"{key}: got {value!r}; allowed: {err.allowed}"
+
+
+def test_missing_yaml_file(tmp_path):
+    missing = str(tmp_path / "nope.yaml")
+    err = config_error([], path=missing)
+    assert (err.key, err.value) == ("--config", missing)
+    assert "existing YAML file" in str(err)
+
+
+def test_valid_diffusion_nft_config():
+    cfg = load_config(None, ["algorithm.name=diffusion_nft", "sampling.sde_type=ode"])
+    assert cfg.algorithm.needs_ema_rollout and cfg.sampling.resolved_sde_steps() == []
+
+
+def test_async_is_the_yaml_key_of_async_():
+    assert load_config(None, ["async.max_staleness=2"]).async_.max_staleness == 2
+    err = config_error(["async_.max_staleness=2"])
+    assert err.key == "async_" and "'async'" in err.allowed
+    data = to_dict(RayflowConfig())
+    assert "async" in data and "async_" not in data
+    assert "\nasync:\n  max_staleness: 0\n" in to_yaml(RayflowConfig())
+
+
+def test_to_yaml_round_trips_through_load(tmp_path):
+    cfg = load_config(
+        None,
+        [
+            "trainer.output_dir=/runs/x",
+            "async.max_staleness=1",
+            "sampling.sde_step_indices=[0,2]",
+            "sampling.shift=3",
+            "model.path=/models/not-here",  # a path only the cluster has: size checks are deferred
+            "reward.functions=[{name: jpeg_compressibility, weight: 0.5, kwargs: {quality: 80}}, {name: color}]",
+        ],
+    )
+    assert cfg.sampling.shift == 3.0 and cfg.reward.functions[0].kwargs == {"quality": 80}
+    path = tmp_path / "dumped.yaml"
+    path.write_text(to_yaml(cfg))
+    assert load_config(str(path)) == cfg
+
+
+def test_from_dict_converts_and_validates():
+    cfg = from_dict({"trainer": {"seed": 7, "logdir": "/x/tb"}, "learner": {"lr": 1}})
+    assert cfg.trainer.seed == 7 and cfg.learner.lr == 1.0 and isinstance(cfg.learner.lr, float)
+    with pytest.raises(ConfigError, match=r"sampling.num_steps: got 0"):
+        from_dict({"sampling": {"num_steps": 0}})

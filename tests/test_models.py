@@ -1,0 +1,145 @@
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from diffusers import FlowMatchEulerDiscreteScheduler, QwenImagePipeline
+
+from rayflow.models import load_model, model_class, pipeline_class_of, registered_pipeline_classes
+from rayflow.models.qwen_image import QwenImageModel
+from rayflow.models.tiny import save_tiny_model
+
+CHAT_TOKENS = [
+    "<|endoftext|>", "<|im_start|>", "<|im_end|>",
+    "<|vision_start|>", "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>",
+]
+
+
+def run_pipeline(pipe, seed, height=64, width=64, steps=8, output_type="latent", **kwargs):
+    return pipe(
+        "a red apple", height=height, width=width, num_inference_steps=steps, true_cfg_scale=1.0,
+        generator=torch.Generator("cpu").manual_seed(seed), output_type=output_type, **kwargs,
+    ).images
+
+
+def test_tiny_model_loads_with_diffusers(tiny_model_dir, tiny_pipeline):
+    assert isinstance(tiny_pipeline, QwenImagePipeline)
+    assert type(tiny_pipeline.transformer).__name__ == "QwenImageTransformer2DModel"
+    assert type(tiny_pipeline.text_encoder).__name__ == "Qwen2_5_VLForConditionalGeneration"
+    with open(f"{tiny_model_dir}/rayflow_tiny.json") as f:
+        assert json.load(f)["seed"] == 0
+
+
+def test_same_seed_same_weights_other_seed_different(tiny_pipeline, tmp_path):
+    again = QwenImagePipeline.from_pretrained(save_tiny_model(str(tmp_path / "seed0"), seed=0))
+    other = QwenImagePipeline.from_pretrained(save_tiny_model(str(tmp_path / "seed1"), seed=1))
+    for name in ("transformer", "vae", "text_encoder"):
+        ref, same = getattr(tiny_pipeline, name).state_dict(), getattr(again, name).state_dict()
+        assert ref.keys() == same.keys() and all(torch.equal(ref[k], same[k]) for k in ref), name
+    assert tiny_pipeline.tokenizer.get_vocab() == again.tokenizer.get_vocab()
+    ref, diff = tiny_pipeline.transformer.state_dict(), other.transformer.state_dict()
+    for key in ("img_in.weight", "transformer_blocks.0.attn.to_q.weight", "proj_out.weight"):
+        assert not torch.equal(ref[key], diff[key]), key
+
+
+def test_tokenizer_knows_chat_tokens_and_template(tiny_pipeline):
+    tok = tiny_pipeline.tokenizer
+    for token in CHAT_TOKENS:
+        (token_id,) = tok(token, add_special_tokens=False)["input_ids"]
+        assert tok.convert_ids_to_tokens(token_id) == token
+    ids = tok("<|im_start|>user\na red apple<|im_end|>")["input_ids"]
+    assert ids[0] == tok.convert_tokens_to_ids("<|im_start|>") and ids[-1] == tok.convert_tokens_to_ids("<|im_end|>")
+    # The pipeline drops the first `prompt_template_encode_start_idx` tokens: exactly the template prefix.
+    template, drop = tiny_pipeline.prompt_template_encode, tiny_pipeline.prompt_template_encode_start_idx
+    prefix_ids = tok(template.split("{}")[0])["input_ids"]
+    full_ids = tok(template.format("a red apple"))["input_ids"]
+    assert len(prefix_ids) == drop and full_ids[:drop] == prefix_ids
+    embeds, _ = tiny_pipeline.encode_prompt("a red apple", device="cpu")
+    assert embeds.shape[1] == len(full_ids) - drop
+
+
+def test_registry_lists_qwen_image_in_a_fresh_process():
+    code = "from rayflow.models import registered_pipeline_classes as r; print(r())"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "['QwenImagePipeline']"
+
+
+def test_registry_resolves_and_rejects(tiny_model_dir, tmp_path):
+    assert pipeline_class_of(tiny_model_dir) == "QwenImagePipeline"
+    assert model_class("QwenImagePipeline") is QwenImageModel
+    with pytest.raises(FileNotFoundError, match="not a directory"):
+        load_model(str(tmp_path / "missing"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="has no model_index.json"):
+        load_model(str(tmp_path / "empty"))
+    (tmp_path / "flux").mkdir()
+    (tmp_path / "flux" / "model_index.json").write_text('{"_class_name": "FluxPipeline"}')
+    with pytest.raises(ValueError, match=r"'FluxPipeline' is not registered.*\['QwenImagePipeline'\]"):
+        load_model(str(tmp_path / "flux"))
+    assert "QwenImagePipeline" in registered_pipeline_classes()
+
+
+@pytest.mark.parametrize("height, width", [(64, 64), (128, 64)])
+def test_prepare_latents_match_pipeline_and_generators_continue(tiny_model, tiny_pipeline, height, width):
+    seeds = [3, 0, 11]
+    latents, generators = tiny_model.prepare_latents(seeds, height, width)
+    channels = tiny_pipeline.transformer.config.in_channels // 4
+    for i, seed in enumerate(seeds):
+        expected = tiny_pipeline.prepare_latents(
+            1, channels, height, width, torch.float32, "cpu", torch.Generator("cpu").manual_seed(seed)
+        )
+        assert torch.equal(latents[i : i + 1], expected)
+        # The generator continues the seed's stream after the initial draw.
+        fresh = torch.Generator("cpu").manual_seed(seed)
+        torch.randn((1, 1, channels, 2 * (height // 16), 2 * (width // 16)), generator=fresh)
+        next_draw = torch.randn(latents[i].shape, generator=generators[i])
+        assert torch.equal(next_draw, torch.randn(latents[i].shape, generator=fresh))
+        assert not torch.equal(next_draw, latents[i])
+
+
+@pytest.mark.parametrize("steps, height, width", [(8, 64, 64), (4, 128, 64), (3, 128, 128)])
+def test_schedule_matches_pipeline(tiny_model, tiny_pipeline, steps, height, width):
+    seen = []
+
+    def record(pipe, i, t, kwargs):
+        seen.append(t.clone())
+        return {}
+
+    run_pipeline(tiny_pipeline, 0, height, width, steps, callback_on_step_end=record)
+    schedule = tiny_model.schedule(steps, height, width)
+    assert torch.equal(schedule.timesteps, torch.stack(seen))
+    assert torch.equal(schedule.sigmas, tiny_pipeline.scheduler.sigmas)
+    assert schedule.sigmas.dtype == torch.float32 and schedule.sigmas[0] == 1 and schedule.sigmas[-1] == 0
+
+
+def test_schedule_static_shift(tiny_model, tiny_pipeline):
+    scheduler = FlowMatchEulerDiscreteScheduler.from_config(
+        tiny_pipeline.scheduler.config, use_dynamic_shifting=False, shift=3.0
+    )
+    scheduler.set_timesteps(sigmas=np.linspace(1.0, 1 / 6, 6))
+    schedule = tiny_model.schedule(6, 64, 64, shift=3.0)
+    torch.testing.assert_close(schedule.sigmas, scheduler.sigmas, rtol=0, atol=1e-6)
+    torch.testing.assert_close(schedule.timesteps, scheduler.timesteps, rtol=0, atol=1e-3)
+
+
+@pytest.mark.parametrize("height, width, bad", [(60, 64, "height"), (64, 72, "width"), (0, 64, "height")])
+def test_check_size(tiny_model, height, width, bad):
+    tiny_model.check_size(64, 128)
+    value = height if bad == "height" else width
+    with pytest.raises(ValueError, match=rf"sampling.{bad}: got {value}; allowed: a positive multiple of 16"):
+        tiny_model.check_size(height, width)
+
+
+def test_decode_matches_pipeline_image(tiny_model, tiny_pipeline):
+    def both(output_type):
+        return tiny_pipeline(
+            ["a red apple"] * 2, height=64, width=64, num_inference_steps=4, true_cfg_scale=1.0,
+            generator=[torch.Generator("cpu").manual_seed(s) for s in (0, 1)], output_type=output_type,
+        ).images
+
+    images = tiny_model.decode(both("latent"), 64, 64)
+    expected = torch.from_numpy((both("np") * 255).round().astype(np.uint8))
+    assert images.dtype == torch.uint8 and images.shape == (2, 64, 64, 3)
+    assert torch.equal(images, expected)
