@@ -15,7 +15,8 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any
 
-from omegaconf import OmegaConf
+import yaml
+from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from rayflow.errors import ConfigError
@@ -94,6 +95,9 @@ class RolloutConfig:
     """Placement-group strategy of a replica's ranks."""
     collective_timeout_s: float = 300.0
     """A collective that takes longer fails with the rank and node named, instead of hanging."""
+    batch_branches: bool = False
+    """A rank with several CFG branches runs them in one batched forward: faster, but not bit-exact
+    with the single-process sampler (which runs one forward per branch)."""
 
     def validate(self, prefix: str = "rollout") -> None:
         _need(self.num_replicas >= 1, f"{prefix}.num_replicas", self.num_replicas, "an integer >= 1")
@@ -460,14 +464,17 @@ def load_config(path: str | None = None, overrides: list[str] | None = None) -> 
     """Read a recipe YAML (optional), apply dotlist overrides, convert and validate."""
     try:
         base = OmegaConf.load(path) if path else OmegaConf.create({})
-        merged = OmegaConf.merge(base, OmegaConf.from_dotlist(list(overrides or [])))
-        data = OmegaConf.to_container(merged, resolve=False)
     except FileNotFoundError:
         raise ConfigError("--config", path, "an existing YAML file") from None
+    except (OmegaConfBaseException, OSError, yaml.YAMLError) as e:
+        # Malformed YAML, or a top-level scalar.
+        raise ConfigError("--config", path, f"a YAML mapping of sections ({' '.join(str(e).split())})") from None
+    if not isinstance(base, DictConfig):
+        raise ConfigError("--config", path, "a YAML mapping of sections, not a list")
+    try:
+        data = OmegaConf.to_container(OmegaConf.merge(base, OmegaConf.from_dotlist(list(overrides or []))), resolve=False)
     except (OmegaConfBaseException, ValueError) as e:
-        raise ConfigError(path or "overrides", str(e).splitlines()[0], "valid YAML / key=value overrides") from None
-    if not isinstance(data, dict):
-        raise ConfigError(path or "config", data, "a mapping of sections")
+        raise ConfigError("overrides", str(e).splitlines()[0], "key=value overrides") from None
     # Unknown keys and wrong types are reported as given, before the defaults are merged in.
     _build(RayflowConfig, _strip_interpolations(data), "")
     try:

@@ -13,3 +13,7 @@ class ConfigError(ValueError):
         self.value = value
         self.allowed = allowed
         super().__init__(f"{key}: got {value!r}; allowed: {allowed}")
+
+    def __reduce__(self):
+        # Pickled with its own arguments (not the message alone), so it crosses Ray process boundaries.
+        return type(self), (self.key, self.value, self.allowed)

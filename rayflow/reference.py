@@ -3,7 +3,10 @@
 No Ray, no process groups: the oracle the distributed system is checked against (same config
 and seeds → same rewards, losses and LoRA). One step reads top to bottom:
 
-    groups → rollout (under the rollout adapter) → rewards → advantages → loss/backward → optimizer step
+    groups → rollout (under the rollout adapter) → rewards → advantages → loss/backward → optimizer step → checkpoint
+
+It checkpoints every trainer.save_every steps (and at the end) under trainer.output_dir/checkpoints and,
+with trainer.resume=auto, continues from the newest one, bit-identically to a run never stopped.
 
     python -m rayflow.reference --config recipes/flowgrpo_qwen_image.yaml trainer.total_steps=20
 """
@@ -16,15 +19,19 @@ from dataclasses import dataclass, field
 
 import torch
 
-from rayflow.algorithms.advantages import assign_advantages
+from rayflow.algorithms.advantages import Advantages, assign_advantages
+from rayflow.checkpoint import Checkpoint, checkpoint_root, is_save_step, load_checkpoint, resolve_resume, save_checkpoint
+from rayflow.cfg.policy import CFGPolicy
 from rayflow.config import RayflowConfig, load_config
 from rayflow.data.prompts import GroupSampler, load_prompts
-from rayflow.learner.lora import add_lora, rollout_adapter_name, using_adapter
-from rayflow.learner.objective import diffusion_nft_backward, flow_grpo_backward
-from rayflow.learner.optim import build_optimizer, optimizer_step
-from rayflow.models import DiffusionModel, load_model
-from rayflow.models.tiny import resolve_model_path
+from rayflow.learner.lora import rollout_adapter_name, using_adapter
+from rayflow.learner.model import load_policy_model, policy_identity
+from rayflow.learner.objective import backward
+from rayflow.learner.optim import StepResult, build_optimizer, optimizer_step
+from rayflow.learner.state import capture, restore
+from rayflow.models import DiffusionModel
 from rayflow.rewards.weighted import WeightedReward
+from rayflow.rng import get_rng_state, set_rng_state
 from rayflow.sampling.denoise import generate
 from rayflow.types import Trajectory
 
@@ -42,54 +49,88 @@ class StepLog:
     metrics: dict[str, float] = field(default_factory=dict)
 
 
-def load_policy_model(cfg: RayflowConfig, device: str | torch.device | None = None) -> DiffusionModel:
-    """The model with its LoRA adapters ("default", and "old" when the algorithm rolls out under an EMA)."""
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    path = resolve_model_path(cfg.model.path, cfg.model.cache_dir, cfg.model.tiny_size, cfg.model.tiny_seed)
-    model = load_model(path, device=device, dtype=getattr(torch, cfg.model.dtype))
-    # Same weights on every process for the same seed (the LoRA A matrices are random).
-    torch.manual_seed(cfg.trainer.seed)
-    add_lora(
-        model.transformer,
-        rank=cfg.learner.lora_rank,
-        alpha=cfg.learner.lora_alpha,
-        targets=cfg.learner.lora_targets or model.lora_target_modules,
-        init=cfg.learner.lora_init,
-        with_ema=cfg.algorithm.needs_ema_rollout,
-    )
-    return model
+@dataclass
+class Run:
+    """The reference trainer's state: model, optimizer and everything the loop draws from."""
+
+    cfg: RayflowConfig
+    model: DiffusionModel
+    optimizer: torch.optim.Optimizer
+    policy: CFGPolicy
+    reward: WeightedReward
+    sampler: GroupSampler
+    identity: dict
+    """policy_identity: what checkpoints of this run record and require."""
+    step: int = 0
+    """Optimizer steps completed (= the policy version)."""
 
 
-def backward(cfg: RayflowConfig, model: DiffusionModel, policy, shard: list[Trajectory], version: int) -> dict[str, float]:
-    """Accumulate the algorithm's gradients over a shard of scored trajectories."""
-    if cfg.algorithm.name == "flow_grpo":
-        return flow_grpo_backward(model, policy, shard, cfg.algorithm, cfg.learner.micro_batch_size)
-    return diffusion_nft_backward(
-        model, shard, cfg.algorithm, cfg.learner.micro_batch_size, cfg.trainer.seed, version
+def build_run(cfg: RayflowConfig) -> Run:
+    model = load_policy_model(cfg)
+    return Run(
+        cfg=cfg,
+        model=model,
+        # Before any training: the fingerprint reads the base weights.
+        identity=policy_identity(cfg, model),
+        optimizer=build_optimizer(model.transformer, cfg.learner),
+        policy=cfg.cfg.make_policy(),
+        reward=WeightedReward(cfg.reward.functions),
+        sampler=GroupSampler(load_prompts(cfg.data.prompts), cfg.algorithm.group_size, cfg.trainer.seed, cfg.data.shuffle),
     )
+
+
+def rollout(run: Run) -> tuple[list[Trajectory], Advantages]:
+    """The next groups, sampled under the rollout adapter, scored, with advantages assigned."""
+    cfg = run.cfg
+    groups = [run.sampler.next_group() for _ in range(cfg.algorithm.prompts_per_step)]
+    requests = [r for g in groups for r in g.requests(cfg.sampling, cfg.rollout.micro_batch_size)]
+    with using_adapter(run.model.transformer, rollout_adapter_name(cfg.algorithm.needs_ema_rollout)):
+        trajectories = [t for r in requests for t in generate(run.model, r, run.policy, version=run.step)]
+    run.reward.score(trajectories)
+    adv = assign_advantages(trajectories, global_std=cfg.algorithm.global_std, clip_max=cfg.algorithm.adv_clip_max)
+    return trajectories, adv
+
+
+def learn(run: Run, trajectories: list[Trajectory]) -> tuple[dict[str, float], StepResult]:
+    """Gradients of the whole batch, then one optimizer step (version + 1)."""
+    metrics = backward(run.cfg, run.model, run.policy, trajectories, version=run.step)
+    result = optimizer_step(run.model.transformer, run.optimizer, run.cfg.learner, run.cfg.algorithm, run.step)
+    run.step += 1
+    return metrics, result
+
+
+def save(run: Run) -> str:
+    ckpt = Checkpoint(
+        step=run.step, version=run.step, identity=run.identity, **capture(run.model.transformer, run.optimizer),
+        rng={"driver": get_rng_state()}, data=run.sampler.state_dict(),
+    )
+    return save_checkpoint(checkpoint_root(run.cfg.trainer.output_dir), ckpt, run.cfg.trainer.keep_checkpoints)
+
+
+def resume(run: Run, path: str) -> None:
+    """Continue from a checkpoint; refused if it was written for another model, LoRA or algorithm."""
+    ckpt = load_checkpoint(path, run.identity)
+    restore(run.model.transformer, run.optimizer, ckpt.adapters, ckpt.optimizer)
+    run.sampler.load_state_dict(ckpt.data)
+    set_rng_state(ckpt.rng["driver"])
+    run.step = ckpt.step
 
 
 def train(cfg: RayflowConfig, log=print) -> tuple[DiffusionModel, list[StepLog]]:
-    model = load_policy_model(cfg)
-    optimizer = build_optimizer(model.transformer, cfg.learner)
-    policy = cfg.cfg.make_policy()
-    reward = WeightedReward(cfg.reward.functions)
-    sampler = GroupSampler(load_prompts(cfg.data.prompts), cfg.algorithm.group_size, cfg.trainer.seed, cfg.data.shuffle)
-    rollout_adapter = rollout_adapter_name(cfg.algorithm.needs_ema_rollout)
+    """Run (or continue) the configured training; returns the model and the log of the steps run here."""
+    run = build_run(cfg)
+    resume_from = resolve_resume(cfg.trainer.resume, checkpoint_root(cfg.trainer.output_dir))
+    if resume_from is not None:
+        resume(run, resume_from)
+        log(f"resumed from {resume_from} (step {run.step})")
     history = []
-    for step in range(cfg.trainer.total_steps):
+    while run.step < cfg.trainer.total_steps:
         start = time.perf_counter()
-        groups = [sampler.next_group() for _ in range(cfg.algorithm.prompts_per_step)]
-        requests = [r for g in groups for r in g.requests(cfg.sampling, cfg.rollout.micro_batch_size)]
-        with using_adapter(model.transformer, rollout_adapter):
-            trajectories = [t for r in requests for t in generate(model, r, policy, version=step)]
-        reward.score(trajectories)
-        adv = assign_advantages(trajectories, global_std=cfg.algorithm.global_std, clip_max=cfg.algorithm.adv_clip_max)
-        metrics = backward(cfg, model, policy, trajectories, version=step)
-        result = optimizer_step(model.transformer, optimizer, cfg.learner, cfg.algorithm, step)
+        trajectories, adv = rollout(run)
+        metrics, result = learn(run, trajectories)
         rewards = torch.tensor([t.reward for t in trajectories])
         entry = StepLog(
-            step=step,
+            step=run.step - 1,
             reward_mean=float(rewards.mean()),
             reward_std=float(rewards.std(unbiased=False)),
             loss=metrics["loss/policy"] + cfg.algorithm.kl_beta * metrics["loss/kl"],
@@ -101,10 +142,12 @@ def train(cfg: RayflowConfig, log=print) -> tuple[DiffusionModel, list[StepLog]]
         )
         history.append(entry)
         log(
-            f"step {step:4d}  reward {entry.reward_mean:.4f} ± {entry.reward_std:.4f}  loss {entry.loss:+.5f}  "
+            f"step {entry.step:4d}  reward {entry.reward_mean:.4f} ± {entry.reward_std:.4f}  loss {entry.loss:+.5f}  "
             f"grad_norm {entry.grad_norm:.4f}{'  (skipped)' if entry.skipped else ''}  {entry.seconds:.2f}s"
         )
-    return model, history
+        if is_save_step(run.step, cfg.trainer.save_every, cfg.trainer.total_steps):
+            log(f"saved {save(run)}")
+    return run.model, history
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -97,6 +97,18 @@ def test_missing_yaml_file(tmp_path):
     assert "existing YAML file" in str(err)
 
 
+@pytest.mark.parametrize(
+    "text, allowed",
+    [("- 1\n- 2\n", "not a list"), ("3\n", "Invalid loaded object type: int"), ("sampling: {height: [\n", "line 2")],
+)
+def test_yaml_that_is_not_a_mapping(tmp_path, text, allowed):
+    path = tmp_path / "recipe.yaml"
+    path.write_text(text)
+    err = config_error([], path=str(path))
+    assert (err.key, err.value) == ("--config", str(path))
+    assert "a YAML mapping of sections" in err.allowed and allowed in err.allowed
+
+
 def test_valid_diffusion_nft_config():
     cfg = load_config(None, ["algorithm.name=diffusion_nft", "sampling.sde_type=ode"])
     assert cfg.algorithm.needs_ema_rollout and cfg.sampling.resolved_sde_steps() == []

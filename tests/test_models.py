@@ -7,9 +7,12 @@ import pytest
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler, QwenImagePipeline
 
+from rayflow.cfg.policy import TrueCFG
 from rayflow.models import load_model, model_class, pipeline_class_of, registered_pipeline_classes
 from rayflow.models.qwen_image import QwenImageModel
 from rayflow.models.tiny import save_tiny_model
+from rayflow.sampling.denoise import generate
+from rayflow.types import RolloutRequest, SamplingParams
 
 CHAT_TOKENS = [
     "<|endoftext|>", "<|im_start|>", "<|im_end|>",
@@ -143,3 +146,31 @@ def test_decode_matches_pipeline_image(tiny_model, tiny_pipeline):
     expected = torch.from_numpy((both("np") * 255).round().astype(np.uint8))
     assert images.dtype == torch.uint8 and images.shape == (2, 64, 64, 3)
     assert torch.equal(images, expected)
+
+
+@pytest.fixture(scope="module")
+def bf16_model(tiny_model_dir):
+    return load_model(tiny_model_dir, dtype=torch.bfloat16)
+
+
+def test_bf16_velocity_depends_on_latents_only_in_model_dtype(bf16_model):
+    # A rollout holds bf16 latents after ODE steps and float32 after SDE steps; the learner replays
+    # from float32 captures. The velocity must be the same function of the latents either way.
+    latents, _ = bf16_model.prepare_latents([0], 64, 64)
+    cond = bf16_model.encode_prompt(["a red apple"])
+    for t in bf16_model.schedule(8, 64, 64).timesteps:
+        v_bf16 = bf16_model.predict_velocity(latents, t, cond, 64, 64)
+        v_fp32 = bf16_model.predict_velocity(latents.float(), t, cond, 64, 64)
+        assert torch.equal(v_bf16, v_fp32), float(t)
+
+
+def test_bf16_generation_matches_pipeline(bf16_model, tiny_model_dir):
+    pipe = QwenImagePipeline.from_pretrained(tiny_model_dir, dtype=torch.bfloat16)
+    pipe.set_progress_bar_config(disable=True)
+    expected = pipe(
+        "a red apple", negative_prompt=" ", true_cfg_scale=4.0, height=64, width=64, num_inference_steps=8,
+        generator=torch.Generator("cpu").manual_seed(0), output_type="latent",
+    ).images
+    request = RolloutRequest("r", ["a red apple"], [0], [0], [0], SamplingParams(sde_type="ode"))
+    (traj,) = generate(bf16_model, request, TrueCFG())
+    assert torch.equal(traj.latent(8), expected[0].float())

@@ -1,20 +1,26 @@
 """Generate one image with the deterministic (ODE) sampler and the model's CFG.
 
     python tools/generate.py --model DIR --prompt "a red apple" --seed 0 --steps 8 --guidance 4 \\
-        --height 64 --width 64 --out img.png [--negative-prompt " "] [--save-latents x.pt] [--lora DIR]
+        --height 64 --width 64 --out img.png [--negative-prompt " "] [--save-latents x.pt] [--lora DIR] \\
+        [--cfg-parallel-size W]
 
 With Qwen-Image's true CFG the latents equal what `QwenImagePipeline.from_pretrained(DIR)` returns
 for the same prompt, negative prompt, seed, steps, true_cfg_scale and size.
+
+With --cfg-parallel-size W > 1 the CFG branches run on the W ranks of a RolloutReplica on a local
+Ray (started here unless this process is already connected to one); image and latents are the
+same as with W = 1.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 
 import torch
 from PIL import Image
 
-from rayflow.cfg.policy import POLICIES, make_policy
+from rayflow.cfg.policy import POLICIES, CFGPolicy, make_policy
 from rayflow.models import load_model
 from rayflow.sampling.denoise import generate
 from rayflow.types import RolloutRequest, SamplingParams
@@ -34,7 +40,33 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--lora", default=None, help="a diffusers-format LoRA directory to load first")
     parser.add_argument("--out", required=True, help="output image (.png)")
     parser.add_argument("--save-latents", default=None, help="also save the final latents [1, N, C] (torch.save)")
-    return parser.parse_args(argv)
+    parser.add_argument("--cfg-parallel-size", type=int, default=1, help="W CFG-parallel ranks on a local Ray (1: in process)")
+    args = parser.parse_args(argv)
+    if args.cfg_parallel_size < 1:
+        parser.error("--cfg-parallel-size must be >= 1")
+    if args.cfg_parallel_size > 1 and args.lora:
+        parser.error("--lora is not supported with --cfg-parallel-size > 1 yet (the ranks sample under their own LoRA slot)")
+    return args
+
+
+def generate_on_ray(model_path: str, request: RolloutRequest, policy: CFGPolicy, world_size: int):
+    """The request on a RolloutReplica of `world_size` ranks; a local Ray is started (and stopped) unless connected."""
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # keep a local Ray on loopback; before ray is imported
+    import ray
+
+    from rayflow.config import ModelConfig, RolloutConfig
+    from rayflow.rollout import RolloutReplica, RolloutWorkerSpec
+
+    started = not ray.is_initialized()
+    if started:
+        ray.init(address="local", num_cpus=world_size, include_dashboard=False)
+    try:
+        spec = RolloutWorkerSpec(model=ModelConfig(path=model_path), policy=policy)
+        with RolloutReplica.create(spec, RolloutConfig(cfg_parallel_size=world_size)) as replica:
+            return replica.generate(request)
+    finally:
+        if started:
+            ray.shutdown()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -49,11 +81,15 @@ def main(argv: list[str] | None = None) -> None:
         return_step_indices=[args.steps],
     )
     params.validate()
-    model = load_model(args.model)
-    if args.lora:
-        model.load_lora(args.lora)
     request = RolloutRequest("generate", [args.prompt], [0], [0], [args.seed], params)
-    (trajectory,) = generate(model, request, make_policy(args.cfg_policy))
+    policy = make_policy(args.cfg_policy)
+    if args.cfg_parallel_size > 1:
+        (trajectory,) = generate_on_ray(args.model, request, policy, args.cfg_parallel_size)
+    else:
+        model = load_model(args.model)
+        if args.lora:
+            model.load_lora(args.lora)
+        (trajectory,) = generate(model, request, policy)
     Image.fromarray(trajectory.image.numpy()).save(args.out)
     if args.save_latents:
         torch.save(trajectory.latent(args.steps).unsqueeze(0), args.save_latents)

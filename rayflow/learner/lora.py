@@ -46,7 +46,8 @@ def add_lora(
         transformer.add_adapter(config, adapter_name=TRAINED_ADAPTER)
     except ValueError as e:
         raise ValueError(f"learner.lora_targets: {list(targets)} bind no module of {type(transformer).__name__} ({e})") from None
-    adapted = [name for name, m in transformer.named_modules() if m in set(_tuner_layers(transformer))]
+    tuner_layers = set(_tuner_layers(transformer))
+    adapted = [name for name, m in transformer.named_modules() if m in tuner_layers]
     unbound = [t for t in targets if not any(name == t or name.endswith("." + t) for name in adapted)]
     if unbound:
         raise ValueError(
@@ -130,3 +131,29 @@ def rollout_adapter_name(needs_ema_rollout: bool) -> str:
     """The adapter rollouts sample under: the EMA "old" when the algorithm rolls out under an EMA
     (DiffusionNFT), else "default". In-process evaluation and weight sync both ask this."""
     return EMA_ADAPTER if needs_ema_rollout else TRAINED_ADAPTER
+
+
+def merged_weights(transformer: nn.Module, adapter: str) -> dict[str, torch.Tensor]:
+    """The weight of every adapted linear with `adapter` folded in, W + ΔW (peft's merge), named as
+    in the plain transformer ("transformer_blocks.0.attn.to_q.weight")."""
+    out = {}
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    with torch.no_grad():
+        for name, module in transformer.named_modules():
+            if isinstance(module, BaseTunerLayer) and adapter in module.lora_A:
+                out[f"{name}.weight"] = module.base_layer.weight + module.get_delta_weight(adapter)
+    if not out:
+        raise KeyError(f"adapter {adapter!r} adapts no module; the transformer has {adapter_names(transformer)}")
+    return out
+
+
+def target_weight_names(transformer: nn.Module, targets: list[str] | tuple[str, ...]) -> dict[str, tuple[int, ...]]:
+    """Names and shapes of the weights a LoRA on `targets` adapts, found in a plain transformer by
+    peft's rule (a module name equal to a target or ending in "." + target): what merged weight
+    sync must deliver."""
+    return {
+        f"{name}.weight": tuple(module.weight.shape)
+        for name, module in transformer.named_modules()
+        if isinstance(module, nn.Linear) and any(name == t or name.endswith("." + t) for t in targets)
+    }

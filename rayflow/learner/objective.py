@@ -15,7 +15,7 @@ import torch
 from rayflow.algorithms.diffusion_nft import diffusion_nft_loss, noised, optimality_probability
 from rayflow.algorithms.flow_grpo import flow_grpo_loss
 from rayflow.cfg.policy import CFGPolicy
-from rayflow.config import AlgorithmConfig
+from rayflow.config import AlgorithmConfig, RayflowConfig
 from rayflow.learner.lora import EMA_ADAPTER, base_model, using_adapter
 from rayflow.models.base import DiffusionModel, PromptEmbeds
 from rayflow.sampling.flow_sde import flow_step
@@ -170,3 +170,12 @@ def diffusion_nft_backward(
             (out.loss * scale).backward()
             metrics.add(scale, **{"loss/policy": out.policy, "loss/kl": out.kl})
     return metrics.result()
+
+
+def backward(cfg: RayflowConfig, model: DiffusionModel, policy: CFGPolicy, shard: list[Trajectory], version: int
+             ) -> dict[str, float]:
+    """Accumulate the configured algorithm's gradients over a shard of scored trajectories (the mean
+    over the shard's samples x trained steps); `version` is the policy version being trained."""
+    if cfg.algorithm.name == "flow_grpo":
+        return flow_grpo_backward(model, policy, shard, cfg.algorithm, cfg.learner.micro_batch_size)
+    return diffusion_nft_backward(model, shard, cfg.algorithm, cfg.learner.micro_batch_size, cfg.trainer.seed, version)

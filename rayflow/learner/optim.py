@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from rayflow.algorithms.diffusion_nft import ema_decay, ema_update
 from rayflow.config import AlgorithmConfig, LearnerConfig
@@ -22,6 +23,18 @@ def build_optimizer(transformer: nn.Module, cfg: LearnerConfig) -> torch.optim.O
     return torch.optim.AdamW(
         params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay, foreach=False
     )
+
+
+def global_grad_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    """The 2-norm over all gradients, a plain scalar tensor. For FSDP2 DTensor shards the per-rank
+    partial norms are reduced first (torchtitan's order), so every rank clips by, and decides to
+    skip on, the same global norm."""
+    if not grads:
+        return torch.zeros(())
+    norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=False)
+    if isinstance(norm, DTensor):
+        norm = norm.full_tensor()
+    return norm
 
 
 @dataclass
@@ -40,8 +53,9 @@ def optimizer_step(
 ) -> StepResult:
     """Apply the accumulated gradients of optimizer step `step` (0-based) and update the EMA adapter."""
     params = [p for group in optimizer.param_groups for p in group["params"]]
-    grad_norm = torch.nn.utils.clip_grad_norm_(params, learner.max_grad_norm, foreach=False)
-    norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
+    grad_norm = global_grad_norm([p.grad for p in params if p.grad is not None])
+    torch.nn.utils.clip_grads_with_norm_(params, learner.max_grad_norm, grad_norm, foreach=False)
+    norm = float(grad_norm)
     skipped = not math.isfinite(norm)
     if not skipped:
         optimizer.step()

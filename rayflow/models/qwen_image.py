@@ -37,8 +37,13 @@ class QwenImageModel(DiffusionModel):
 
     @classmethod
     def load(cls, path: str, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> "QwenImageModel":
+        import transformers
         from diffusers import QwenImagePipeline
+        from diffusers.utils import logging as diffusers_logging
 
+        # Loading bars from every rank of every actor would bury the run's own progress bar.
+        diffusers_logging.disable_progress_bar()
+        transformers.utils.logging.disable_progress_bar()
         pipe = QwenImagePipeline.from_pretrained(path, dtype=dtype)
         pipe.set_progress_bar_config(disable=True)
         device = torch.device(device)
@@ -88,9 +93,11 @@ class QwenImageModel(DiffusionModel):
                 config.get("base_shift", 0.5),
                 config.get("max_shift", 1.15),
             )
-        else:
+        elif config.get("use_dynamic_shifting") and config.get("time_shift_type", "exponential") == "exponential":
             # An exponential time shift with mu = ln(s) is the static shift s.
             mu = math.log(shift)
+        else:
+            raise ValueError(f"sampling.shift: got {shift}; allowed: null for this scheduler config ({dict(config)})")
         sigmas = np.linspace(1.0, 1 / num_steps, num_steps)
         timesteps, _ = retrieve_timesteps(self.pipe.scheduler, num_steps, self.device, sigmas=sigmas, mu=mu)
         return Schedule(sigmas=self.pipe.scheduler.sigmas.to(torch.float32).clone(), timesteps=timesteps.clone())
@@ -100,7 +107,9 @@ class QwenImageModel(DiffusionModel):
     ) -> torch.Tensor:
         h, w = self._latent_hw(height, width)
         batch = latents.shape[0]
-        timestep = torch.as_tensor(timestep, device=latents.device).expand(batch).to(latents.dtype)
+        # In the model dtype, as the pipeline (whose latents are in it) does; rounding the timestep by
+        # the latents' dtype would make a replay from float32 captures differ from a bf16 rollout.
+        timestep = torch.as_tensor(timestep, device=latents.device).expand(batch).to(self.dtype)
         return self.transformer(
             hidden_states=latents.to(self.dtype),
             timestep=timestep / 1000,

@@ -41,7 +41,7 @@ class ColorReward:
     to that colour / sqrt(3), in [0, 1]. Dense on purpose: a thresholded "fraction of pixels of that
     colour" is 0 for every sample of a random model, which leaves GRPO no signal."""
 
-    def __call__(self, images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
+    def __call__(self, images: torch.Tensor, prompts: list[str], metadata: list[dict] | None = None) -> torch.Tensor:
         rgb = images.float() / 255.0  # [B, H, W, 3]
         targets = torch.tensor([PALETTE[named_colour(p)] for p in prompts])  # [B, 3]
         distance = torch.linalg.vector_norm(rgb - targets[:, None, None, :], dim=-1)  # [B, H, W]
@@ -55,7 +55,7 @@ class JpegCompressibility:
     def __init__(self, quality: int = 95):
         self.quality = quality
 
-    def __call__(self, images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
+    def __call__(self, images: torch.Tensor, prompts: list[str], metadata: list[dict] | None = None) -> torch.Tensor:
         sizes = []
         for image in images:
             buffer = io.BytesIO()

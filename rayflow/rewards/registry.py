@@ -8,8 +8,9 @@ from rayflow.errors import ConfigError
 
 
 class RewardFn(Protocol):
-    def __call__(self, images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
-        """images [B, H, W, 3] uint8, one prompt per image -> rewards [B] float32."""
+    def __call__(self, images: torch.Tensor, prompts: list[str], metadata: list[dict] | None = None) -> torch.Tensor:
+        """images [B, H, W, 3] uint8, one prompt and one metadata dict (prompt_id, group_id, seed) per
+        image -> rewards [B] float32."""
 
 
 _REWARDS: dict[str, Callable[..., RewardFn]] = {}

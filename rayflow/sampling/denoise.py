@@ -115,7 +115,7 @@ def advance(state: RolloutState, velocity: torch.Tensor, version: int) -> None:
     """Take step `state.step` with the guided velocity [B, N, C]; record capture, log-prob and version."""
     i = state.step
     if i in state.return_steps:
-        state.captured[i] = state.latents.float()
+        state.captured[i] = state.latents.to(torch.float32, copy=True)
     sigmas = state.schedule.sigmas
     stochastic = i in state.sde_steps
     state.latents, log_prob, _, _ = flow_step(
@@ -132,7 +132,7 @@ def advance(state: RolloutState, velocity: torch.Tensor, version: int) -> None:
     state.versions.append(version)
     state.step += 1
     if state.done and state.num_steps in state.return_steps:
-        state.captured[state.num_steps] = state.latents.float()
+        state.captured[state.num_steps] = state.latents.to(torch.float32, copy=True)
 
 
 @torch.no_grad()
@@ -143,8 +143,9 @@ def finish_rollout(model: DiffusionModel, state: RolloutState, decode: bool = Tr
     req, p = state.request, state.params
     images = model.decode(state.latents, p.height, p.width) if decode else None
     indices = sorted(state.captured)
-    rows = [state.captured[i] for i in indices] or [state.latents.float()[:, :0]]
-    latents = torch.stack(rows, dim=1).cpu()  # [B, K, N, C]
+    rows = [state.captured[i] for i in indices]
+    B, N, C = state.latents.shape
+    latents = (torch.stack(rows, dim=1) if rows else torch.zeros(B, 0, N, C)).cpu()  # [B, K, N, C]
     log_probs = torch.stack(state.log_probs, dim=1).cpu()  # [B, T]
     sde_mask = torch.tensor([i in state.sde_steps for i in range(state.num_steps)])
     versions = torch.tensor(state.versions, dtype=torch.int64)

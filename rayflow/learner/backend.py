@@ -1,0 +1,119 @@
+"""LearnerBackend: one learner rank's training state — the policy model sharded with FSDP2, its
+AdamW optimizer, the policy version — and the operations on it.
+
+A plain class: the LearnerWorker actor holds one and forwards calls; tests drive it in-process.
+It runs the same code as the reference trainer (`load_policy_model`, `objective.backward`,
+`optim.optimizer_step`), so with the same trajectories any world size reaches the reference's LoRA.
+
+Collectives: `train_step`, `rollout_weights`, `state_dict` and the constructor communicate over
+the mesh; every rank calls them in the same order with shards of the same size.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from rayflow.config import RayflowConfig
+from rayflow.learner.lora import rollout_adapter_name
+from rayflow.learner.model import load_policy_model, policy_identity
+from rayflow.learner.objective import backward
+from rayflow.learner.optim import build_optimizer, optimizer_step
+from rayflow.learner.parallelize import (
+    apply_activation_checkpointing,
+    apply_fsdp,
+    mixed_precision_policy,
+    reshard,
+)
+from rayflow.learner.state import adapter_state, capture, restore
+from rayflow.rng import get_rng_state, set_rng_state
+from rayflow.types import Trajectory
+
+
+class LearnerBackend:
+    """FSDP2 + LoRA learner state of one rank.
+
+    Reads cfg.model, cfg.learner, cfg.algorithm, cfg.cfg (the guidance the rollout used, replayed
+    by FlowGRPO) and cfg.trainer.seed — the sections the reference trainer reads too.
+    """
+
+    def __init__(self, cfg: RayflowConfig, mesh: DeviceMesh, device: torch.device):
+        self.cfg = cfg
+        self.mesh = mesh
+        self.model = load_policy_model(cfg, device)
+        # Before sharding: the fingerprint reads whole base weights.
+        self.identity = policy_identity(cfg, self.model)
+        transformer = self.model.transformer
+        if cfg.learner.activation_checkpointing:
+            apply_activation_checkpointing(transformer)
+        apply_fsdp(transformer, mesh, mixed_precision_policy(cfg.learner.mixed_precision), cfg.learner.reshard_after_forward)
+        # After sharding, so the optimizer owns the DTensor shards.
+        self.optimizer = build_optimizer(transformer, cfg.learner)
+        self.policy = cfg.cfg.make_policy()
+        self.version = 0
+        """Optimizer steps applied (skipped ones included: they still advance the EMA schedule)."""
+        self.skipped_steps = 0
+
+    @property
+    def transformer(self) -> torch.nn.Module:
+        return self.model.transformer
+
+    @property
+    def rollout_adapter_name(self) -> str:
+        """The adapter rollouts sample under ("old" for an EMA rollout, else "default"): the one place
+        evaluation swaps and weight sync ask."""
+        return rollout_adapter_name(self.cfg.algorithm.needs_ema_rollout)
+
+    def train_step(self, shard: list[Trajectory]) -> dict[str, float]:
+        """Forward/backward over this rank's shard, then one optimizer step; version += 1.
+
+        Returns the step's metrics, equal on every rank: losses are means over all ranks' samples."""
+        metrics = backward(self.cfg, self.model, self.policy, shard, self.version)
+        reshard(self.transformer)
+        result = optimizer_step(self.transformer, self.optimizer, self.cfg.learner, self.cfg.algorithm, self.version)
+        self.version += 1
+        self.skipped_steps += int(result.skipped)
+        return {
+            **self._mean_over_ranks(metrics),
+            "train/grad_norm": result.grad_norm,
+            "train/skipped": float(result.skipped),
+            "train/skipped_steps": float(self.skipped_steps),
+            "train/ema_decay": result.ema_decay,
+            "train/version": float(self.version),
+        }
+
+    def rollout_weights(self) -> tuple[int, dict[str, torch.Tensor] | None]:
+        """(version, {canonical name: full tensor}) of the rollout adapter; the tensors on rank 0 only."""
+        reshard(self.transformer)
+        tensors = adapter_state(self.transformer, self.rollout_adapter_name)
+        return self.version, tensors if self.mesh.get_rank() == 0 else None
+
+    def state_dict(self) -> dict:
+        """Everything to resume this rank: "version", "skipped_steps", this rank's "rng" states and, on
+        rank 0 only, the full "adapters" and "optimizer" state (rayflow.learner.state.capture)."""
+        reshard(self.transformer)
+        trained = capture(self.transformer, self.optimizer)
+        state = {"version": self.version, "skipped_steps": self.skipped_steps, "rng": get_rng_state()}
+        if self.mesh.get_rank() == 0:
+            state.update(trained)
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore from `state_dict` output with full tensors (every rank is handed the same adapters and
+        optimizer state and keeps its own shard); `state["rng"]` is this rank's, or None to keep them."""
+        reshard(self.transformer)
+        restore(self.transformer, self.optimizer, state["adapters"], state["optimizer"])
+        self.version = state["version"]
+        self.skipped_steps = state["skipped_steps"]
+        if state["rng"] is not None:
+            set_rng_state(state["rng"])
+
+    def _mean_over_ranks(self, metrics: dict[str, float]) -> dict[str, float]:
+        # Each rank's metrics are means over its shard; shards are equal, so the mean of means is global.
+        names = sorted(metrics)
+        values = torch.tensor([metrics[n] for n in names], dtype=torch.float64, device=self.model.device)
+        if self.mesh.size() > 1:
+            dist.all_reduce(values, group=self.mesh.get_group())  # gloo has no AVG
+            values /= self.mesh.size()
+        return dict(zip(names, values.cpu().tolist()))

@@ -1,0 +1,77 @@
+"""The policy model (the pipeline with its LoRA adapters) and its identity.
+
+The reference trainer and every learner rank build the model with `load_policy_model`, so the
+LoRA initialisation is the same everywhere. `policy_identity` is what a checkpoint must match
+to be resumed or exported: the base model, the LoRA configuration and the algorithm.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import torch
+
+from rayflow.config import RayflowConfig
+from rayflow.learner.lora import add_lora
+from rayflow.models import DiffusionModel, load_model
+from rayflow.models.tiny import resolve_model_path
+
+_FINGERPRINT_ELEMENTS = 256
+"""Leading elements of each base weight that enter the weights fingerprint (cheap for a 20B model)."""
+
+
+def load_policy_model(cfg: RayflowConfig, device: str | torch.device | None = None) -> DiffusionModel:
+    """The model with its LoRA adapters ("default", and "old" when the algorithm rolls out under an EMA).
+
+    Reads cfg.model, cfg.learner (LoRA), cfg.algorithm (EMA or not) and cfg.trainer.seed."""
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    path = resolve_model_path(cfg.model.path, cfg.model.cache_dir, cfg.model.tiny_size, cfg.model.tiny_seed)
+    model = load_model(path, device=device, dtype=getattr(torch, cfg.model.dtype))
+    # Same weights on every process for the same seed (the LoRA A matrices are random).
+    torch.manual_seed(cfg.trainer.seed)
+    add_lora(
+        model.transformer,
+        rank=cfg.learner.lora_rank,
+        alpha=cfg.learner.lora_alpha,
+        targets=lora_targets(cfg, model),
+        init=cfg.learner.lora_init,
+        with_ema=cfg.algorithm.needs_ema_rollout,
+    )
+    return model
+
+
+def lora_targets(cfg: RayflowConfig, model: DiffusionModel) -> list[str]:
+    return list(cfg.learner.lora_targets or model.lora_target_modules)
+
+
+def base_weights_fingerprint(transformer: torch.nn.Module) -> str:
+    """sha256 over the names, shapes and leading values (rounded to bf16, so a bf16 load of the same
+    weights matches) of the transformer's base weights, LoRA excluded. Call before sharding."""
+    h = hashlib.sha256()
+    for name, p in transformer.named_parameters():
+        if ".lora_A." in name or ".lora_B." in name:
+            continue
+        head = p.detach().flatten()[:_FINGERPRINT_ELEMENTS].to("cpu", torch.bfloat16).view(torch.int16)
+        h.update(f"{name.replace('.base_layer.', '.')}:{tuple(p.shape)}".encode())
+        h.update(head.numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def policy_identity(cfg: RayflowConfig, model: DiffusionModel) -> dict:
+    """What a checkpoint must match, as JSON-ready data: base model, LoRA config, algorithm. Call before sharding."""
+    config = {k: v for k, v in dict(model.transformer.config).items() if not k.startswith("_")}
+    return {
+        "model": {
+            "pipeline": model.pipeline_class,
+            "transformer": type(model.transformer).__name__,
+            "transformer_config": json.loads(json.dumps(config, default=list)),
+            "weights_fingerprint": base_weights_fingerprint(model.transformer),
+        },
+        "lora": {
+            "rank": cfg.learner.lora_rank,
+            "alpha": cfg.learner.lora_alpha,
+            "targets": lora_targets(cfg, model),
+        },
+        "algorithm": cfg.algorithm.name,
+    }

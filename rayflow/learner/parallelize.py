@@ -1,0 +1,79 @@
+"""Parallelism applied to a plain transformer, in a fixed order (torchtitan style):
+
+    activation checkpointing → fully_shard per transformer block → fully_shard the root
+
+Each step is a small function of the module and explicit arguments; nothing here knows about
+LoRA, optimizers or Ray. The mesh is built once by the caller (`build_mesh`).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+
+def build_mesh(device: torch.device, world_size: int) -> DeviceMesh:
+    """The 1-D data-parallel mesh over the default process group ("cpu" without a GPU: gloo)."""
+    return init_device_mesh(device.type, (world_size,), mesh_dim_names=("dp",))
+
+
+def mixed_precision_policy(mode: str) -> MixedPrecisionPolicy | None:
+    """learner.mixed_precision → FSDP2 policy: "bf16" computes in bf16 and reduces gradients in fp32."""
+    if mode == "none":
+        return None
+    if mode == "bf16":
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    raise ValueError(f"learner.mixed_precision: {mode!r}; allowed: 'none' or 'bf16'")
+
+
+def transformer_blocks(transformer: nn.Module) -> nn.ModuleList:
+    blocks = getattr(transformer, "transformer_blocks", None)
+    if not isinstance(blocks, nn.ModuleList) or len(blocks) == 0:
+        raise ValueError(f"{type(transformer).__name__} has no `transformer_blocks` ModuleList to shard per block")
+    return blocks
+
+
+def apply_activation_checkpointing(transformer: nn.Module) -> None:
+    """Recompute each block's activations in backward (diffusers' per-block, non-reentrant checkpointing).
+
+    diffusers' own switch is used rather than a checkpoint wrapper module, so parameter names (and
+    with them adapter names, checkpoints and weight sync) stay those of the plain model. FSDP2's
+    hooks are module hooks, which it composes with checkpointing inside the block."""
+    if not getattr(transformer, "_supports_gradient_checkpointing", False):
+        raise ValueError(f"learner.activation_checkpointing: {type(transformer).__name__} does not support it")
+    transformer.enable_gradient_checkpointing()
+
+
+def apply_fsdp(
+    transformer: nn.Module,
+    mesh: DeviceMesh,
+    mp_policy: MixedPrecisionPolicy | None = None,
+    reshard_after_forward: bool = True,
+) -> None:
+    """FSDP2 in place: one parameter group per transformer block, then the root (the embeddings,
+    norms and output projection). Per-block groups bound the memory of unsharded parameters to one
+    block at a time; the root last so its group holds only what no block owns."""
+    # diffusers transformers return their output as a view; rayflow only uses velocities out of place
+    # (CFG combine, flow_step, the losses), so FSDP2's warning about in-place ops on it does not apply.
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
+    kwargs = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}
+    if mp_policy is not None:
+        kwargs["mp_policy"] = mp_policy
+    for block in transformer_blocks(transformer):
+        fully_shard(block, **kwargs)
+    fully_shard(transformer, **kwargs)
+
+
+def reshard(transformer: nn.Module) -> None:
+    """Put every FSDP group back to its sharded parameters (no-op for a plain module).
+
+    With reshard_after_forward=False a no-grad forward leaves blocks unsharded; reading or
+    writing parameters (EMA, checkpoints, weight sync) must see the sharded DTensors the
+    optimizer owns."""
+    for module in transformer.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()

@@ -1,0 +1,163 @@
+"""The learner's Ray side: LearnerWorker (a thin actor per rank around a LearnerBackend) and the
+driver-side LearnerGroup that places the ranks, slices batches and collects results.
+
+    group = LearnerGroup(cfg)                      # learner.world_size ranks in one placement group
+    metrics = group.get(group.train_step(batch))[0]
+    version, tensors = group.get(group.rollout_weights())[0]
+    save_checkpoint(root, group.checkpoint(step, sampler.state_dict()), keep)
+    group.restore(load_checkpoint(path, group.identity))
+    group.shutdown()
+
+Remote calls return ObjectRefs in rank order; `get` waits for all of them and, when a rank died,
+raises LearnerError naming the rank and its node instead of leaving its peers hanging in a collective.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import ray
+import torch
+
+from rayflow.checkpoint import Checkpoint, check_identity
+from rayflow.config import RayflowConfig
+from rayflow.distributed.placement import make_bundles, place, resolve_gpus
+from rayflow.distributed.process_group import Rendezvous, init_default_group
+from rayflow.learner.backend import LearnerBackend
+from rayflow.learner.parallelize import build_mesh
+from rayflow.rng import get_rng_state
+from rayflow.types import Trajectory
+
+
+class LearnerError(RuntimeError):
+    """A learner rank died or failed; the message names the rank and its node."""
+
+
+class LearnerWorker:
+    """One learner rank: owns its device, the default process group and a LearnerBackend."""
+
+    def __init__(self, cfg: RayflowConfig, rank: int):
+        torch.set_num_threads(cfg.learner.threads_per_rank)
+        self.cfg, self.rank = cfg, rank
+        self.backend: LearnerBackend | None = None
+
+    def rendezvous(self) -> Rendezvous:
+        """A free port on this (rank 0's) node for the group's TCP store."""
+        return Rendezvous.on_this_node()
+
+    def setup(self, rendezvous: Rendezvous) -> dict:
+        """Join the group, build the sharded model; returns the policy identity. Every rank at once."""
+        # Ray exposes the bundle's GPU as the only visible one.
+        device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        init_default_group(rendezvous, self.rank, self.cfg.learner.world_size, device)
+        self.backend = LearnerBackend(self.cfg, build_mesh(device, self.cfg.learner.world_size), device)
+        return self.backend.identity
+
+    def train_step(self, shard: list[Trajectory]) -> dict[str, float]:
+        return self.backend.train_step(shard)
+
+    def rollout_weights(self) -> tuple[int, dict[str, torch.Tensor] | None]:
+        return self.backend.rollout_weights()
+
+    def rollout_adapter_name(self) -> str:
+        return self.backend.rollout_adapter_name
+
+    def state_dict(self) -> dict:
+        return self.backend.state_dict()
+
+    def load_state_dict(self, state: dict, rng: dict[str, torch.Tensor] | None) -> None:
+        self.backend.load_state_dict({**state, "rng": rng})
+
+
+def shard_batch(batch: list[Trajectory], world_size: int) -> list[list[Trajectory]]:
+    """Contiguous equal shards, one per rank, without the decoded images (learners never read them)."""
+    if len(batch) % world_size:
+        raise ValueError(f"a batch of {len(batch)} trajectories does not split into {world_size} equal learner shards")
+    n = len(batch) // world_size
+    light = [dataclasses.replace(t, image=None) for t in batch]
+    return [light[r * n : (r + 1) * n] for r in range(world_size)]
+
+
+class LearnerGroup:
+    """learner.world_size LearnerWorker ranks in one placement group (GPU bundles when the cluster has GPUs)."""
+
+    def __init__(self, cfg: RayflowConfig, name: str = "rayflow-learner"):
+        lc = cfg.learner
+        self.world_size = lc.world_size
+        gpus = resolve_gpus(lc.gpus_per_rank)
+        self.placed = place(make_bundles(lc.world_size, lc.cpus_per_rank, gpus), lc.placement_strategy, name=name)
+        actor = ray.remote(LearnerWorker)
+        self.workers = [
+            actor.options(
+                num_cpus=lc.cpus_per_rank, num_gpus=gpus, scheduling_strategy=self.placed.strategy_for_rank(r),
+                name=f"{name}-{r}-{self.placed.pg.id.hex()[:8]}",
+            ).remote(cfg, r)
+            for r in range(lc.world_size)
+        ]
+        try:
+            (rendezvous,) = self.get([self.workers[0].rendezvous.remote()])
+            self.identity: dict = self.get([w.setup.remote(rendezvous) for w in self.workers])[0]
+            self.rollout_adapter_name: str = self.get([self.workers[0].rollout_adapter_name.remote()])[0]
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def train_step(self, batch: list[Trajectory]) -> list[ray.ObjectRef]:
+        """One optimizer step over `batch` (sliced per rank); refs to each rank's (equal) metrics."""
+        return [w.train_step.remote(ray.put(shard)) for w, shard in zip(self.workers, shard_batch(batch, self.world_size))]
+
+    def rollout_weights(self) -> list[ray.ObjectRef]:
+        """Refs to each rank's (version, tensors); rank 0's holds the full rollout adapter, the others None."""
+        return [w.rollout_weights.remote() for w in self.workers]
+
+    def checkpoint(self, step: int, data: dict) -> Checkpoint:
+        """The learners' full state as a Checkpoint (rank 0's adapters and optimizer, every rank's RNG
+        states as "learner<r>", the driver's as "driver"), with the driver's step and data position."""
+        states = self.get([w.state_dict.remote() for w in self.workers])
+        return Checkpoint(
+            step=step,
+            version=states[0]["version"],
+            identity=self.identity,
+            adapters=states[0]["adapters"],
+            optimizer=states[0]["optimizer"],
+            rng={"driver": get_rng_state(), **{f"learner{r}": s["rng"] for r, s in enumerate(states)}},
+            data=data,
+            counters={"skipped_steps": states[0]["skipped_steps"]},
+        )
+
+    def restore(self, ckpt: Checkpoint) -> None:
+        """Load a checkpoint (of this group, another world size or the reference trainer) into every rank.
+        A rank without saved RNG states keeps its own; the driver restores "driver" and the data position."""
+        check_identity(ckpt.identity, self.identity, f"at step {ckpt.step}")
+        shared = ray.put({"adapters": ckpt.adapters, "optimizer": ckpt.optimizer, "version": ckpt.version,
+                          "skipped_steps": ckpt.counters.get("skipped_steps", 0)})
+        self.get([w.load_state_dict.remote(shared, ckpt.rng.get(f"learner{r}")) for r, w in enumerate(self.workers)])
+
+    def get(self, refs: list[ray.ObjectRef]) -> list:
+        """Wait for per-rank refs (in rank order); the first failure raises LearnerError with its rank and node."""
+        pending = list(refs)
+        while pending:
+            (done,), pending = ray.wait(pending, num_returns=1)
+            try:
+                ray.get(done)
+            except ray.exceptions.RayError as e:
+                rank = refs.index(done)
+                raise LearnerError(
+                    f"learner rank {rank}/{self.world_size} on {_node_label(self.placed.node_of_rank(rank))} failed: "
+                    f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+                ) from e
+        return ray.get(refs)
+
+    def shutdown(self) -> None:
+        """End the actors and release the placement group. Killing (not asking) the ranks: a rank whose
+        peer died is stuck in a collective and would answer nothing."""
+        for w in self.workers:
+            ray.kill(w)
+        self.placed.remove()
+
+
+def _node_label(node_id: str) -> str:
+    address = next((n["NodeManagerAddress"] for n in ray.nodes() if n["NodeID"] == node_id), "unknown address")
+    return f"{address} (node id {node_id[:12]})"

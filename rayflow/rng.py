@@ -1,0 +1,42 @@
+"""Random-number-generator states of a process as tensors (torch CPU and CUDA, numpy, python),
+so checkpoints hold them in safetensors rather than pickles."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import torch
+
+
+def get_rng_state() -> dict[str, torch.Tensor]:
+    """This process's RNG states by name: "torch", "cuda.<i>", "numpy.*", "python.*"."""
+    version, mt, gauss = random.getstate()
+    _, keys, pos, has_gauss, cached = np.random.get_state()
+    state = {
+        "torch": torch.get_rng_state(),
+        "numpy.keys": torch.from_numpy(keys.astype(np.int64)),
+        "numpy.pos_has_gauss": torch.tensor([pos, has_gauss], dtype=torch.int64),
+        "numpy.cached_gaussian": torch.tensor([cached], dtype=torch.float64),
+        "python.state": torch.tensor([version, *mt], dtype=torch.int64),
+        # None (no cached gaussian) as NaN.
+        "python.gauss": torch.tensor([float("nan") if gauss is None else gauss], dtype=torch.float64),
+    }
+    if torch.cuda.is_available():
+        state.update({f"cuda.{i}": s for i, s in enumerate(torch.cuda.get_rng_state_all())})
+    return state
+
+
+def set_rng_state(state: dict[str, torch.Tensor]) -> None:
+    """Restore `get_rng_state` output (CUDA states only for the devices both runs have)."""
+    torch.set_rng_state(state["torch"])
+    pos, has_gauss = state["numpy.pos_has_gauss"].tolist()
+    keys = state["numpy.keys"].numpy().astype(np.uint32)
+    np.random.set_state(("MT19937", keys, pos, has_gauss, float(state["numpy.cached_gaussian"][0])))
+    version, *mt = state["python.state"].tolist()
+    gauss = float(state["python.gauss"][0])
+    random.setstate((version, tuple(mt), None if gauss != gauss else gauss))
+    if torch.cuda.is_available():
+        for i in range(torch.cuda.device_count()):
+            if f"cuda.{i}" in state:
+                torch.cuda.set_rng_state(state[f"cuda.{i}"], i)

@@ -1,0 +1,8 @@
+"""Rollout on Ray: CFG-parallel RolloutWorker ranks (worker.py) grouped into replicas (replica.py),
+replicas into a pool (pool.py). The per-rank logic is the plain RolloutRank (rank.py)."""
+
+from rayflow.rollout.pool import RolloutPool
+from rayflow.rollout.rank import RolloutRank, RolloutWorkerSpec
+from rayflow.rollout.replica import ReplicaError, RolloutFuture, RolloutReplica
+
+__all__ = ["ReplicaError", "RolloutFuture", "RolloutPool", "RolloutRank", "RolloutReplica", "RolloutWorkerSpec"]

@@ -1,0 +1,211 @@
+"""One CFG-parallel rollout rank as a plain class: the model, its LoRA slot, its policy version, the loop.
+
+The Ray actor (worker.py) only holds one of these and forwards calls; tests also run several in
+threads of one process over an in-process group. Per request every rank of a replica runs
+
+    start_rollout (validates: a bad request fails on every rank alike, before any collective)
+    agree on the newest version staged on all ranks -> apply it
+    per step: CFG-parallel velocity (one all_gather, carrying each rank's newest staged version)
+              -> advance(state, v, version) -> at the boundary, apply the newly agreed version
+    rank 0: finish_rollout (decode) -> trajectories; other ranks return None
+
+so all ranks hold identical latents and record identical per-step versions.
+"""
+
+from __future__ import annotations
+
+import time
+import zlib
+from dataclasses import dataclass, field
+
+import torch
+from diffusers.utils import logging as diffusers_logging
+from transformers.utils import logging as transformers_logging
+
+from rayflow.cfg.parallel import CFGParallel, Group, all_gather_header
+from rayflow.cfg.policy import CFGPolicy, TrueCFG
+from rayflow.config import ModelConfig, RayflowConfig
+from rayflow.learner.lora import TRAINED_ADAPTER, adapter_parameters, add_lora
+from rayflow.models import load_model
+from rayflow.models.tiny import resolve_model_path
+from rayflow.rollout.weights import StagedWeights, check_adapter, load_adapter
+from rayflow.sampling.denoise import advance, finish_rollout, start_rollout
+from rayflow.types import RolloutRequest, Trajectory
+
+APPLY_AT = ("step", "request")
+
+
+@dataclass(frozen=True)
+class RolloutWorkerSpec:
+    """Everything a rollout rank needs to build itself; the same for every rank of every replica."""
+
+    model: ModelConfig
+    policy: CFGPolicy = field(default_factory=TrueCFG)
+    """The CFG policy requests sample under unless they name their own."""
+    lora_rank: int = 8
+    lora_alpha: float = 8.0
+    lora_targets: tuple[str, ...] | None = None
+    """None: the model's attention projections (as the learner's default)."""
+    lora_init: str = "gaussian"
+    seed: int = 0
+    """The run seed, set right before the LoRA slot is added so it starts equal to the learner's adapter."""
+    threads: int = 1
+    """torch intra-op threads of the rank."""
+    collective_timeout_s: float = 300.0
+    batch_branches: bool = False
+    """A rank with several branches runs them in one batched forward (faster, not bit-exact)."""
+    apply_at: str = "step"
+    """Apply newly staged weights at the next denoising "step" boundary, or only between "request"s."""
+
+    def __post_init__(self) -> None:
+        if self.apply_at not in APPLY_AT:
+            raise ValueError(f"apply_at: got {self.apply_at!r}; allowed: {list(APPLY_AT)}")
+
+    @classmethod
+    def from_config(cls, cfg: RayflowConfig) -> "RolloutWorkerSpec":
+        partial = cfg.sync.apply_at == "step" and cfg.async_.partial_rollout
+        return cls(
+            model=cfg.model,
+            policy=cfg.cfg.make_policy(),
+            lora_rank=cfg.learner.lora_rank,
+            lora_alpha=cfg.learner.lora_alpha,
+            lora_targets=tuple(cfg.learner.lora_targets) if cfg.learner.lora_targets else None,
+            lora_init=cfg.learner.lora_init,
+            seed=cfg.trainer.seed,
+            threads=cfg.rollout.threads_per_rank,
+            collective_timeout_s=cfg.rollout.collective_timeout_s,
+            batch_branches=cfg.rollout.batch_branches,
+            apply_at="step" if partial else "request",
+        )
+
+
+class TimedGroup:
+    """A group that adds up the seconds its all_gathers take (waiting for the slowest rank included)."""
+
+    def __init__(self, group: Group):
+        self.group, self.rank, self.size = group, group.rank, group.size
+        self.seconds = 0.0
+
+    def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        start = time.perf_counter()
+        try:
+            return self.group.all_gather(tensor)
+        finally:
+            self.seconds += time.perf_counter() - start
+
+
+def request_tag(request: RolloutRequest) -> int:
+    """A number every rank derives from the request alone, to check that all ranks run the same one."""
+    return zlib.crc32(request.request_id.encode())
+
+
+class RolloutRank:
+    """Rank `rank` of a replica of `world_size` CFG-parallel ranks."""
+
+    def __init__(self, spec: RolloutWorkerSpec, rank: int, world_size: int):
+        self.spec, self.rank, self.world_size = spec, rank, world_size
+        torch.set_num_threads(spec.threads)
+        # Loading bars of every rank would be forwarded to the driver's console.
+        diffusers_logging.disable_progress_bar()
+        transformers_logging.disable_progress_bar()
+        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        m = spec.model
+        path = resolve_model_path(m.path, m.cache_dir, m.tiny_size, m.tiny_seed)
+        self.model = load_model(path, device=self.device, dtype=getattr(torch, m.dtype))
+        torch.manual_seed(spec.seed)  # the learner seeds the same way before add_lora (the A matrices are random)
+        add_lora(
+            self.model.transformer,
+            rank=spec.lora_rank,
+            alpha=spec.lora_alpha,
+            targets=spec.lora_targets or self.model.lora_target_modules,
+            init=spec.lora_init,
+        )
+        self.version = 0
+        self.staged = StagedWeights()
+        self.group: TimedGroup | None = None
+        self.progress: tuple[str, int] | None = None
+        """(request id, step) while a request is in flight."""
+        self.requests = self.steps = 0
+        self.step_seconds = self.step_gather_seconds = 0.0
+
+    def join(self, group: Group) -> None:
+        if group.size != self.world_size or group.rank != self.rank:
+            raise ValueError(f"group rank {group.rank}/{group.size} != this rank {self.rank}/{self.world_size}")
+        self.group = TimedGroup(group)
+
+    # --- weights -------------------------------------------------------------------------------
+
+    def _adapter(self) -> dict[str, torch.Tensor]:
+        return adapter_parameters(self.model.transformer, TRAINED_ADAPTER)
+
+    def stage_weights(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
+        """Keep `tensors` to apply once every rank has them (at a step boundary, or between requests).
+        Checked now (names and shapes), so a bad sync fails at once, not mid-request."""
+        if version <= self.version:
+            raise ValueError(f"stage_weights: version {version} is not newer than the applied version {self.version}")
+        check_adapter(self._adapter(), tensors)
+        self.staged.put(version, tensors)
+
+    def apply_weights(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
+        """Load `tensors` now (call between requests, on every rank of the replica)."""
+        if version < self.version:
+            raise ValueError(f"apply_weights: version {version} is older than the applied version {self.version}")
+        load_adapter(self.model.transformer, TRAINED_ADAPTER, tensors)
+        self.version = version
+
+    def get_adapter_weights(self) -> dict[str, torch.Tensor]:
+        """The adapter the rank samples under, canonical names, CPU copies."""
+        return {name: p.detach().cpu().clone() for name, p in self._adapter().items()}
+
+    def _header(self, tag: int) -> list[int]:
+        return [max(self.version, self.staged.newest(self.version)), tag]
+
+    def _agree(self, headers: torch.Tensor, tag: int, apply: bool) -> None:
+        """Check every rank runs this request; apply the newest version staged on all ranks if `apply`."""
+        tags = headers[:, 1]
+        if bool((tags != tag).any()):
+            raise RuntimeError(
+                f"rollout rank {self.rank}: the ranks of this replica run different requests (tags {tags.tolist()}); "
+                f"requests must reach every rank in the same order"
+            )
+        agreed = int(headers[:, 0].min())
+        if apply and agreed > self.version:
+            load_adapter(self.model.transformer, TRAINED_ADAPTER, self.staged.take(agreed))
+            self.version = agreed
+
+    # --- sampling ------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def generate(self, request: RolloutRequest, policy: CFGPolicy | None = None) -> list[Trajectory] | None:
+        """Sample `request` with every rank of the group; rank 0 returns the trajectories, the others None."""
+        if self.group is None:
+            raise RuntimeError(f"rollout rank {self.rank} has not joined its group")
+        policy = policy or self.spec.policy
+        state = start_rollout(self.model, request, policy)
+        tag = request_tag(request)
+        self._agree(all_gather_header(self.group, self._header(tag)), tag, apply=True)
+        guidance = CFGParallel(self.group, len(state.branches), self.spec.batch_branches)
+        try:
+            while not state.done:
+                self.progress = (request.request_id, state.step)
+                start, gathered = time.perf_counter(), self.group.seconds
+                velocity, headers = guidance.velocity(self.model, state, policy, self._header(tag))
+                self.step_gather_seconds += self.group.seconds - gathered
+                advance(state, velocity, self.version)
+                self._agree(headers, tag, apply=self.spec.apply_at == "step")
+                self.step_seconds += time.perf_counter() - start
+                self.steps += 1
+        finally:
+            self.progress = None
+        self.requests += 1
+        # Every rank holds the same final latents: one decode is enough.
+        return finish_rollout(self.model, state) if self.rank == 0 else None
+
+    def timings(self) -> dict[str, float]:
+        """Cumulative: requests, denoising steps, seconds in steps, and seconds of those in the step all_gather."""
+        return {
+            "requests": self.requests,
+            "steps": self.steps,
+            "step_s": self.step_seconds,
+            "step_all_gather_s": self.step_gather_seconds,
+        }

@@ -1,0 +1,230 @@
+"""RolloutReplica: W CFG-parallel RolloutWorker ranks in one placement group, sharing one process group.
+
+A driver-side handle. Remote calls return futures; the caller decides when to wait:
+
+    replica = RolloutReplica.create(spec, cfg.rollout)        # or RolloutReplica(...) + wait_ready()
+    future = replica.submit(request)                          # RolloutFuture; future.ref is rank 0's ObjectRef
+    trajectories = future.result()                            # or replica.generate(request)
+    replica.shutdown()
+
+Failures are reported, never hung on: a request that contradicts its params fails (on every rank
+alike, before any collective) with an error naming the field, and the replica serves the next
+one; a rank that dies is reported as a ReplicaError naming its rank and node, and its peers leave
+their collective at the latest after `collective_timeout_s`.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+from typing import Any
+
+import ray
+import torch
+from ray.exceptions import RayActorError, RayTaskError
+
+from rayflow.cfg.policy import CFGPolicy
+from rayflow.config import RolloutConfig
+from rayflow.distributed.placement import make_bundles, place, resolve_gpus
+from rayflow.rollout.rank import RolloutWorkerSpec
+from rayflow.rollout.worker import RolloutWorker
+from rayflow.types import RolloutRequest, Trajectory
+
+
+STALL_GRACE_S = 10.0
+"""After a rank failed, its peers get the collective timeout plus this to answer (they fail their own
+collective meanwhile), else they are reported as stalled."""
+
+
+class ReplicaError(RuntimeError):
+    """A rank of a rollout replica died; the message names the replica, the rank and its node."""
+
+
+def _summary(error: Exception) -> str:
+    """First and last line of a Ray error: what happened, and its cause (e.g. the exception that
+    failed a rank's __init__, or "killed by ray.kill"), without the remote traceback between."""
+    lines = [line.strip() for line in re.sub(r"\x1b\[[0-9;]*m", "", str(error)).splitlines() if line.strip()]
+    return " ... ".join(dict.fromkeys([lines[0], lines[-1]])) if lines else type(error).__name__
+
+
+class RolloutFuture:
+    """One request in flight on a replica. `ref` (rank 0's result) can be handed on without waiting."""
+
+    def __init__(self, replica: "RolloutReplica", request: RolloutRequest, refs: list[ray.ObjectRef]):
+        self.replica, self.request, self.refs = replica, request, refs
+
+    @property
+    def ref(self) -> ray.ObjectRef:
+        return self.refs[0]
+
+    def done(self) -> bool:
+        ready, _ = ray.wait(self.refs, num_returns=len(self.refs), timeout=0)
+        return len(ready) == len(self.refs)
+
+    def result(self, timeout: float | None = None) -> list[Trajectory]:
+        """The trajectories (rank 0's); raises the request's error, or ReplicaError if a rank died."""
+        return self.replica._collect(self.refs, f"request {self.request.request_id!r}", timeout)[0]
+
+
+class RolloutReplica:
+    """`rollout.cfg_parallel_size` ranks of one replica. Construction does not wait for the actors;
+    `wait_ready` (or `create`) does."""
+
+    def __init__(self, spec: RolloutWorkerSpec, rollout: RolloutConfig, name: str = "rollout-0"):
+        self.name = name
+        self.world_size = W = rollout.cfg_parallel_size
+        self.collective_timeout_s = spec.collective_timeout_s
+        gpus = resolve_gpus(rollout.gpus_per_rank)
+        self.placed = place(make_bundles(W, rollout.cpus_per_rank, gpus), rollout.placement_strategy, name=name)
+        self.workers = [
+            RolloutWorker.options(
+                scheduling_strategy=self.placed.strategy_for_rank(r), num_cpus=rollout.cpus_per_rank, num_gpus=gpus
+            ).remote(spec, r, W)
+            for r in range(W)
+        ]
+        ips = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
+        self.nodes = [(ips.get(self.placed.node_of_rank(r), "?"), self.placed.node_of_rank(r)) for r in range(W)]
+        """(address, node id) of each rank."""
+        # Rank 0 picks the rendezvous on its own node; the others receive it as an ObjectRef argument,
+        # so no call here blocks.
+        rendezvous = self.workers[0].rendezvous.remote()
+        self._joined = [w.join.remote(rendezvous, name) for w in self.workers]
+        self._submit_lock = threading.Lock()
+        self._dead: str | None = None
+
+    @classmethod
+    def create(cls, spec: RolloutWorkerSpec, rollout: RolloutConfig, name: str = "rollout-0") -> "RolloutReplica":
+        return cls(spec, rollout, name).wait_ready()
+
+    def wait_ready(self, timeout: float | None = None) -> "RolloutReplica":
+        """Wait until every rank loaded its model and joined the group."""
+        self._collect(self._joined, "start-up", timeout)
+        return self
+
+    def describe_rank(self, rank: int) -> str:
+        address, node_id = self.nodes[rank]
+        return f"rank {rank} of {self.world_size} (node {address}, node id {node_id[:12]})"
+
+    # --- requests ------------------------------------------------------------------------------
+
+    def submit(self, request: RolloutRequest, policy: CFGPolicy | None = None) -> RolloutFuture:
+        """Queue `request` on every rank (in the same order on all of them); `policy` overrides the spec's."""
+        self._check_alive()
+        request_ref = ray.put(request)  # once, shared by every rank
+        with self._submit_lock:
+            refs = [w.generate.remote(request_ref, policy) for w in self.workers]
+        return RolloutFuture(self, request, refs)
+
+    def generate(self, request: RolloutRequest, policy: CFGPolicy | None = None) -> list[Trajectory]:
+        return self.submit(request, policy).result()
+
+    # --- weights and monitoring ----------------------------------------------------------------
+
+    def stage_weights(
+        self, version: int, tensors: dict[str, torch.Tensor] | ray.ObjectRef, ranks: list[int] | None = None
+    ) -> list[ray.ObjectRef]:
+        """Stage `tensors` as `version` on `ranks` (default all); applied at the next boundary where every rank has it."""
+        ref = tensors if isinstance(tensors, ray.ObjectRef) else ray.put(tensors)
+        return [self.workers[r].stage_weights.remote(version, ref) for r in self._ranks(ranks)]
+
+    def apply_weights(self, version: int, tensors: dict[str, torch.Tensor]) -> list[ray.ObjectRef]:
+        """Load `tensors` on every rank after the requests already submitted (in request order)."""
+        ref = ray.put(tensors)
+        with self._submit_lock:
+            return [w.apply_weights.remote(version, ref) for w in self.workers]
+
+    def adapter_weights(self) -> list[dict[str, torch.Tensor]]:
+        """Each rank's adapter, after the requests already submitted."""
+        return self._collect([w.get_adapter_weights.remote() for w in self.workers], "adapter_weights", None)
+
+    def progress(self, rank: int = 0) -> tuple[str, int] | None:
+        """(request id, step) that `rank` is sampling, or None between requests."""
+        return self._collect([self.workers[rank].progress.remote()], "progress", None, ranks=[rank])[0]
+
+    def timings(self) -> list[dict[str, float]]:
+        return self._collect([w.timings.remote() for w in self.workers], "timings", None)
+
+    def _ranks(self, ranks: list[int] | None) -> list[int]:
+        return list(range(self.world_size)) if ranks is None else ranks
+
+    # --- failures ------------------------------------------------------------------------------
+
+    @property
+    def alive(self) -> bool:
+        """False once a rank died or the replica was shut down."""
+        return self._dead is None
+
+    def _check_alive(self) -> None:
+        if self._dead is not None:
+            raise ReplicaError(self._dead)
+
+    def _collect(
+        self, refs: list[ray.ObjectRef], what: str, timeout: float | None, ranks: list[int] | None = None
+    ) -> list[Any]:
+        """Wait for `refs` (of `ranks`, default one per rank in order) and return their values.
+
+        A dead rank is reported at once. Once a rank has failed, its peers get the collective
+        timeout (plus a grace) to fail too; a rank still silent then is stalled, and reported."""
+        rank_of = dict(zip(refs, self._ranks(ranks)))
+        deadline = None if timeout is None else time.monotonic() + timeout
+        pending, failed = list(refs), None
+        while pending:
+            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            ready, pending = ray.wait(pending, num_returns=1, timeout=remaining)
+            if not ready:
+                late = ", ".join(self.describe_rank(rank_of[r]) for r in pending)
+                if failed is None:
+                    raise TimeoutError(f"rollout replica {self.name!r}: {what} not done after {timeout}s on {late}")
+                self._dead = (
+                    f"rollout replica {self.name!r}: {late} stalled during {what} "
+                    f"after {self.describe_rank(rank_of[failed])} failed"
+                )
+                try:
+                    self._result(failed, rank_of[failed])
+                except Exception as e:
+                    raise ReplicaError(self._dead) from e
+            try:
+                ray.get(ready[0])
+            except RayActorError as e:
+                self._dead = (
+                    f"rollout replica {self.name!r}: {self.describe_rank(rank_of[ready[0]])} died during {what}: "
+                    f"{_summary(e)}"
+                )
+                raise ReplicaError(self._dead) from None
+            except Exception:
+                if failed is None:
+                    failed = ready[0]
+                    grace = time.monotonic() + self.collective_timeout_s + STALL_GRACE_S
+                    deadline = grace if deadline is None else min(deadline, grace)
+        return [self._result(ref, rank_of[ref]) for ref in refs]
+
+    def _result(self, ref: ray.ObjectRef, rank: int) -> Any:
+        """`ref`'s value, or its task's own exception (e.g. the ConfigError naming a request field) noting
+        the rank; the remote traceback stays attached as its cause. Ranks fail alike (validation runs
+        before any collective), so the lowest failing rank's error is the one raised."""
+        try:
+            return ray.get(ref)
+        except RayTaskError as e:
+            if not isinstance(e.cause, Exception):
+                raise
+            e.cause.add_note(f"(raised on {self.describe_rank(rank)} of rollout replica {self.name!r})")
+            raise e.cause from e
+
+    def shutdown(self) -> None:
+        """Close the process group where the ranks still answer, kill the ranks, free the placement group.
+        Idempotent."""
+        if self.placed is None:
+            return
+        ray.wait([w.close.remote() for w in self.workers], num_returns=len(self.workers), timeout=5.0)
+        for w in self.workers:
+            ray.kill(w, no_restart=True)
+        self.placed.remove()
+        self.placed = None
+        self._dead = self._dead or f"rollout replica {self.name!r} was shut down"
+
+    def __enter__(self) -> "RolloutReplica":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()

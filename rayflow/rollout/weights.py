@@ -1,0 +1,76 @@
+"""Adapter weights on a rollout rank: staged by version, verified, and loaded at a step boundary.
+
+Ordering rules (DESIGN §8, §9):
+- Weights arrive for increasing versions, on every rank of a replica in the same order (one
+  broadcast source), possibly from another thread than the one sampling: `StagedWeights` is
+  the lock-protected hand-over between them.
+- A replica applies a version only once it is staged on ALL its ranks (the ranks agree on the
+  minimum of their newest staged versions), so every rank samples under the same weights.
+- Applying version v drops every staged version older than v.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+from torch import nn
+
+from rayflow.learner.lora import adapter_parameters
+
+
+def check_adapter(expected: dict[str, torch.Tensor], got: dict[str, torch.Tensor]) -> None:
+    """Names and shapes of `got` must equal those of `expected`; the error lists what differs.
+
+    A sync that binds fewer modules than it sends (or the other way round) is an error, never a
+    silently partial update."""
+    missing = sorted(set(expected) - set(got))
+    extra = sorted(set(got) - set(expected))
+    shapes = sorted(
+        f"{n}: {tuple(got[n].shape)} != {tuple(expected[n].shape)}"
+        for n in set(expected) & set(got)
+        if got[n].shape != expected[n].shape
+    )
+    if missing or extra or shapes:
+        raise ValueError(
+            f"adapter weights do not match the rollout adapter: missing {missing[:5]} ({len(missing)}), "
+            f"unexpected {extra[:5]} ({len(extra)}), wrong shapes {shapes[:5]} ({len(shapes)})"
+        )
+
+
+@torch.no_grad()
+def load_adapter(transformer: nn.Module, adapter: str, tensors: dict[str, torch.Tensor]) -> None:
+    """Copy `tensors` (canonical names, as `adapter_parameters` gives them) into `adapter`, after checking them."""
+    params = adapter_parameters(transformer, adapter)
+    check_adapter(params, tensors)
+    for name, p in params.items():
+        p.copy_(tensors[name])
+
+
+class StagedWeights:
+    """Versions received but not applied yet: {version: canonical name -> tensor}; thread-safe."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._by_version: dict[int, dict[str, torch.Tensor]] = {}
+
+    def put(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
+        with self._lock:
+            self._by_version[version] = tensors
+
+    def newest(self, default: int) -> int:
+        """The newest staged version, or `default` (the applied one) when nothing is staged."""
+        with self._lock:
+            return max(self._by_version, default=default)
+
+    def take(self, version: int) -> dict[str, torch.Tensor]:
+        """Remove and return `version`, dropping every older one."""
+        with self._lock:
+            if version not in self._by_version:
+                raise KeyError(
+                    f"version {version} was agreed by the replica but is not staged on this rank "
+                    f"(staged: {sorted(self._by_version)}); versions must reach every rank in the same order"
+                )
+            tensors = self._by_version.pop(version)
+            self._by_version = {v: t for v, t in self._by_version.items() if v > version}
+            return tensors

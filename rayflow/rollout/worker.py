@@ -1,0 +1,64 @@
+"""RolloutWorker: the Ray actor shell around one RolloutRank (one CFG rank of a replica).
+
+Concurrency: requests run in the actor's default group, one at a time and in submission order
+(Ray keeps a caller's tasks in order only while that group has one thread; `max_concurrency=2`
+would make Ray run them out of order, and the ranks of a replica would then pair up collectives
+of different requests). Staging weights has its own thread ("weights"), so new weights can
+arrive while a request is sampling; progress and timings answer on a third ("monitor").
+"""
+
+from __future__ import annotations
+
+import ray
+import torch
+
+from rayflow.cfg.policy import CFGPolicy
+from rayflow.distributed.process_group import CollectiveGroup, Rendezvous, node_ip
+from rayflow.rollout.rank import RolloutRank, RolloutWorkerSpec
+from rayflow.types import RolloutRequest, Trajectory
+
+
+@ray.remote(concurrency_groups={"weights": 1, "monitor": 1})
+class RolloutWorker:
+    def __init__(self, spec: RolloutWorkerSpec, rank: int, world_size: int):
+        self.rank = RolloutRank(spec, rank, world_size)
+        self.group: CollectiveGroup | None = None
+
+    def rendezvous(self) -> Rendezvous:
+        """Called on rank 0: a free port of this node for the group's TCP store."""
+        return Rendezvous.on_this_node()
+
+    def join(self, rendezvous: Rendezvous, group_name: str) -> dict[str, str]:
+        """Join the replica's process group (blocks until every rank joined); return where this rank runs."""
+        r = self.rank
+        self.group = CollectiveGroup(
+            group_name, rendezvous, r.rank, r.world_size, r.device, timeout_s=r.spec.collective_timeout_s
+        )
+        r.join(self.group)
+        return {"node_ip": node_ip(), "node_id": ray.get_runtime_context().get_node_id()}
+
+    def generate(self, request: RolloutRequest, policy: CFGPolicy | None = None) -> list[Trajectory] | None:
+        return self.rank.generate(request, policy)
+
+    def apply_weights(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
+        self.rank.apply_weights(version, tensors)
+
+    def get_adapter_weights(self) -> dict[str, torch.Tensor]:
+        return self.rank.get_adapter_weights()
+
+    @ray.method(concurrency_group="weights")
+    def stage_weights(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
+        self.rank.stage_weights(version, tensors)
+
+    @ray.method(concurrency_group="monitor")
+    def progress(self) -> tuple[str, int] | None:
+        return self.rank.progress
+
+    @ray.method(concurrency_group="monitor")
+    def timings(self) -> dict[str, float]:
+        return self.rank.timings()
+
+    def close(self) -> None:
+        if self.group is not None:
+            self.group.destroy()
+            self.group = None

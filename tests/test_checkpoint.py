@@ -1,0 +1,162 @@
+"""Checkpoints: atomic writes, keep-last-k, bit-identical resume of the reference trainer, refusal of
+another run's checkpoint, and no unpickling of code."""
+
+import dataclasses
+import os
+import pickle
+
+import pytest
+import torch
+
+from rayflow import checkpoint, reference
+from rayflow.checkpoint import Checkpoint, CheckpointMismatch, latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint
+from rayflow.learner.lora import adapter_names
+from rayflow.learner.model import load_policy_model, policy_identity
+from rayflow.learner.optim import build_optimizer
+from rayflow.learner.state import adapter_state, load_optimizer_state, optimizer_state
+from rayflow.models.tiny import save_tiny_model
+from tiny_run import GRPO, NFT, small_cfg
+
+
+def fake_checkpoint(step: int) -> Checkpoint:
+    g = torch.Generator().manual_seed(step)
+    return Checkpoint(
+        step=step, version=step, identity={"algorithm": "flow_grpo"},
+        adapters={"default": {"a.lora_A.weight": torch.randn(2, 3, generator=g)}},
+        optimizer={"state": {"a.lora_A.weight": {"step": torch.tensor(float(step))}}, "param_groups": [{"lr": 0.1}]},
+        rng={"driver": {"torch": torch.get_rng_state()}}, data={"groups_drawn": step, "seed": 0},
+    )
+
+
+def test_keeps_the_newest_k_and_reads_back_what_it_wrote(tmp_path):
+    root = str(tmp_path)
+    for step in (1, 2, 3, 4):
+        save_checkpoint(root, fake_checkpoint(step), keep=2)
+    assert [os.path.basename(p) for p in list_checkpoints(root)] == ["step_00000003", "step_00000004"]
+    assert sorted(os.listdir(root)) == ["step_00000003", "step_00000004"]  # no temporary directories left
+    got, expected = load_checkpoint(latest_checkpoint(root)), fake_checkpoint(4)
+    assert (got.step, got.version, got.data, got.optimizer) == (4, 4, expected.data, expected.optimizer)
+    assert torch.equal(got.adapters["default"]["a.lora_A.weight"], expected.adapters["default"]["a.lora_A.weight"])
+    assert torch.equal(got.rng["driver"]["torch"], expected.rng["driver"]["torch"])
+
+
+def test_a_write_that_fails_midway_leaves_the_previous_checkpoints_intact(tmp_path, monkeypatch):
+    root = str(tmp_path)
+    save_checkpoint(root, fake_checkpoint(1), keep=2)
+    save_checkpoint(root, fake_checkpoint(2), keep=2)
+
+    def crash(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(checkpoint.torch, "save", crash)  # after the adapters, before meta.json
+    for step in (3, 2):  # a new step, and rewriting an existing one
+        with pytest.raises(OSError, match="disk full"):
+            save_checkpoint(root, fake_checkpoint(step), keep=2)
+    assert sorted(os.listdir(root)) == ["step_00000001", "step_00000002"]
+    assert load_checkpoint(latest_checkpoint(root)).data == fake_checkpoint(2).data
+
+
+def test_a_checkpoint_with_a_pickled_object_is_not_unpickled(tmp_path):
+    root = str(tmp_path)
+    path = save_checkpoint(root, fake_checkpoint(1), keep=1)
+    marker = tmp_path / "executed"
+
+    class Payload:
+        def __reduce__(self):
+            return (open, (str(marker), "w"))
+
+    with open(os.path.join(path, "optimizer.pt"), "wb") as f:
+        pickle.dump({"state": Payload()}, f, protocol=2)
+    with pytest.raises(pickle.UnpicklingError):
+        load_checkpoint(path)
+    assert not marker.exists()
+    # The rest of a checkpoint is data formats only.
+    assert sorted(os.listdir(path)) == ["adapter_default.safetensors", "meta.json", "optimizer.pt", "rng.safetensors"]
+
+
+def test_optimizer_state_restores_by_name_and_keeps_this_runs_hyperparameters(tiny_model_dir, tmp_path):
+    cfg = small_cfg(GRPO, tiny_model_dir, tmp_path)
+    model = load_policy_model(cfg, "cpu")
+    trained = build_optimizer(model.transformer, cfg.learner)
+    for p in trained.param_groups[0]["params"]:
+        p.grad = torch.randn_like(p)
+    trained.step()
+    saved = optimizer_state(model.transformer, trained)
+    fresh = build_optimizer(model.transformer, dataclasses.replace(cfg.learner, lr=0.5))
+    load_optimizer_state(model.transformer, fresh, saved)
+    assert fresh.param_groups[0]["lr"] == 0.5
+    for p in trained.param_groups[0]["params"]:
+        assert fresh.state[p].keys() == trained.state[p].keys()
+        assert all(torch.equal(fresh.state[p][k], trained.state[p][k]) for k in trained.state[p])
+
+
+def all_adapters(model) -> dict[str, torch.Tensor]:
+    return {f"{a}/{k}": v for a in adapter_names(model.transformer) for k, v in adapter_state(model.transformer, a).items()}
+
+
+def quiet(msg):
+    pass
+
+
+@pytest.mark.parametrize("recipe", [GRPO, NFT])
+def test_a_stopped_and_resumed_run_is_bit_identical_to_an_uninterrupted_one(tiny_model_dir, tmp_path, recipe):
+    def run(out, total):
+        cfg = small_cfg(recipe, tiny_model_dir, out, f"trainer.total_steps={total}", "trainer.save_every=0")
+        model, history = reference.train(cfg, log=quiet)
+        return history, all_adapters(model)
+
+    full_history, full_lora = run(tmp_path / "a", 4)
+    first, _ = run(tmp_path / "b", 2)
+    assert [os.path.basename(p) for p in list_checkpoints(str(tmp_path / "b" / "checkpoints"))] == ["step_00000002"]
+    rest, resumed_lora = run(tmp_path / "b", 4)  # trainer.resume=auto: continues from step 2
+    assert [h.step for h in rest] == [2, 3]
+
+    def key(h):
+        return h.step, h.reward_mean, h.reward_std, h.loss, h.grad_norm, h.metrics
+
+    assert [key(h) for h in first + rest] == [key(h) for h in full_history]
+    assert full_lora.keys() == resumed_lora.keys()
+    assert all(torch.equal(full_lora[k], resumed_lora[k]) for k in full_lora)
+
+
+@pytest.fixture(scope="module")
+def grpo_checkpoint(tiny_model_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("grpo-run")
+    reference.train(small_cfg(GRPO, tiny_model_dir, out, "trainer.total_steps=1"), log=quiet)
+    return latest_checkpoint(str(out / "checkpoints"))
+
+
+def identity_of(cfg):
+    return policy_identity(cfg, load_policy_model(cfg, "cpu"))
+
+
+def test_refuses_a_checkpoint_of_another_lora_config_or_algorithm_naming_what_differs(tiny_model_dir, tmp_path, grpo_checkpoint):
+    cfg = small_cfg(GRPO, tiny_model_dir, tmp_path, "learner.lora_rank=4", "learner.lora_targets=[to_q,to_k,to_v]")
+    with pytest.raises(CheckpointMismatch) as e:
+        load_checkpoint(grpo_checkpoint, identity_of(cfg))
+    assert "lora.rank: checkpoint 8, this run 4" in str(e.value)
+    assert "lora.targets: checkpoint ['to_q', 'to_k', 'to_v', 'to_out.0'," in str(e.value)
+    assert "algorithm" not in str(e.value) and "model." not in str(e.value)
+
+    # Through the trainer's own resume path.
+    cfg = small_cfg(NFT, tiny_model_dir, tmp_path, f"trainer.resume={grpo_checkpoint}")
+    with pytest.raises(CheckpointMismatch, match="algorithm: checkpoint 'flow_grpo', this run 'diffusion_nft'"):
+        reference.train(cfg, log=quiet)
+
+
+def test_refuses_a_checkpoint_of_another_base_model(tmp_path, grpo_checkpoint):
+    other_weights = save_tiny_model(str(tmp_path / "seed1"), size="tiny", seed=1)
+    with pytest.raises(CheckpointMismatch) as e:
+        load_checkpoint(grpo_checkpoint, identity_of(small_cfg(GRPO, other_weights, tmp_path)))
+    assert "model.weights_fingerprint: checkpoint" in str(e.value) and "lora." not in str(e.value)
+
+    bigger = str(tmp_path / "small")
+    save_tiny_model(bigger, size="small", seed=0)
+    with pytest.raises(CheckpointMismatch, match="model.transformer_config.num_layers: checkpoint 2, this run 4"):
+        load_checkpoint(grpo_checkpoint, identity_of(small_cfg(GRPO, bigger, tmp_path)))
+
+
+def test_resume_never_refuses_to_mix_with_an_earlier_run(tiny_model_dir, grpo_checkpoint):
+    out = os.path.dirname(os.path.dirname(grpo_checkpoint))
+    with pytest.raises(ValueError, match="trainer.resume=never but .* holds checkpoints of an earlier run"):
+        reference.train(small_cfg(GRPO, tiny_model_dir, out, "trainer.resume=never"), log=quiet)

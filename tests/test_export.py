@@ -1,0 +1,98 @@
+"""tools/export_lora.py: a trained adapter in diffusers' LoRA format, loaded by diffusers' own
+QwenImagePipeline.load_lora_weights and by tools/generate.py --lora."""
+
+import importlib.util
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from diffusers import QwenImagePipeline
+from safetensors.torch import load_file
+
+from rayflow import reference
+from rayflow.checkpoint import latest_checkpoint, load_adapter
+from rayflow.cfg.policy import make_policy
+from rayflow.learner.lora import using_adapter
+from rayflow.sampling.denoise import generate
+from rayflow.types import RolloutRequest, SamplingParams
+from tiny_run import GRPO, NFT, small_cfg
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PROMPT, SEED, STEPS, SIZE = "a red apple", 7, 4, 32
+
+
+def export_main(argv):
+    spec = importlib.util.spec_from_file_location("export_lora_tool", os.path.join(REPO, "tools", "export_lora.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.main(argv)
+
+
+def train_briefly(recipe, model_dir, out):
+    """Two steps at a high lr with alpha = 2 x rank (so a loader that ignored alpha would differ), and a
+    fast EMA so DiffusionNFT's "old" differs from "default"."""
+    cfg = small_cfg(recipe, model_dir, out, "trainer.total_steps=2", "learner.lr=0.05", "learner.lora_alpha=16",
+                    "algorithm.ema_uprate=0.5")
+    model, _ = reference.train(cfg, log=lambda msg: None)
+    return model, latest_checkpoint(os.path.join(out, "checkpoints"))
+
+
+def rayflow_latents(model, adapter):
+    params = SamplingParams(height=SIZE, width=SIZE, num_steps=STEPS, guidance_scale=4.0, negative_prompt=" ",
+                            sde_type="ode", return_step_indices=[STEPS])
+    with using_adapter(model.transformer, adapter):
+        (t,) = generate(model, RolloutRequest("x", [PROMPT], [0], [0], [SEED], params), make_policy("true_cfg"))
+    return t.latent(STEPS).unsqueeze(0), t.image
+
+
+def pipeline_latents(pipe):
+    def run(output_type):
+        return pipe(PROMPT, negative_prompt=" ", true_cfg_scale=4.0, height=SIZE, width=SIZE, num_inference_steps=STEPS,
+                    generator=torch.Generator("cpu").manual_seed(SEED), output_type=output_type).images
+    return run("latent"), torch.from_numpy((run("np")[0] * 255).round().astype(np.uint8))
+
+
+@pytest.mark.parametrize("recipe, adapter", [(GRPO, "default"), (NFT, "old")])
+def test_exported_lora_loads_in_diffusers_and_samples_as_rayflow_does(tiny_model_dir, tiny_pipeline, tmp_path, recipe, adapter):
+    model, ckpt = train_briefly(recipe, tiny_model_dir, str(tmp_path / "run"))
+    out = str(tmp_path / "lora")
+    export_main([ckpt, "--out", out, "--adapter", adapter])
+
+    saved = load_file(os.path.join(out, "pytorch_lora_weights.safetensors"))
+    expected = load_adapter(ckpt, adapter)
+    assert saved.keys() == {f"transformer.{k}" for k in expected}
+    assert all(torch.equal(saved[f"transformer.{k}"], v) for k, v in expected.items())
+
+    pipe = QwenImagePipeline.from_pretrained(tiny_model_dir)
+    pipe.set_progress_bar_config(disable=True)
+    pipe.load_lora_weights(out)
+    lora_latents, lora_image = pipeline_latents(pipe)
+    base_latents, base_image = pipeline_latents(tiny_pipeline)
+    ours_latents, ours_image = rayflow_latents(model, adapter)
+    torch.testing.assert_close(lora_latents, ours_latents, rtol=0, atol=1e-5)
+    assert (lora_latents - base_latents).abs().max() > 1e-2 and not torch.equal(lora_image, base_image)
+    assert (ours_image.int() - lora_image.int()).abs().max() <= 1
+
+
+def test_export_refuses_an_adapter_the_checkpoint_lacks(tiny_model_dir, tmp_path, capsys):
+    _, ckpt = train_briefly(GRPO, tiny_model_dir, str(tmp_path / "run"))
+    with pytest.raises(SystemExit):
+        export_main([ckpt, "--out", str(tmp_path / "lora"), "--adapter", "old"])
+    assert "has adapters ['default']" in capsys.readouterr().err
+
+
+def test_generate_with_lora_samples_under_the_exported_adapter(tiny_model_dir, tmp_path):
+    model, ckpt = train_briefly(GRPO, tiny_model_dir, str(tmp_path / "run"))
+    out, png, pt = str(tmp_path / "lora"), tmp_path / "x.png", tmp_path / "x.pt"
+    export_main([os.path.dirname(ckpt), "--out", out])  # a run's checkpoints directory: its newest
+    subprocess.run(
+        [sys.executable, "tools/generate.py", "--model", tiny_model_dir, "--prompt", PROMPT, "--negative-prompt", " ",
+         "--seed", str(SEED), "--steps", str(STEPS), "--guidance", "4.0", "--height", str(SIZE), "--width", str(SIZE),
+         "--lora", out, "--out", str(png), "--save-latents", str(pt)],
+        cwd=REPO, check=True, capture_output=True,
+    )
+    expected, _ = rayflow_latents(model, "default")
+    torch.testing.assert_close(torch.load(pt, weights_only=True), expected, rtol=0, atol=1e-5)

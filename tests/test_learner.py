@@ -1,0 +1,223 @@
+"""The FSDP2 learner: sharding, adapter swaps, skipped steps, and equivalence of world sizes 1 and 2
+with the single-process reference trainer on the same trajectories."""
+
+import dataclasses
+
+import pytest
+import ray
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor, Shard
+
+from rayflow import reference
+from rayflow.checkpoint import load_checkpoint, save_checkpoint
+from rayflow.distributed.process_group import Rendezvous, init_default_group
+from rayflow.learner import lora
+from rayflow.learner.backend import LearnerBackend
+from rayflow.learner.model import load_policy_model
+from rayflow.learner.parallelize import build_mesh, reshard
+from rayflow.learner.state import adapter_state, full_tensor, load_adapter_state
+from rayflow.learner.worker import LearnerError, LearnerGroup
+from rayflow.models.base import PromptEmbeds
+from tiny_run import GRPO, NFT, small_cfg
+
+CPU = torch.device("cpu")
+STEPS = 3
+
+
+@pytest.fixture(scope="module")
+def mesh1():
+    """A one-rank CPU mesh in this process (gloo on loopback), for backends driven without Ray."""
+    with pytest.MonkeyPatch.context() as mp:
+        for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):  # set by init_default_group; restored after
+            mp.setenv(name, "lo")
+        init_default_group(Rendezvous.on_this_node(), 0, 1, CPU)
+        yield build_mesh(CPU, 1)
+        dist.destroy_process_group()
+
+
+def velocity(model, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x, cond = torch.randn(2, 4, 16, generator=g), PromptEmbeds(torch.randn(2, 5, 32, generator=g), None)
+    return model.predict_velocity(x, torch.tensor(500.0), cond, 32, 32)
+
+
+def randomize_adapters(transformers, seed=1):
+    """Give every adapter of each transformer the same random values (B != 0, so A gets gradients too)."""
+    g = torch.Generator().manual_seed(seed)
+    for name in lora.adapter_names(transformers[0]):
+        values = {k: torch.randn(v.shape, generator=g) * 0.1 for k, v in adapter_state(transformers[0], name).items()}
+        for t in transformers:
+            load_adapter_state(t, name, values)
+
+
+def test_fsdp_shards_each_block_then_the_root_and_computes_as_the_plain_model(mesh1, tiny_model_dir, tmp_path):
+    cfg = small_cfg(GRPO, tiny_model_dir, tmp_path)
+    backend, plain = LearnerBackend(cfg, mesh1, CPU), load_policy_model(cfg, CPU)
+    t = backend.transformer
+    assert isinstance(t, FSDPModule) and all(isinstance(b, FSDPModule) for b in t.transformer_blocks)
+    outside_blocks = [m for n, m in t.named_modules() if n and not n.startswith("transformer_blocks")]
+    assert outside_blocks and not any(isinstance(m, FSDPModule) for m in outside_blocks)
+    for p in t.parameters():
+        assert isinstance(p, DTensor) and p.device_mesh.device_type == "cpu" and p.placements == (Shard(0),)
+    randomize_adapters([t, plain.transformer])
+    with torch.no_grad():
+        torch.testing.assert_close(velocity(backend.model), velocity(plain), rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("recipe, expected", [(GRPO, "default"), (NFT, "old")])
+def test_rollout_adapter_name(mesh1, tiny_model_dir, tmp_path, recipe, expected):
+    backend = LearnerBackend(small_cfg(recipe, tiny_model_dir, tmp_path), mesh1, CPU)
+    assert backend.rollout_adapter_name == expected
+    randomize_adapters([backend.transformer])  # "old" and "default" now differ
+    version, tensors = backend.rollout_weights()
+    assert version == 0
+    # Exactly the named adapter's tensors, under their canonical names.
+    assert tensors.keys() == lora.adapter_parameters(backend.transformer, expected).keys()
+    for name, p in lora.adapter_parameters(backend.transformer, expected).items():
+        assert torch.equal(tensors[name], full_tensor(p))
+    if expected == "old":
+        default = adapter_state(backend.transformer, "default")
+        assert not any(torch.equal(tensors[k], default[k]) for k in default)
+
+
+def assert_only_default_trainable(transformer):
+    for name, p in transformer.named_parameters():
+        is_default = (".lora_A.default." in name) or (".lora_B.default." in name)
+        assert p.requires_grad == is_default, name
+
+
+def test_swapping_adapters_keeps_default_trainable_without_resharding(mesh1, tiny_model_dir, tmp_path):
+    # reshard_after_forward=False keeps blocks unsharded after a forward: a swap then flips requires_grad on
+    # the unsharded parameters only, and FSDP2 copies the sharded flag back at the next all-gather.
+    cfg = small_cfg(NFT, tiny_model_dir, tmp_path, "learner.reshard_after_forward=false")
+    backend, plain = LearnerBackend(cfg, mesh1, CPU), load_policy_model(cfg, CPU)
+    models = [backend.model, plain]
+    randomize_adapters([m.transformer for m in models])
+    for swap in (lambda t: lora.using_adapter(t, "old"), lora.base_model, lambda t: lora.using_adapter(t, "old")):
+        for m in models:
+            with torch.no_grad(), swap(m.transformer):
+                velocity(m)
+            assert_only_default_trainable(m.transformer)  # the unsharded parameters, for the backend
+    for seed in (1, 2):  # two passes without a swap in between: the second all-gathers afresh
+        for m in models:
+            (velocity(m, seed) ** 2).mean().backward()
+        reshard(backend.transformer)
+        assert_only_default_trainable(backend.transformer)  # the sharded parameters
+        got = lora.adapter_parameters(backend.transformer, "default")
+        expected = lora.adapter_parameters(plain.transformer, "default")
+        # The last block's text-stream output feeds nothing, so its to_add_out gets no gradient.
+        with_grad = sorted(n for n, p in expected.items() if p.grad is not None)
+        assert len(with_grad) >= len(expected) - 2
+        assert sorted(n for n, p in got.items() if p.grad is not None) == with_grad
+        for name in with_grad:
+            torch.testing.assert_close(full_tensor(got[name].grad), expected[name].grad, rtol=1e-4, atol=1e-7)
+        for p in [*got.values(), *expected.values()]:
+            p.grad = None
+
+
+def test_activation_checkpointing_recomputes_each_block_with_the_same_gradients(mesh1, tiny_model_dir, tmp_path):
+    grads, calls = {}, {}
+    for ac in (False, True):
+        cfg = small_cfg(GRPO, tiny_model_dir, tmp_path, f"learner.activation_checkpointing={str(ac).lower()}")
+        backend = LearnerBackend(cfg, mesh1, CPU)
+        randomize_adapters([backend.transformer])
+        count = []
+        backend.transformer.transformer_blocks[0].register_forward_pre_hook(lambda *args: count.append(1))
+        (velocity(backend.model) ** 2).mean().backward()
+        calls[ac] = len(count)
+        grads[ac] = {k: full_tensor(p.grad) for k, p in lora.adapter_parameters(backend.transformer, "default").items()
+                     if p.grad is not None}
+    assert calls == {False: 1, True: 2}  # the block's forward runs again in backward
+    assert grads[True].keys() == grads[False].keys()
+    assert all(torch.equal(grads[True][k], grads[False][k]) for k in grads[False])
+
+
+def test_bf16_mixed_precision_computes_in_bf16_and_keeps_fp32_shards(mesh1, tiny_model_dir, tmp_path):
+    cfg = small_cfg(NFT, tiny_model_dir, tmp_path, "learner.mixed_precision=bf16")
+    backend = LearnerBackend(cfg, mesh1, CPU)
+    assert all(p.dtype == torch.float32 for p in backend.transformer.parameters())
+    with torch.no_grad():
+        assert velocity(backend.model).dtype == torch.bfloat16
+    reshard(backend.transformer)
+    version, tensors = backend.rollout_weights()
+    assert all(t.dtype == torch.float32 for t in tensors.values())
+
+
+@pytest.fixture(scope="module")
+def grpo_batches(tiny_model_dir, tmp_path_factory):
+    cfg = small_cfg(GRPO, tiny_model_dir, tmp_path_factory.mktemp("grpo"))
+    run = reference.build_run(cfg)
+    return [reference.rollout(run)[0] for _ in range(2)]
+
+
+def test_non_finite_grad_norm_skips_the_step_and_counts_it(mesh1, tiny_model_dir, tmp_path, grpo_batches):
+    backend = LearnerBackend(small_cfg(GRPO, tiny_model_dir, tmp_path), mesh1, CPU)
+    before = adapter_state(backend.transformer, "default")
+    poisoned = [dataclasses.replace(t, advantage=float("nan")) for t in grpo_batches[0]]
+    metrics = backend.train_step(poisoned)
+    assert metrics["train/skipped"] == 1 and metrics["train/skipped_steps"] == 1 and metrics["train/version"] == 1
+    after = adapter_state(backend.transformer, "default")
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    metrics = backend.train_step(grpo_batches[1])
+    assert metrics["train/skipped"] == 0 and metrics["train/skipped_steps"] == 1 and metrics["train/version"] == 2
+    trained = adapter_state(backend.transformer, "default")
+    assert any(not torch.equal(after[k], trained[k]) for k in after)
+
+
+@pytest.mark.parametrize("recipe", [GRPO, NFT])
+def test_world_size_2_and_1_end_where_the_reference_does(ray_session, mesh1, tiny_model_dir, tmp_path, recipe):
+    # Adam divides by the gradient's scale, so rounding differences in how ranks sum gradients move the
+    # LoRA by ~lr x relative rounding of the smallest gradients: lr 1e-3 keeps 3 steps well inside 1e-5.
+    cfg2 = small_cfg(recipe, tiny_model_dir, tmp_path, "learner.world_size=2", "learner.lr=0.001")
+    cfg1 = dataclasses.replace(cfg2, learner=dataclasses.replace(cfg2.learner, world_size=1))
+    group = LearnerGroup(cfg2, name=f"test-equivalence-{cfg2.algorithm.name}")
+    try:
+        ws1, run = LearnerBackend(cfg1, mesh1, CPU), reference.build_run(cfg1)
+        initial = adapter_state(run.model.transformer, "default")
+        for _ in range(STEPS):
+            batch, _ = reference.rollout(run)  # on-policy for all three: they hold the same LoRA
+            refs = group.train_step(batch)
+            m1 = ws1.train_step(batch)
+            m_ref, res = reference.learn(run, batch)
+            m2 = group.get(refs)[0]
+            for m in (m1, m2):
+                assert m["loss/policy"] == pytest.approx(m_ref["loss/policy"], rel=1e-4, abs=1e-6)
+                # Clipping and the skip decision use the global norm, not a rank's share of it.
+                assert m["train/grad_norm"] == pytest.approx(res.grad_norm, rel=1e-5)
+        ckpt = group.checkpoint(STEPS, data={})
+        assert ckpt.version == STEPS and sorted(ckpt.adapters) == lora.adapter_names(run.model.transformer)
+        for name in ckpt.adapters:
+            expected = adapter_state(run.model.transformer, name)
+            got1 = adapter_state(ws1.transformer, name)
+            for k, v in expected.items():
+                torch.testing.assert_close(ckpt.adapters[name][k], v, rtol=0, atol=1e-5)
+                torch.testing.assert_close(got1[k], v, rtol=0, atol=1e-5)
+        assert max((initial[k] - ckpt.adapters["default"][k]).abs().max() for k in initial) > 1e-3  # it trained
+        version, tensors = group.get(group.rollout_weights())[0]
+        assert version == STEPS and tensors.keys() == ckpt.adapters[group.rollout_adapter_name].keys()
+        assert all(torch.equal(tensors[k], v) for k, v in ckpt.adapters[group.rollout_adapter_name].items())
+    finally:
+        group.shutdown()
+
+
+def test_world_size_2_resumes_bit_identically_and_reports_a_dead_rank(ray_session, tiny_model_dir, tmp_path, grpo_batches):
+    cfg = small_cfg(GRPO, tiny_model_dir, tmp_path, "learner.world_size=2")
+    group = LearnerGroup(cfg, name="test-resume")
+    try:
+        group.get(group.train_step(grpo_batches[0]))
+        path = save_checkpoint(str(tmp_path / "ckpt"), group.checkpoint(1, data={}), keep=1)
+        uninterrupted = [group.get(group.train_step(b))[0] for b in grpo_batches]
+        final = group.checkpoint(3, data={}).adapters["default"]
+        group.restore(load_checkpoint(path, group.identity))
+        resumed = [group.get(group.train_step(b))[0] for b in grpo_batches]
+        assert resumed == uninterrupted
+        again = group.checkpoint(3, data={}).adapters["default"]
+        assert all(torch.equal(again[k], final[k]) for k in final)
+
+        ray.kill(group.workers[1])
+        with pytest.raises(LearnerError, match=r"learner rank 1/2 on 127\.0\.0\.1"):
+            group.get(group.train_step(grpo_batches[0]))
+    finally:
+        group.shutdown()

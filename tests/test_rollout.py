@@ -1,0 +1,357 @@
+"""Rollout ranks, replicas and pools against the single-process sampler.
+
+First without Ray (RolloutRank instances as threads over an in-process group, so weight staging can
+be placed at an exact step), then on the session's local Ray: W in {1, 2, 3} x N in {1, 2, 3},
+bad requests, a pool of replicas, weights staged on live actors, a killed rank, tools/generate.py.
+"""
+
+import dataclasses
+import importlib.util
+import os
+import time
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from rayflow.cfg.policy import DualNegativeCFG, TrueCFG
+from rayflow.config import ModelConfig, RolloutConfig
+from rayflow.data.prompts import PromptGroup
+from rayflow.errors import ConfigError
+from rayflow.learner.lora import TRAINED_ADAPTER, adapter_parameters, add_lora
+from rayflow.models import load_model
+from rayflow.rollout.rank import RolloutRank, RolloutWorkerSpec
+from rayflow.rollout.weights import StagedWeights
+from rayflow.sampling.denoise import advance, finish_rollout, generate, local_guided_velocity, start_rollout
+from rayflow.types import RolloutRequest, SamplingParams
+from test_cfg_parallel import ThreadGroup, run_ranks
+
+PROMPTS = ["a red apple", "a blue car on a green hill"]  # different lengths: padded, masked conditioning
+POLICIES = {1: TrueCFG(), 2: TrueCFG(), 3: DualNegativeCFG(avoid_prompt="dark")}
+LORA = dict(lora_rank=4, lora_alpha=4.0, seed=3)
+
+
+def request(request_id="r", steps=4, guidance=4.0, seeds=(11, 12), **params) -> RolloutRequest:
+    params = SamplingParams(height=32, width=32, num_steps=steps, guidance_scale=guidance, sde_type="sde", **params)
+    n = len(seeds)
+    return RolloutRequest(request_id, (PROMPTS * n)[:n], list(range(n)), list(range(n)), list(seeds), params)
+
+
+def spec_for(model_dir, **kwargs) -> RolloutWorkerSpec:
+    return RolloutWorkerSpec(model=ModelConfig(path=model_dir), **{"collective_timeout_s": 60.0, **LORA, **kwargs})
+
+
+def assert_same(got, want):
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        assert torch.equal(g.latents, w.latents) and g.latent_indices == w.latent_indices
+        assert torch.equal(g.log_probs, w.log_probs) and torch.equal(g.versions, w.versions)
+        assert torch.equal(g.image, w.image) and g.seed == w.seed and g.prompt == w.prompt
+
+
+def lora_model(model_dir):
+    """The oracle's model: the base model with the same LoRA slot a rank adds."""
+    model = load_model(model_dir)
+    torch.manual_seed(LORA["seed"])
+    add_lora(model.transformer, rank=LORA["lora_rank"], alpha=LORA["lora_alpha"], targets=model.lora_target_modules)
+    return model
+
+
+def random_adapter(model, seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    params = adapter_parameters(model.transformer, TRAINED_ADAPTER)
+    return {n: 0.3 * torch.randn(p.shape, generator=g) for n, p in params.items()}
+
+
+@torch.no_grad()
+def set_adapter(model, tensors):
+    for name, p in adapter_parameters(model.transformer, TRAINED_ADAPTER).items():
+        p.copy_(tensors[name])
+
+
+@torch.no_grad()
+def oracle(model, req, policy, switches: dict[int, tuple[int, dict]], version=0):
+    """The single-process loop; `switches[k] = (version, weights)` loads weights after step k."""
+    state = start_rollout(model, req, policy)
+    while not state.done:
+        advance(state, local_guided_velocity(model, state, policy), version)
+        if state.step - 1 in switches:
+            version, weights = switches[state.step - 1]
+            set_adapter(model, weights)
+    return finish_rollout(model, state)
+
+
+# --- without Ray ---------------------------------------------------------------------------------
+
+
+class StageAt:
+    """A rank's group that stages weights on its rank right before its `call`-th all_gather."""
+
+    def __init__(self, inner, rank: RolloutRank, call: int, version: int, weights):
+        self.inner, self.rank, self.size = inner, inner.rank, inner.size
+        self.target, self.call, self.version, self.weights, self.calls = rank, call, version, weights, 0
+
+    def all_gather(self, tensor):
+        if self.calls == self.call:
+            self.target.stage_weights(self.version, self.weights)
+        self.calls += 1
+        return self.inner.all_gather(tensor)
+
+
+def two_ranks(tiny_model_dir, apply_at, weights, stage_call):
+    """Two ranks: rank 0 has version 1 staged before the request, rank 1 gets it as its all_gather
+    number `stage_call` starts (0 is the request-start agreement, 1 + k that of step k)."""
+    spec = spec_for(tiny_model_dir, apply_at=apply_at)
+    ranks = [RolloutRank(spec, r, 2) for r in range(2)]
+    group = ThreadGroup(2)
+    ranks[0].join(group.rank(0))
+    ranks[1].join(StageAt(group.rank(1), ranks[1], stage_call, 1, weights))
+    ranks[0].stage_weights(1, weights)
+    return ranks
+
+
+def test_staged_weights_apply_at_the_step_boundary_all_ranks_reach(tiny_model_dir):
+    model = lora_model(tiny_model_dir)
+    weights, T = random_adapter(model, seed=1), 6
+    # Staged while step 1's all_gather is under way: rank 1 announces it in step 2's, applied after step 2.
+    ranks = two_ranks(tiny_model_dir, "step", weights, stage_call=2)
+    results = run_ranks(2, lambda r: ranks[r].generate(request(steps=T)))
+    assert results[1] is None  # rank 0 returns the trajectories
+    assert results[0][0].versions.tolist() == [0, 0, 0, 1, 1, 1]
+    assert_same(results[0], oracle(model, request(steps=T), TrueCFG(), {2: (1, weights)}))
+    for rank in ranks:
+        assert rank.version == 1
+        got = rank.get_adapter_weights()
+        assert all(torch.equal(got[n], weights[n]) for n in weights)
+
+
+def test_apply_at_request_keeps_a_request_on_one_version(tiny_model_dir):
+    model = lora_model(tiny_model_dir)
+    weights = random_adapter(model, seed=2)
+    ranks = two_ranks(tiny_model_dir, "request", weights, stage_call=1)
+    first = run_ranks(2, lambda r: ranks[r].generate(request("a")))[0]
+    assert first[0].versions.tolist() == [0] * 4
+    assert_same(first, oracle(model, request("a"), TrueCFG(), {}))
+    second = run_ranks(2, lambda r: ranks[r].generate(request("b")))[0]  # agreed before its first step
+    set_adapter(model, weights)
+    assert_same(second, oracle(model, request("b"), TrueCFG(), {}, version=1))
+
+
+def test_ranks_on_different_requests_fail_instead_of_mixing(tiny_model_dir):
+    ranks = [RolloutRank(spec_for(tiny_model_dir), r, 2) for r in range(2)]
+    group = ThreadGroup(2)
+    for r in range(2):
+        ranks[r].join(group.rank(r))
+    with pytest.raises(RuntimeError, match="different requests"):
+        run_ranks(2, lambda r: ranks[r].generate(request(f"req-{r}")))
+
+
+def test_staging_checks_names_shapes_and_versions(tiny_model_dir):
+    rank = RolloutRank(spec_for(tiny_model_dir), 0, 1)
+    weights = rank.get_adapter_weights()
+    name = sorted(weights)[0]
+    with pytest.raises(ValueError, match="missing"):
+        rank.stage_weights(1, {n: t for n, t in weights.items() if n != name})
+    with pytest.raises(ValueError, match="wrong shapes"):
+        rank.stage_weights(1, {**weights, name: torch.zeros(1)})
+    with pytest.raises(ValueError, match="not newer"):
+        rank.stage_weights(0, weights)
+
+
+def test_staged_versions_are_taken_in_order():
+    staged = StagedWeights()
+    assert staged.newest(default=0) == 0
+    for v in (1, 2, 3):
+        staged.put(v, {"w": torch.tensor(float(v))})
+    assert staged.newest(default=0) == 3
+    assert staged.take(2)["w"].item() == 2.0  # drops version 1 with it
+    assert staged.newest(default=2) == 3
+    with pytest.raises(KeyError, match="not staged"):
+        staged.take(1)
+
+
+def test_spec_from_config_takes_the_learners_lora_and_the_apply_policy():
+    from rayflow.config import RayflowConfig
+
+    cfg = RayflowConfig()
+    cfg.learner.lora_rank, cfg.learner.lora_targets, cfg.trainer.seed = 16, ["to_q", "to_v"], 7
+    cfg.rollout.threads_per_rank, cfg.rollout.batch_branches = 2, True
+    spec = RolloutWorkerSpec.from_config(cfg)
+    assert (spec.lora_rank, spec.lora_targets, spec.seed) == (16, ("to_q", "to_v"), 7)
+    assert (spec.threads, spec.batch_branches, spec.apply_at) == (2, True, "step")
+    assert spec.policy == cfg.cfg.make_policy()
+    cfg.async_.partial_rollout = False  # a trajectory finishes under the weights it started with
+    assert RolloutWorkerSpec.from_config(cfg).apply_at == "request"
+    cfg.async_.partial_rollout, cfg.sync.apply_at = True, "request"
+    assert RolloutWorkerSpec.from_config(cfg).apply_at == "request"
+
+
+# --- on Ray --------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def replicas(ray_session, tiny_model_dir):
+    """One replica per W in {1, 2, 3}, started together (their actors load concurrently)."""
+    from rayflow.rollout import RolloutReplica
+
+    spec = spec_for(tiny_model_dir)
+    started = {w: RolloutReplica(spec, RolloutConfig(cfg_parallel_size=w), name=f"test-w{w}") for w in (1, 2, 3)}
+    try:
+        yield {w: r.wait_ready() for w, r in started.items()}
+    finally:
+        for r in started.values():
+            r.shutdown()
+
+
+@pytest.mark.parametrize("num_branches", [1, 2, 3])
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_replica_equals_single_process_sampler(replicas, tiny_model, world_size, num_branches):
+    replica = replicas[world_size]
+    req = request(guidance=1.0 if num_branches == 1 else 4.0)
+    serial = POLICIES[num_branches]
+    parallel = dataclasses.replace(serial, parallel_arithmetic=True)
+    futures = [replica.submit(req, serial), replica.submit(req, parallel)]
+    expected = generate(tiny_model, req, serial)
+    assert (expected[0].log_probs[:-1] != 0).all()  # SDE steps: log-probs to compare
+    got_serial, got_parallel = (f.result() for f in futures)
+    assert_same(got_serial, expected)  # bit for bit, whatever W
+    # Distribution adds no error in either order; the parallel order itself differs from the serial
+    # one by a few ulp of the latents (up to ~1.7e-6 at |x| ~ 3 in one process).
+    assert_same(got_parallel, generate(tiny_model, req, parallel))
+    for got, want in zip(got_parallel, expected):
+        torch.testing.assert_close(got.latents, want.latents, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(got.log_probs, want.log_probs, rtol=1e-6, atol=1e-6)
+
+
+BAD_REQUESTS = [
+    (dict(seeds=[1, 2, 3]), "request.seeds"),
+    (dict(seeds=[5, 5]), "request.seeds"),  # one group, the same seed twice
+    (dict(params=dict(height=40)), "sampling.height"),
+    (dict(params=dict(num_steps=0)), "request.params.num_steps"),
+    (dict(params=dict(return_step_indices=[0, 9])), "request.params.return_step_indices"),
+    (dict(params=dict(sde_step_indices=[4])), "request.params.sde_step_indices"),
+]
+
+
+def test_bad_requests_fail_naming_the_field_and_the_replica_keeps_serving(replicas, tiny_model):
+    replica, good = replicas[2], request("good")
+    futures = []
+    for change, field in BAD_REQUESTS:
+        bad = dataclasses.replace(good, request_id=field, prompts=PROMPTS[:1] * 2, group_ids=[0, 0])
+        bad = dataclasses.replace(bad, seeds=change.get("seeds", bad.seeds),
+                                  params=dataclasses.replace(bad.params, **change.get("params", {})))
+        futures.append((replica.submit(bad), field))
+    after = replica.submit(good)  # queued behind every bad request
+    for future, field in futures:
+        with pytest.raises((ConfigError, ValueError), match=field.replace(".", r"\.")):
+            future.result()
+    assert_same(after.result(), generate(tiny_model, good, TrueCFG()))
+
+
+def test_a_pool_splits_a_group_across_replicas_like_one_replica(replicas, tiny_model):
+    from rayflow.rollout import RolloutPool
+
+    group = PromptGroup(group_id=7, prompt_id=3, prompt=PROMPTS[1], seeds=(40, 41, 42, 43))
+    requests = group.requests(request().params, micro_batch_size=2)
+    pool = RolloutPool([replicas[1], replicas[2]])  # not owned: the fixture shuts them down
+    futures = pool.map(requests)
+    assert [f.replica for f in futures] == [replicas[1], replicas[2]]  # both replicas serve
+    one = [t for r in requests for t in replicas[3].generate(r)]
+    assert_same([t for f in futures for t in f.result()], one)
+    assert_same(one, [t for r in requests for t in generate(tiny_model, r, TrueCFG())])
+    assert [t.seed for t in one] == list(group.seeds) and {t.group_id for t in one} == {7}
+
+
+@pytest.fixture(scope="module")
+def fresh_pool(ray_session, tiny_model_dir):
+    """A pool built from config (one replica, W = 2) with a short collective timeout; a new one
+    after a test killed a rank of the last."""
+    from rayflow.rollout import RolloutPool
+
+    pools = []
+
+    def live_pool():
+        if not pools or not pools[-1].replicas[0].alive:
+            pools.append(RolloutPool.create(
+                spec_for(tiny_model_dir, collective_timeout_s=5.0),
+                RolloutConfig(num_replicas=1, cfg_parallel_size=2, collective_timeout_s=5.0),
+                name=f"test-fresh-{len(pools)}",
+            ))
+        return pools[-1]
+
+    try:
+        yield live_pool
+    finally:
+        for pool in pools:
+            pool.shutdown()
+
+
+def test_weights_staged_on_live_ranks_apply_when_all_have_them(fresh_pool, tiny_model_dir):
+    import ray
+
+    pool = fresh_pool()
+    (replica,) = pool.replicas
+    model = lora_model(tiny_model_dir)
+    v1, v2 = random_adapter(model, seed=4), random_adapter(model, seed=5)
+    ray.get(replica.stage_weights(1, v1, ranks=[0]))
+    assert replica.generate(request("only-rank-0"))[0].versions.tolist() == [0] * 4  # rank 1 lacks version 1
+    ray.get(pool.stage_weights(1, v1))  # every rank of every replica
+    set_adapter(model, v1)
+    assert_same(replica.generate(request("both")), oracle(model, request("both"), TrueCFG(), {}, version=1))
+    assert all(torch.equal(w[n], v1[n]) for w in replica.adapter_weights() for n in v1)
+
+    # Mid-request: rank 1 receives version 2 only once it is past step 2.
+    T, long = 60, request("partial", steps=60)
+    ray.get(replica.stage_weights(2, v2, ranks=[0]))
+    future = replica.submit(long)
+    while (replica.progress(rank=1) or ("", -1))[1] < 2:
+        time.sleep(0.005)
+    ray.get(replica.stage_weights(2, v2, ranks=[1]))
+    versions = future.result()[0].versions.tolist()
+    k = versions.index(2)
+    assert 3 <= k < T and versions == [1] * k + [2] * (T - k)
+    set_adapter(model, v1)
+    assert_same(future.result(), oracle(model, long, TrueCFG(), {k - 1: (2, v2)}, version=1))
+
+    # Applied directly (between requests, in request order): every rank holds exactly these tensors.
+    ray.get(replica.apply_weights(3, v1))
+    assert all(torch.equal(w[n], v1[n]) for w in replica.adapter_weights() for n in v1)
+    assert replica.generate(request("after-apply"))[0].versions.tolist() == [3] * 4
+
+
+def test_a_killed_rank_is_reported_with_its_rank_and_node(fresh_pool):
+    import ray
+
+    from rayflow.rollout import ReplicaError
+
+    pool = fresh_pool()
+    (replica,) = pool.replicas
+    future = replica.submit(request("long", steps=400))
+    while replica.progress(rank=0) is None:
+        time.sleep(0.005)
+    start = time.monotonic()
+    ray.kill(replica.workers[1])
+    with pytest.raises(ReplicaError, match=r"rank 1 of 2 \(node 127\.0\.0\.1, node id \w+\) died"):
+        future.result(timeout=60)
+    assert time.monotonic() - start < replica.collective_timeout_s
+    with pytest.raises(ReplicaError, match="rank 1 of 2"):
+        replica.submit(request("next"))
+    with pytest.raises(ReplicaError, match="out of service"):
+        pool.submit(request("next"))
+    pool.shutdown()  # frees its placement group for the tests after this one
+
+
+def test_generate_tool_with_cfg_parallel_writes_what_w1_writes(ray_session, tiny_model_dir, tmp_path):
+    path = os.path.join(os.path.dirname(__file__), "..", "tools", "generate.py")
+    spec = importlib.util.spec_from_file_location("generate_tool", path)
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    outputs = {}
+    for w in (1, 2):
+        png, pt = tmp_path / f"w{w}.png", tmp_path / f"w{w}.pt"
+        tool.main(["--model", tiny_model_dir, "--prompt", PROMPTS[0], "--seed", "9", "--out", str(png),
+                   "--save-latents", str(pt), "--cfg-parallel-size", str(w)])
+        outputs[w] = np.array(Image.open(png)), torch.load(pt)
+    assert np.array_equal(outputs[1][0], outputs[2][0]) and torch.equal(outputs[1][1], outputs[2][1])
+    assert ray_session.is_initialized()  # the tool used the session's Ray and left it running

@@ -1,0 +1,179 @@
+"""rayflow benchmarks: ratios measured side by side in one run, written as JSON.
+
+    python tools/bench.py rollout --json bench_rollout.json [--size small --height 192 --width 192 --steps 20 --batch 4]
+
+rollout: CFG-parallel rollout on a local Ray, two CFG branches (Qwen-Image true CFG), one torch
+thread per rank, requests of rollout.micro_batch_size (4) samples. The model is the "small" tiny
+Qwen-Image at 192x192: enough tokens per forward (4 x 144 image tokens) that the transformer is
+compute-bound (a batch of 2B costs ~2x a batch of B; at 128x128 with 1 sample it costs ~1.3x and
+CFG parallelism has little to win) and the transformer dominates the step time.
+  (a) latency: seconds per image of a W = 2 replica (one branch per rank) against a W = 1 replica
+      that batches both branches in one forward -- the CPU analogue of two devices against one;
+  (b) throughput at equal resources: images/s of one W = 2 replica against two W = 1 replicas
+      serving concurrently, both on the machine's cores;
+  (c) the share of the W = 2 ranks' step time spent in the per-step all_gather (waiting for the
+      peer included).
+Configurations take turns, repeated, and the medians are reported; the other replicas idle meanwhile.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+import torch
+
+from rayflow.cfg.policy import TrueCFG
+from rayflow.config import ModelConfig, RolloutConfig
+from rayflow.models.tiny import resolve_model_path
+from rayflow.types import RolloutRequest, SamplingParams
+
+LATENCY_GOAL, LATENCY_LIMIT, THROUGHPUT_GOAL = 1.6, 2.0, 0.9
+
+
+def start_local_ray(num_cpus: int):
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # loopback only; must precede importing ray
+    import ray
+
+    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
+    return ray
+
+
+class Requests:
+    """Distinct requests (fresh seeds each) of `batch` samples of one prompt."""
+
+    def __init__(self, args: argparse.Namespace):
+        self.params = SamplingParams(height=args.height, width=args.width, num_steps=args.steps, guidance_scale=4.0)
+        self.batch, self.count = args.batch, 0
+
+    def next(self) -> RolloutRequest:
+        self.count += 1
+        seeds = [self.count * 1000 + i for i in range(self.batch)]
+        return RolloutRequest(f"bench-{self.count}", ["a red apple on a table"] * self.batch, [0] * self.batch,
+                              [0] * self.batch, seeds, self.params)
+
+
+def timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def gather_share(before: list[dict], after: list[dict]) -> list[float]:
+    """Per rank: seconds in the step all_gather / seconds in steps, over the interval."""
+    return [
+        (a["step_all_gather_s"] - b["step_all_gather_s"]) / (a["step_s"] - b["step_s"]) for b, a in zip(before, after)
+    ]
+
+
+def measure_round(one_a, one_b, two, requests: Requests, args: argparse.Namespace) -> dict[str, float]:
+    """One turn of every configuration, back to back, so their ratios see the same machine state."""
+    w1 = timed(lambda: one_a.generate(requests.next())) / args.batch
+    w2 = timed(lambda: two.generate(requests.next())) / args.batch
+    n = args.throughput_requests
+    batch = [requests.next() for _ in range(n)]
+    pair = timed(lambda: [f.result() for f in [(one_a, one_b)[i % 2].submit(r) for i, r in enumerate(batch)]])
+    batch = [requests.next() for _ in range(n)]
+    single = timed(lambda: [f.result() for f in [two.submit(r) for r in batch]])
+    pair_ips, w2_ips = n * args.batch / pair, n * args.batch / single
+    return {
+        "w1_batched_cfg_s_per_image": w1, "w2_s_per_image": w2, "latency_speedup": w1 / w2,
+        "two_w1_replicas_images_per_s": pair_ips, "one_w2_replica_images_per_s": w2_ips,
+        "throughput_ratio": w2_ips / pair_ips,
+    }
+
+
+def bench_rollout(args: argparse.Namespace) -> dict:
+    path = resolve_model_path(args.model, args.cache_dir, size=args.size)
+    load_before = os.getloadavg()[0]  # other processes on the machine skew every figure: record them
+    ray = start_local_ray(num_cpus=4)  # logical: two W = 1 replicas and one W = 2 replica exist at once
+    from rayflow.rollout import RolloutReplica, RolloutWorkerSpec  # imports ray: after its environment is set
+
+    spec = RolloutWorkerSpec(model=ModelConfig(path=path), policy=TrueCFG(), threads=1)
+    batched = dataclasses.replace(spec, batch_branches=True)
+    one_a = RolloutReplica(batched, RolloutConfig(cfg_parallel_size=1), name="bench-w1-a")
+    one_b = RolloutReplica(batched, RolloutConfig(cfg_parallel_size=1), name="bench-w1-b")
+    two = RolloutReplica(spec, RolloutConfig(cfg_parallel_size=2), name="bench-w2")
+    replicas = (one_a, one_b, two)
+    try:
+        for replica in replicas:
+            replica.wait_ready()
+        requests = Requests(args)
+        for replica in replicas:  # warm-up: first-call allocations, lazy imports
+            replica.generate(requests.next())
+        before = two.timings()
+        rounds = [measure_round(one_a, one_b, two, requests, args) for _ in range(args.repeats)]
+        shares = gather_share(before, two.timings())
+    finally:
+        for replica in replicas:
+            replica.shutdown()
+        ray.shutdown()
+
+    median = {key: statistics.median(r[key] for r in rounds) for key in rounds[0]}
+    return {
+        "benchmark": "rollout",
+        "command": " ".join(["python", *sys.argv]),
+        "setup": {
+            "model": f"tiny Qwen-Image '{args.size}'", "height": args.height, "width": args.width,
+            "steps": args.steps, "samples_per_request": args.batch, "cfg_branches": 2, "cfg_policy": "true_cfg",
+            "sde_type": "sde", "threads_per_rank": 1, "repeats": args.repeats,
+            "throughput_requests_per_round": args.throughput_requests, "cpus": os.cpu_count(),
+            "load_average_before": load_before, "torch": torch.__version__, "ray": ray.__version__,
+            "python": platform.python_version(),
+        },
+        "latency": {
+            "w1_batched_cfg_s_per_image": median["w1_batched_cfg_s_per_image"],
+            "w2_s_per_image": median["w2_s_per_image"],
+            "speedup": median["latency_speedup"],
+            "goal": LATENCY_GOAL, "limit": LATENCY_LIMIT, "goal_met": median["latency_speedup"] >= LATENCY_GOAL,
+        },
+        "throughput": {
+            "two_w1_replicas_images_per_s": median["two_w1_replicas_images_per_s"],
+            "one_w2_replica_images_per_s": median["one_w2_replica_images_per_s"],
+            "ratio": median["throughput_ratio"],
+            "goal": THROUGHPUT_GOAL, "goal_met": median["throughput_ratio"] >= THROUGHPUT_GOAL,
+        },
+        "all_gather": {"share_of_step_time": statistics.mean(shares), "per_rank": shares},
+        "rounds": rounds,
+        "note": "speedup and ratio are medians of per-round ratios (each round runs every configuration back to back)",
+    }
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="benchmark", required=True)
+    rollout = sub.add_parser("rollout", help="CFG-parallel rollout: latency, throughput, all_gather share")
+    rollout.add_argument("--json", default=None, help="write the results here (also printed)")
+    rollout.add_argument("--model", default=None, help="a pipeline directory; default: the tiny offline model of --size")
+    rollout.add_argument("--size", default="small", help="tiny model size when --model is not given")
+    rollout.add_argument("--cache-dir", default="~/.cache/rayflow")
+    rollout.add_argument("--height", type=int, default=192)
+    rollout.add_argument("--width", type=int, default=192)
+    rollout.add_argument("--steps", type=int, default=20)
+    rollout.add_argument("--batch", type=int, default=4, help="samples per request")
+    rollout.add_argument("--repeats", type=int, default=3)
+    rollout.add_argument("--throughput-requests", type=int, default=4, help="requests per throughput round")
+    return parser.parse_args(argv)
+
+
+BENCHMARKS = {"rollout": bench_rollout}
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    result = BENCHMARKS[args.benchmark](args)
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.json:
+        with open(args.json, "w") as f:
+            f.write(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
