@@ -269,11 +269,18 @@ class SyncConfig:
     """Rollout ranks apply new weights at the next denoising "step" boundary or between "request"s."""
     verify_checksum: bool = False
     """Also compare a checksum per tensor between the source and every rank."""
+    cpus: float = 1.0
+    """CPUs of the weight-sync actor."""
+    gpus: float | None = None
+    """GPUs of the weight-sync actor (the broadcast source: nccl needs it on a GPU of its own);
+    null: 1 when the cluster has GPUs, else 0."""
 
     def validate(self, prefix: str = "sync") -> None:
         _need(self.mode in ("lora", "merged"), f"{prefix}.mode", self.mode, "'lora' or 'merged'")
         _need(self.bucket_mb > 0, f"{prefix}.bucket_mb", self.bucket_mb, "a float > 0")
         _need(self.apply_at in ("step", "request"), f"{prefix}.apply_at", self.apply_at, "'step' or 'request'")
+        _need(self.cpus >= 0, f"{prefix}.cpus", self.cpus, "a float >= 0")
+        _need(self.gpus is None or self.gpus >= 0, f"{prefix}.gpus", self.gpus, "null or a float >= 0")
 
 
 @dataclass

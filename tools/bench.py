@@ -35,6 +35,7 @@ from rayflow.models.tiny import resolve_model_path
 from rayflow.types import RolloutRequest, SamplingParams
 
 LATENCY_GOAL, LATENCY_LIMIT, THROUGHPUT_GOAL = 1.6, 2.0, 0.9
+SYNC_OVER_RAW_GOAL = 1.5
 
 
 def start_local_ray(num_cpus: int):
@@ -145,6 +146,117 @@ def bench_rollout(args: argparse.Namespace) -> dict:
     }
 
 
+def bench_sync(args: argparse.Namespace) -> dict:
+    """Weight sync of a learner's rollout adapter to every rank of two W = 1 rollout replicas."""
+    path = resolve_model_path(args.model, args.cache_dir, size=args.size)
+    load_before = os.getloadavg()[0]
+    ray = start_local_ray(num_cpus=6)
+    from rayflow import reference  # imports ray: after its environment is set
+    from rayflow.config import load_config
+    from rayflow.learner.worker import LearnerGroup
+    from rayflow.rollout import RolloutReplica, RolloutWorkerSpec
+    from rayflow.sync.weight_sync import WeightSync
+
+    cfg = load_config("recipes/flowgrpo_qwen_image.yaml", [
+        f"model.path={path}", f"learner.lora_rank={args.lora_rank}", f"learner.lora_alpha={args.lora_rank}",
+        "algorithm.prompts_per_step=1", "algorithm.group_size=2", "learner.micro_batch_size=2",
+        "rollout.micro_batch_size=2", "sampling.num_steps=2", f"sync.bucket_mb={args.bucket_mb}", "trainer.output_dir=/tmp/rayflow-bench",
+    ])
+    batch, _ = reference.rollout(reference.build_run(cfg))  # one small batch to train on between pushes
+    learners = LearnerGroup(cfg, name="bench-learner")
+    results = {}
+    try:
+        for mode in ("lora", "merged"):
+            mcfg = dataclasses.replace(cfg, sync=dataclasses.replace(cfg.sync, mode=mode))
+            spec = RolloutWorkerSpec.from_config(mcfg)
+            replicas = [RolloutReplica(spec, RolloutConfig(), name=f"bench-sync-{mode}-{i}") for i in range(2)]
+            for replica in replicas:
+                replica.wait_ready()
+            sync = WeightSync(mcfg.sync, spec, replicas, name=f"bench-sync-{mode}")
+            try:
+                results[mode] = measure_sync(ray, learners, sync, replicas, batch, args.repeats)
+            finally:
+                sync.shutdown()
+                for replica in replicas:
+                    replica.shutdown()
+    finally:
+        learners.shutdown()
+        ray.shutdown()
+    lora, merged = results["lora"], results["merged"]
+    return {
+        "benchmark": "sync",
+        "command": " ".join(["python", *sys.argv]),
+        "setup": {
+            "model": f"tiny Qwen-Image '{args.size}'", "lora_rank": args.lora_rank, "bucket_mb": args.bucket_mb,
+            "receivers": "2 rollout ranks (two W = 1 replicas) + the sync actor, gloo on loopback",
+            "repeats": args.repeats, "cpus": os.cpu_count(), "load_average_before": load_before,
+            "torch": torch.__version__, "ray": ray.__version__,
+        },
+        "lora": lora,
+        "merged": merged,
+        "merged_over_lora_bytes": merged["bytes"] / lora["bytes"],
+        "goals": {
+            "sync_over_raw_broadcast_at_most": SYNC_OVER_RAW_GOAL,
+            "lora_met": lora["sync_over_raw_broadcast"] <= SYNC_OVER_RAW_GOAL,
+            # Merged mode also folds the adapter into the weights (compute a raw broadcast does not do).
+            "merged_transfer_met": merged["broadcast_over_raw_broadcast"] <= SYNC_OVER_RAW_GOAL,
+            "learner_blocked": "push_s against copy_s, one copy of the tensors on the learner",
+        },
+        "note": "medians over repeats after one warm-up round, ratios of medians; sync_s = sync_copy_s (the actor's copy of a push, straight into its buckets; "
+                "merged mode: folding too) + sync_broadcast_s (notifying receivers, the bucket broadcasts, receivers "
+                "verifying and staging); raw_broadcast_s is one torch.distributed broadcast of the same bytes on the same "
+                "group, the receivers already waiting in it",
+    }
+
+
+def measure_sync(ray, learners, sync, replicas, batch, repeats: int) -> dict:
+    """Train a step, push, wait for the broadcast; then a raw broadcast of the same bytes on the same group."""
+    import torch.distributed  # noqa: F401
+
+    rows = []
+    for _ in range(repeats + 1):  # the first round warms up (first-touch allocations, lazy imports)
+        learners.get(learners.train_step(batch))
+        timing = learners.get(learners.push_weights(sync.actor))[0]
+        report = sync.wait(timing["version"], timeout_s=300)
+        n = report.bytes // 4
+        workers = [w for r in replicas for w in r.workers]
+        receives = [w.__ray_call__.remote(_receive_raw, n) for w in workers]
+
+        def raw(actor, n=n, receives=receives):
+            buffer = torch.zeros(n)
+            start = time.perf_counter()
+            actor.group.broadcast(buffer, src=0)
+            ray.get(receives)
+            return time.perf_counter() - start
+
+        raw_s = ray.get(sync.actor.__ray_call__.remote(raw))
+        copy_s = ray.get(learners.workers[0].__ray_call__.remote(_time_one_copy))
+        rows.append({"bytes": report.bytes, "sync_s": report.seconds, "sync_copy_s": report.copy_s,
+                     "sync_broadcast_s": report.broadcast_s, "raw_broadcast_s": raw_s,
+                     "learner_push_s": timing["push_s"], "learner_gather_s": timing["gather_s"], "copy_s": copy_s})
+    rows = rows[1:]
+    median = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+    # Ratios of medians: the two sides of a ratio run moments apart on a shared machine.
+    median["sync_over_raw_broadcast"] = median["sync_s"] / median["raw_broadcast_s"]
+    median["broadcast_over_raw_broadcast"] = median["sync_broadcast_s"] / median["raw_broadcast_s"]
+    median["learner_push_over_one_copy"] = median["learner_push_s"] / median["copy_s"]
+    median["rounds"] = rows
+    return median
+
+
+def _receive_raw(worker, numel: int) -> None:
+    """On a rollout rank: join one raw broadcast of `numel` float32 values on the weight-sync group."""
+    worker.sync_group.broadcast(torch.empty(numel), src=0)
+
+
+def _time_one_copy(worker) -> float:
+    """On a learner rank: the time one copy of the rollout adapter takes (the push's reference cost)."""
+    _, tensors = worker.backend.rollout_weights()
+    start = time.perf_counter()
+    [t.clone() for t in tensors.values()]
+    return time.perf_counter() - start
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="benchmark", required=True)
@@ -159,10 +271,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     rollout.add_argument("--batch", type=int, default=4, help="samples per request")
     rollout.add_argument("--repeats", type=int, default=3)
     rollout.add_argument("--throughput-requests", type=int, default=4, help="requests per throughput round")
+    sync = sub.add_parser("sync", help="weight sync: against a raw broadcast, lora vs merged bytes, learner blocking")
+    sync.add_argument("--json", default=None, help="write the results here (also printed)")
+    sync.add_argument("--model", default=None, help="a pipeline directory; default: the tiny offline model of --size")
+    sync.add_argument("--size", default="small", help="tiny model size when --model is not given")
+    sync.add_argument("--cache-dir", default="~/.cache/rayflow")
+    sync.add_argument("--lora-rank", type=int, default=128)
+    sync.add_argument("--bucket-mb", type=float, default=64.0)
+    sync.add_argument("--repeats", type=int, default=5)
     return parser.parse_args(argv)
 
 
-BENCHMARKS = {"rollout": bench_rollout}
+BENCHMARKS = {"rollout": bench_rollout, "sync": bench_sync}
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from rayflow.config import RayflowConfig
-from rayflow.learner.lora import rollout_adapter_name
+from rayflow.learner.lora import adapter_parameters, rollout_adapter_name
 from rayflow.learner.model import load_policy_model, policy_identity
 from rayflow.learner.objective import backward
 from rayflow.learner.optim import build_optimizer, optimizer_step
@@ -26,8 +26,9 @@ from rayflow.learner.parallelize import (
     mixed_precision_policy,
     reshard,
 )
-from rayflow.learner.state import adapter_state, capture, restore
+from rayflow.learner.state import adapter_state, capture, gathered, restore
 from rayflow.rng import get_rng_state, set_rng_state
+from rayflow.sync.buckets import WirePush, to_wire
 from rayflow.types import Trajectory
 
 
@@ -88,6 +89,14 @@ class LearnerBackend:
         reshard(self.transformer)
         tensors = adapter_state(self.transformer, self.rollout_adapter_name)
         return self.version, tensors if self.mesh.get_rank() == 0 else None
+
+    def rollout_wire(self) -> WirePush | None:
+        """The rollout adapter laid out for the weight-sync actor (rayflow.sync.buckets.to_wire): gathered
+        and copied once, into one flat buffer; on rank 0 only (every rank takes part in the gather)."""
+        reshard(self.transformer)
+        params = adapter_parameters(self.transformer, self.rollout_adapter_name)
+        tensors = {name: gathered(p) for name, p in sorted(params.items())}
+        return to_wire(self.version, tensors) if self.mesh.get_rank() == 0 else None
 
     def state_dict(self) -> dict:
         """Everything to resume this rank: "version", "skipped_steps", this rank's "rng" states and, on

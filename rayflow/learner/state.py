@@ -14,14 +14,18 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from rayflow.learner.lora import TRAINED_ADAPTER, adapter_names, adapter_parameters
+from rayflow.named_tensors import check_layout, layout
+
+
+def gathered(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor, detached: all-gathered when `t` is a DTensor shard, else `t` itself (no copy)."""
+    t = t.detach()
+    return t.full_tensor() if isinstance(t, DTensor) else t
 
 
 def full_tensor(t: torch.Tensor) -> torch.Tensor:
     """A detached CPU copy of the whole tensor (all-gathered when `t` is a DTensor shard)."""
-    t = t.detach()
-    if isinstance(t, DTensor):
-        t = t.full_tensor()
-    return t.cpu().clone()
+    return gathered(t).cpu().clone()
 
 
 def like(full: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
@@ -42,10 +46,7 @@ def adapter_state(transformer: nn.Module, adapter: str) -> dict[str, torch.Tenso
 def load_adapter_state(transformer: nn.Module, adapter: str, tensors: dict[str, torch.Tensor]) -> None:
     """Overwrite an adapter from full tensors; names and shapes must match exactly."""
     params = adapter_parameters(transformer, adapter)
-    _check_names(f"adapter {adapter!r}", list(tensors), list(params))
-    wrong = [f"{n}: saved {tuple(tensors[n].shape)}, model {tuple(p.shape)}" for n, p in params.items() if tensors[n].shape != p.shape]
-    if wrong:
-        raise ValueError(f"adapter {adapter!r}: shapes differ: {wrong[:5]}")
+    check_layout(layout(params), layout(tensors), f"adapter {adapter!r}")
     for name, p in params.items():
         p.copy_(like(tensors[name], p))
 

@@ -15,6 +15,7 @@ raises LearnerError naming the rank and its node instead of leaving its peers ha
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import ray
 import torch
@@ -64,6 +65,20 @@ class LearnerWorker:
     def rollout_adapter_name(self) -> str:
         return self.backend.rollout_adapter_name
 
+    def push_weights(self, sync_actor) -> dict[str, float]:
+        """Hand the rollout adapter to the weight-sync actor, then go back to training.
+
+        Every rank takes part in gathering the adapter, which rank 0 copies once into one flat buffer
+        (gather_s); Ray moves that buffer into its object store with one memcpy (push_s: how long rank 0
+        is blocked handing it over). The broadcast goes on without the learner; `WeightSync.wait`
+        reports how it ended."""
+        start = time.perf_counter()
+        wire = self.backend.rollout_wire()
+        gathered = time.perf_counter()
+        if wire is not None:
+            sync_actor.push.remote(wire)
+        return {"version": self.backend.version, "gather_s": gathered - start, "push_s": time.perf_counter() - gathered}
+
     def state_dict(self) -> dict:
         return self.backend.state_dict()
 
@@ -107,6 +122,11 @@ class LearnerGroup:
     def train_step(self, batch: list[Trajectory]) -> list[ray.ObjectRef]:
         """One optimizer step over `batch` (sliced per rank); refs to each rank's (equal) metrics."""
         return [w.train_step.remote(ray.put(shard)) for w, shard in zip(self.workers, shard_batch(batch, self.world_size))]
+
+    def push_weights(self, sync_actor) -> list[ray.ObjectRef]:
+        """Refs to each rank's push timings; rank 0 hands the rollout adapter to `sync_actor`
+        (rayflow.sync.actor.WeightSyncActor), which then broadcasts it to every rollout rank."""
+        return [w.push_weights.remote(sync_actor) for w in self.workers]
 
     def rollout_weights(self) -> list[ray.ObjectRef]:
         """Refs to each rank's (version, tensors); rank 0's holds the full rollout adapter, the others None."""

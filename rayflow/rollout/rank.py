@@ -25,14 +25,18 @@ from transformers.utils import logging as transformers_logging
 from rayflow.cfg.parallel import CFGParallel, Group, all_gather_header
 from rayflow.cfg.policy import CFGPolicy, TrueCFG
 from rayflow.config import ModelConfig, RayflowConfig
-from rayflow.learner.lora import TRAINED_ADAPTER, adapter_parameters, add_lora
+from rayflow.learner.lora import TRAINED_ADAPTER, adapter_parameters, add_lora, target_weight_names
 from rayflow.models import load_model
 from rayflow.models.tiny import resolve_model_path
-from rayflow.rollout.weights import StagedWeights, check_adapter, load_adapter
+from rayflow.distributed.process_group import CollectiveGroup
+from rayflow.rollout.weights import StagedWeights, check_adapter, load_weights
+from rayflow.sync.broadcast import receive, verify_checksums
+from rayflow.sync.buckets import Manifest
 from rayflow.sampling.denoise import advance, finish_rollout, start_rollout
 from rayflow.types import RolloutRequest, Trajectory
 
 APPLY_AT = ("step", "request")
+SYNC_MODES = ("lora", "merged")
 
 
 @dataclass(frozen=True)
@@ -56,10 +60,15 @@ class RolloutWorkerSpec:
     """A rank with several branches runs them in one batched forward (faster, not bit-exact)."""
     apply_at: str = "step"
     """Apply newly staged weights at the next denoising "step" boundary, or only between "request"s."""
+    sync_mode: str = "lora"
+    """"lora": the rank holds a LoRA slot and receives adapters; "merged": no LoRA, it receives the
+    weights of the adapted linears with the adapter folded in."""
 
     def __post_init__(self) -> None:
         if self.apply_at not in APPLY_AT:
             raise ValueError(f"apply_at: got {self.apply_at!r}; allowed: {list(APPLY_AT)}")
+        if self.sync_mode not in SYNC_MODES:
+            raise ValueError(f"sync.mode: got {self.sync_mode!r}; allowed: {list(SYNC_MODES)}")
 
     @classmethod
     def from_config(cls, cfg: RayflowConfig) -> "RolloutWorkerSpec":
@@ -76,6 +85,7 @@ class RolloutWorkerSpec:
             collective_timeout_s=cfg.rollout.collective_timeout_s,
             batch_branches=cfg.rollout.batch_branches,
             apply_at="step" if partial else "request",
+            sync_mode=cfg.sync.mode,
         )
 
 
@@ -112,14 +122,15 @@ class RolloutRank:
         m = spec.model
         path = resolve_model_path(m.path, m.cache_dir, m.tiny_size, m.tiny_seed)
         self.model = load_model(path, device=self.device, dtype=getattr(torch, m.dtype))
-        torch.manual_seed(spec.seed)  # the learner seeds the same way before add_lora (the A matrices are random)
-        add_lora(
-            self.model.transformer,
-            rank=spec.lora_rank,
-            alpha=spec.lora_alpha,
-            targets=spec.lora_targets or self.model.lora_target_modules,
-            init=spec.lora_init,
-        )
+        targets = spec.lora_targets or self.model.lora_target_modules
+        if spec.sync_mode == "lora":
+            torch.manual_seed(spec.seed)  # the learner seeds the same way before add_lora (the A matrices are random)
+            add_lora(self.model.transformer, rank=spec.lora_rank, alpha=spec.lora_alpha, targets=targets, init=spec.lora_init)
+            self._synced = adapter_parameters(self.model.transformer, TRAINED_ADAPTER)
+        else:
+            # A LoRA starts as the identity (B = 0), so the base weights are version 0's merged weights.
+            params = dict(self.model.transformer.named_parameters())
+            self._synced = {name: params[name] for name in target_weight_names(self.model.transformer, targets)}
         self.version = 0
         self.staged = StagedWeights()
         self.group: TimedGroup | None = None
@@ -135,27 +146,37 @@ class RolloutRank:
 
     # --- weights -------------------------------------------------------------------------------
 
-    def _adapter(self) -> dict[str, torch.Tensor]:
-        return adapter_parameters(self.model.transformer, TRAINED_ADAPTER)
+    def _synced_weights(self) -> dict[str, torch.Tensor]:
+        """The tensors weight sync replaces: the LoRA slot's, or (merged mode) the adapted linears' weights."""
+        return self._synced
 
     def stage_weights(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
         """Keep `tensors` to apply once every rank has them (at a step boundary, or between requests).
         Checked now (names and shapes), so a bad sync fails at once, not mid-request."""
         if version <= self.version:
             raise ValueError(f"stage_weights: version {version} is not newer than the applied version {self.version}")
-        check_adapter(self._adapter(), tensors)
+        check_adapter(self._synced_weights(), tensors)
         self.staged.put(version, tensors)
+
+    def receive_weights(self, group: CollectiveGroup, manifest: Manifest, bucket_bytes: int) -> None:
+        """Join the weight-sync source's broadcast of one version, verify it, and stage it.
+
+        The whole broadcast is received before anything is checked: a rank that left early would
+        leave the source and every other rank waiting in the collective."""
+        tensors = receive(group, manifest, bucket_bytes)
+        verify_checksums(manifest, tensors, where=f"rollout rank {self.rank}/{self.world_size}")
+        self.stage_weights(manifest.version, tensors)
 
     def apply_weights(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
         """Load `tensors` now (call between requests, on every rank of the replica)."""
         if version < self.version:
             raise ValueError(f"apply_weights: version {version} is older than the applied version {self.version}")
-        load_adapter(self.model.transformer, TRAINED_ADAPTER, tensors)
+        load_weights(self._synced_weights(), tensors)
         self.version = version
 
     def get_adapter_weights(self) -> dict[str, torch.Tensor]:
         """The adapter the rank samples under, canonical names, CPU copies."""
-        return {name: p.detach().cpu().clone() for name, p in self._adapter().items()}
+        return {name: p.detach().cpu().clone() for name, p in self._synced_weights().items()}
 
     def _header(self, tag: int) -> list[int]:
         return [max(self.version, self.staged.newest(self.version)), tag]
@@ -170,7 +191,7 @@ class RolloutRank:
             )
         agreed = int(headers[:, 0].min())
         if apply and agreed > self.version:
-            load_adapter(self.model.transformer, TRAINED_ADAPTER, self.staged.take(agreed))
+            load_weights(self._synced_weights(), self.staged.take(agreed))
             self.version = agreed
 
     # --- sampling ------------------------------------------------------------------------------

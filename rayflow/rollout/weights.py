@@ -14,34 +14,22 @@ from __future__ import annotations
 import threading
 
 import torch
-from torch import nn
 
-from rayflow.learner.lora import adapter_parameters
+from rayflow.named_tensors import check_layout, layout
 
 
 def check_adapter(expected: dict[str, torch.Tensor], got: dict[str, torch.Tensor]) -> None:
-    """Names and shapes of `got` must equal those of `expected`; the error lists what differs.
+    """Names and shapes of `got` must equal those of `expected`; the error names the modules that differ.
 
     A sync that binds fewer modules than it sends (or the other way round) is an error, never a
     silently partial update."""
-    missing = sorted(set(expected) - set(got))
-    extra = sorted(set(got) - set(expected))
-    shapes = sorted(
-        f"{n}: {tuple(got[n].shape)} != {tuple(expected[n].shape)}"
-        for n in set(expected) & set(got)
-        if got[n].shape != expected[n].shape
-    )
-    if missing or extra or shapes:
-        raise ValueError(
-            f"adapter weights do not match the rollout adapter: missing {missing[:5]} ({len(missing)}), "
-            f"unexpected {extra[:5]} ({len(extra)}), wrong shapes {shapes[:5]} ({len(shapes)})"
-        )
+    check_layout(layout(expected), layout(got), "weights do not match the rollout rank's")
 
 
 @torch.no_grad()
-def load_adapter(transformer: nn.Module, adapter: str, tensors: dict[str, torch.Tensor]) -> None:
-    """Copy `tensors` (canonical names, as `adapter_parameters` gives them) into `adapter`, after checking them."""
-    params = adapter_parameters(transformer, adapter)
+def load_weights(params: dict[str, torch.Tensor], tensors: dict[str, torch.Tensor]) -> None:
+    """Copy `tensors` into the same-named `params` (adapter parameters by canonical name, or the
+    merged base weights), after checking names and shapes."""
     check_adapter(params, tensors)
     for name, p in params.items():
         p.copy_(tensors[name])

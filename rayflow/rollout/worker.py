@@ -4,7 +4,8 @@ Concurrency: requests run in the actor's default group, one at a time and in sub
 (Ray keeps a caller's tasks in order only while that group has one thread; `max_concurrency=2`
 would make Ray run them out of order, and the ranks of a replica would then pair up collectives
 of different requests). Staging weights has its own thread ("weights"), so new weights can
-arrive while a request is sampling; progress and timings answer on a third ("monitor").
+arrive while a request is sampling (staged directly, or received from the weight-sync broadcast);
+progress and timings answer on a third ("monitor").
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 from rayflow.cfg.policy import CFGPolicy
 from rayflow.distributed.process_group import CollectiveGroup, Rendezvous, node_ip
 from rayflow.rollout.rank import RolloutRank, RolloutWorkerSpec
+from rayflow.sync.buckets import Manifest
 from rayflow.types import RolloutRequest, Trajectory
 
 
@@ -23,6 +25,7 @@ class RolloutWorker:
     def __init__(self, spec: RolloutWorkerSpec, rank: int, world_size: int):
         self.rank = RolloutRank(spec, rank, world_size)
         self.group: CollectiveGroup | None = None
+        self.sync_group: CollectiveGroup | None = None
 
     def rendezvous(self) -> Rendezvous:
         """Called on rank 0: a free port of this node for the group's TCP store."""
@@ -50,6 +53,19 @@ class RolloutWorker:
     def stage_weights(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
         self.rank.stage_weights(version, tensors)
 
+    @ray.method(concurrency_group="weights")
+    def join_sync(self, rendezvous: Rendezvous, group_name: str, rank: int, size: int) -> None:
+        """Join (a new generation of) the weight-sync group as `rank`; the previous generation is closed."""
+        if self.sync_group is not None:
+            self.sync_group.destroy()
+        r = self.rank
+        self.sync_group = CollectiveGroup(group_name, rendezvous, rank, size, r.device, timeout_s=r.spec.collective_timeout_s)
+
+    @ray.method(concurrency_group="weights")
+    def receive_weights(self, manifest: Manifest, bucket_bytes: int) -> None:
+        """Join the sync source's broadcast of one version and stage it (runs beside a request)."""
+        self.rank.receive_weights(self.sync_group, manifest, bucket_bytes)
+
     @ray.method(concurrency_group="monitor")
     def progress(self) -> tuple[str, int] | None:
         return self.rank.progress
@@ -59,6 +75,7 @@ class RolloutWorker:
         return self.rank.timings()
 
     def close(self) -> None:
-        if self.group is not None:
-            self.group.destroy()
-            self.group = None
+        for group in (self.group, self.sync_group):
+            if group is not None:
+                group.destroy()
+        self.group = self.sync_group = None

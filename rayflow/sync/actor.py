@@ -1,0 +1,174 @@
+"""WeightSyncActor: the broadcast source of the weight-sync group.
+
+Ordering rules and version protocol:
+1. Version v = optimizer steps applied. Learner rank 0 calls `push(v, tensors)` after step v with
+   the full tensors of `backend.rollout_adapter_name` ("old" for DiffusionNFT, else "default") and
+   goes back to training without waiting; the call returns as soon as this actor holds its own copy.
+2. Pushes are broadcast one at a time, in push order, by one thread. A push is broadcast in
+   buckets (sync.bucket_mb) to every rank of every rollout replica (ranks 1..n of the group); each
+   rank verifies names, shapes (and checksums) and stages the version; rollout replicas apply a
+   staged version at their next denoising-step boundary (or between requests) once ALL their ranks
+   hold it, and tag later steps with it.
+3. Versions only grow: a push older than or equal to the last one is refused. Any failure (a
+   refused push, a receiver that does not bind what was sent, a dead rank) stops the sync: `wait`
+   and every later push raise it.
+4. `wait(v)` returns once version v is staged on every rank (raising the first receiver's error).
+5. A replica that joins later (restarted or added) is brought into a new group generation with
+   everyone else, and receives the current version before it serves a request.
+
+In "merged" mode the actor holds the base transformer with one LoRA slot, folds each pushed adapter
+into the weights of the adapted linears (W + ΔW, peft's merge) and broadcasts those instead.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from dataclasses import dataclass
+
+import ray
+import torch
+
+from rayflow.distributed.process_group import CollectiveGroup, Rendezvous
+from rayflow.rollout.rank import RolloutWorkerSpec
+from rayflow.sync.fold import AdapterFolder
+from rayflow.sync.broadcast import send
+from rayflow.sync.buckets import Packed, WirePush, from_wire, make_manifest, pack_all
+
+
+@dataclass(frozen=True)
+class SyncSpec:
+    mode: str = "lora"
+    bucket_mb: float = 64.0
+    verify_checksum: bool = False
+    timeout_s: float = 300.0
+
+    @property
+    def bucket_bytes(self) -> int:
+        return max(1, int(self.bucket_mb * 2**20))
+
+
+@dataclass
+class SyncReport:
+    version: int
+    bytes: int
+    seconds: float
+    """Wall time of this version's sync in the actor: copy_s + broadcast_s."""
+    copy_s: float
+    """Laying the push out as broadcast buckets (merged mode: folding, and a copy into new buckets)."""
+    broadcast_s: float
+    """Notifying the receivers, the bucket broadcasts, and their verification and staging."""
+
+
+@ray.remote(max_concurrency=4)
+class WeightSyncActor:
+    def __init__(self, spec: SyncSpec, rollout_spec: RolloutWorkerSpec):
+        """`rollout_spec` says what the receivers hold (model and LoRA shape); merged mode folds with it."""
+        self.spec = spec
+        self.fold = AdapterFolder(rollout_spec) if spec.mode == "merged" else None
+        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self.group: CollectiveGroup | None = None
+        self.receivers: list = []
+        self.generation = 0
+        self.latest: tuple[int, dict[str, torch.Tensor]] | None = None
+        self.reports: dict[int, SyncReport] = {}
+        self.error: BaseException | None = None
+        self._pending: queue.Queue = queue.Queue()
+        self._done = threading.Condition()
+        self._lock = threading.Lock()
+        threading.Thread(target=self._broadcast_loop, daemon=True, name="weight-sync").start()
+
+    # -- membership ----------------------------------------------------------------------------
+    def rendezvous(self) -> Rendezvous:
+        return Rendezvous.on_this_node()
+
+    def join(self, rendezvous: Rendezvous, name: str, receivers: list) -> None:
+        """Rank 0 of a new group generation `name` whose ranks 1..n are `receivers` (rollout workers,
+        which join concurrently). Replaces the previous generation."""
+        with self._lock:
+            if self.group is not None:
+                self.group.destroy()
+            self.group = CollectiveGroup(name, rendezvous, 0, len(receivers) + 1, self.device, self.spec.timeout_s)
+            self.receivers = receivers
+            self.generation += 1
+
+    def current(self) -> tuple[int, dict[str, torch.Tensor]] | None:
+        """The newest (version, tensors) pushed, as broadcast (merged in merged mode): for late joiners."""
+        if self.latest is None:
+            return None
+        version, packed = self.latest
+        return version, packed.tensors()
+
+    # -- pushes --------------------------------------------------------------------------------
+    def push(self, wire: WirePush) -> int:
+        """Take `wire` (rayflow.sync.buckets.to_wire of the rollout adapter) as its version and queue its
+        broadcast; returns the version at once."""
+        version = wire.manifest.version
+        if self.error is not None:
+            raise RuntimeError(f"weight sync stopped after an earlier failure: {self.error}")
+        start = time.perf_counter()
+        try:
+            if self.latest is not None and version <= self.latest[0]:
+                raise ValueError(f"push of version {version}: not newer than version {self.latest[0]}")
+            # lora: the buckets are views of the object-store buffers, which this actor now keeps alive
+            # (its own copy, made by Ray's one memcpy). merged: fold, into new buckets.
+            packed = from_wire(wire, self.spec.bucket_bytes, self.device, self.spec.verify_checksum)
+            if self.fold is not None:
+                merged = self.fold(packed.tensors())
+                manifest = make_manifest(version, merged, with_checksums=self.spec.verify_checksum)
+                packed = pack_all(manifest, merged, self.spec.bucket_bytes, self.device)
+        except BaseException as e:
+            # The pusher may not wait for this call: make wait() report it, and stop the sync.
+            self._fail(e)
+            raise
+        self.latest = (version, packed)
+        self._pending.put((packed, time.perf_counter() - start))
+        return version
+
+    def wait(self, version: int, timeout_s: float | None = None) -> SyncReport:
+        """Block until `version` is staged on every receiver (or raise the sync's failure)."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        with self._done:
+            while version not in self.reports and self.error is None:
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    raise TimeoutError(f"weight sync of version {version} not done after {timeout_s}s")
+                self._done.wait(remaining)
+        if version in self.reports:
+            return self.reports[version]
+        raise RuntimeError(f"weight sync failed: {self.error}") from self.error
+
+    def _broadcast_loop(self) -> None:
+        while True:
+            packed, copy_s = self._pending.get()
+            try:
+                report = self._broadcast(packed, copy_s)
+            except BaseException as e:  # surfaced by wait() and the next push
+                self._fail(e)
+                return
+            with self._done:
+                self.reports[report.version] = report
+                self._done.notify_all()
+
+    def _fail(self, error: BaseException) -> None:
+        with self._done:
+            self.error = error
+            self._done.notify_all()
+
+    def _broadcast(self, packed: Packed, copy_s: float) -> SyncReport:
+        start = time.perf_counter()
+        manifest = packed.manifest
+        with self._lock:
+            # Receivers join the broadcast from their "weights" thread, then verify and stage.
+            received = [r.receive_weights.remote(manifest, self.spec.bucket_bytes) for r in self.receivers]
+            send(self.group, packed)
+            ray.get(received)
+        broadcast_s = time.perf_counter() - start
+        return SyncReport(manifest.version, manifest.nbytes, copy_s + broadcast_s, copy_s, broadcast_s)
+
+    def close(self) -> None:
+        with self._lock:
+            if self.group is not None:
+                self.group.destroy()
+                self.group = None

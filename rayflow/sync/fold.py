@@ -1,0 +1,34 @@
+"""Folding a pushed adapter into the base weights, for sync.mode=merged (rollout engines without LoRA)."""
+
+from __future__ import annotations
+
+import torch
+
+from rayflow.learner.lora import TRAINED_ADAPTER, adapter_parameters, add_lora, merged_weights
+from rayflow.models import load_model
+from rayflow.models.tiny import resolve_model_path
+from rayflow.rollout.rank import RolloutWorkerSpec
+from rayflow.rollout.weights import load_weights
+
+
+class AdapterFolder:
+    """The base transformer with one LoRA slot shaped like the rollout adapter. Each call loads the
+    pushed adapter into the slot and returns W + ΔW for every adapted linear (peft's merge), named as
+    in the plain transformer."""
+
+    def __init__(self, spec: RolloutWorkerSpec):
+        m = spec.model
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        path = resolve_model_path(m.path, m.cache_dir, m.tiny_size, m.tiny_seed)
+        self.model = load_model(path, device=device, dtype=getattr(torch, m.dtype))
+        add_lora(
+            self.model.transformer,
+            rank=spec.lora_rank,
+            alpha=spec.lora_alpha,
+            targets=spec.lora_targets or self.model.lora_target_modules,
+            init=spec.lora_init,
+        )
+
+    def __call__(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        load_weights(adapter_parameters(self.model.transformer, TRAINED_ADAPTER), tensors)
+        return merged_weights(self.model.transformer, TRAINED_ADAPTER)

@@ -1,0 +1,171 @@
+"""Weight sync: bucket packing (pure), then the WeightSyncActor broadcasting a learner's rollout adapter
+to every rank of two rollout replicas (W = 1 and W = 2), in lora and merged mode, for FlowGRPO and
+DiffusionNFT; verification failures; a late-joining replica."""
+
+import dataclasses
+
+import pytest
+import ray
+import torch
+
+from rayflow import reference
+from rayflow.config import RolloutConfig
+from rayflow.learner.lora import TRAINED_ADAPTER, adapter_parameters, add_lora
+from rayflow.learner.worker import LearnerGroup
+from rayflow.models import load_model
+from rayflow.rollout.pool import RolloutPool
+from rayflow.rollout.rank import RolloutWorkerSpec
+from rayflow.rollout.replica import RolloutReplica
+from rayflow.sync.buckets import checksum, make_manifest, pack_all, plan_buckets
+from rayflow.sync.weight_sync import WeightSync
+from rayflow.types import RolloutRequest, SamplingParams
+from tiny_run import GRPO, NFT, small_cfg
+
+
+# -- buckets (no Ray) ------------------------------------------------------------------------------
+
+def test_buckets_split_by_size_and_dtype_and_round_trip():
+    g = torch.Generator().manual_seed(0)
+    tensors = {
+        "a": torch.randn(4, 4, generator=g),  # 64 B
+        "b": torch.randn(8, generator=g),  # 32 B
+        "c": torch.randn(40, generator=g),  # 160 B: alone, larger than a bucket
+        "d": torch.randn(2, 2, generator=g).to(torch.bfloat16),  # another dtype
+        "e": torch.randn(3, generator=g),
+    }
+    manifest = make_manifest(7, tensors, with_checksums=True)
+    assert [s.name for s in manifest.specs] == ["a", "b", "c", "d", "e"]
+    assert plan_buckets(manifest, bucket_bytes=100) == [[0, 1], [2], [3], [4]]
+    packed = pack_all(manifest, tensors, bucket_bytes=100, device="cpu")
+    assert [b.numel() for b in packed.buffers] == [24, 40, 4, 3]
+    out = packed.tensors()
+    for name, t in tensors.items():
+        assert out[name].dtype == t.dtype and torch.equal(out[name], t)
+        assert checksum(out[name]) == manifest.checksums[[s.name for s in manifest.specs].index(name)]
+    flipped = tensors["a"].clone()
+    flipped[0, 0] = torch.nextafter(flipped[0, 0], torch.tensor(10.0))
+    assert checksum(flipped) != checksum(tensors["a"])
+
+
+# -- on Ray ----------------------------------------------------------------------------------------
+
+def tiny_request(version_tag: str) -> RolloutRequest:
+    params = SamplingParams(height=32, width=32, num_steps=2, guidance_scale=4.0, sde_type="sde")
+    return RolloutRequest(version_tag, ["a red apple"], [0], [0], [5], params)
+
+
+@pytest.fixture(scope="module", params=["lora", "merged"])
+def rollout(request, ray_session, tiny_model_dir, tmp_path_factory):
+    """Two replicas (W = 1 and W = 2) and a WeightSync over them, in one sync mode."""
+    mode = request.param
+    cfg = small_cfg(GRPO, tiny_model_dir, tmp_path_factory.mktemp(mode), f"sync.mode={mode}",
+                    "sync.verify_checksum=true", "sync.bucket_mb=0.002", "sync.cpus=0.5")
+    spec = dataclasses.replace(RolloutWorkerSpec.from_config(cfg), collective_timeout_s=60.0)
+    replicas = [RolloutReplica(spec, RolloutConfig(cfg_parallel_size=w), name=f"sync-{mode}-w{w}") for w in (1, 2)]
+    pool = RolloutPool([r.wait_ready() for r in replicas])
+    sync = WeightSync(cfg.sync, spec, pool.replicas, timeout_s=60.0, name=f"sync-{mode}")
+    yield mode, cfg, spec, pool, sync
+    sync.shutdown()
+    pool.shutdown()
+
+
+def expected_rank_weights(mode, model_dir, adapter: dict[str, torch.Tensor], alpha: float, rank: int):
+    """What a rollout rank must hold: the adapter itself, or W + (alpha / r)·B@A for every adapted linear."""
+    if mode == "lora":
+        return adapter
+    base = dict(load_model(model_dir).transformer.named_parameters())
+    merged = {}
+    for name in adapter:
+        if name.endswith("lora_A.weight"):
+            module = name[: -len(".lora_A.weight")]
+            delta = adapter[f"{module}.lora_B.weight"] @ adapter[name] * (alpha / rank)
+            merged[f"{module}.weight"] = base[f"{module}.weight"].detach() + delta
+    return merged
+
+
+def test_after_a_sync_every_rank_holds_the_learners_rollout_adapter_bit_for_bit(rollout, tiny_model_dir, tmp_path):
+    mode, cfg, spec, pool, sync = rollout
+    pushed = 0
+    for recipe, steps in ((GRPO, 1), (NFT, 2)):  # versions must grow on the ranks: NFT pushes version 2
+        lcfg = small_cfg(recipe, tiny_model_dir, tmp_path / recipe.split("/")[-1])
+        learners = LearnerGroup(lcfg, name=f"sync-learner-{mode}-{lcfg.algorithm.name}")
+        try:
+            run = reference.build_run(lcfg)
+            for _ in range(steps):
+                batch, _ = reference.rollout(run)
+                learners.get(learners.train_step(batch))
+            timings = learners.get(learners.push_weights(sync.actor))[0]
+            assert timings["version"] == steps > pushed
+            report = sync.wait(steps, timeout_s=60)
+            pushed = steps
+            version, adapter = learners.get(learners.rollout_weights())[0]
+        finally:
+            learners.shutdown()
+        assert learners.rollout_adapter_name == ("old" if recipe == NFT else TRAINED_ADAPTER)
+        expected = expected_rank_weights(mode, tiny_model_dir, adapter, lcfg.learner.lora_alpha, lcfg.learner.lora_rank)
+        assert report.version == version and report.bytes == sum(t.numel() * t.element_size() for t in expected.values())
+        for replica in pool.replicas:
+            (trajectory,) = replica.generate(tiny_request(f"{mode}-{recipe}-{replica.name}"))
+            assert trajectory.versions.tolist() == [version, version]  # applied before the first step
+            for rank_weights in replica.adapter_weights():
+                assert rank_weights.keys() == expected.keys()
+                for name, t in expected.items():
+                    assert torch.equal(rank_weights[name], t), f"{replica.name}: {name} differs after sync ({mode})"
+
+
+def adapter_like(spec: RolloutWorkerSpec, model_dir: str, value: float) -> dict[str, torch.Tensor]:
+    """A full rollout adapter (canonical names) filled with `value`: what a learner pushes in either mode."""
+    model = load_model(model_dir)
+    add_lora(model.transformer, rank=spec.lora_rank, alpha=spec.lora_alpha, targets=model.lora_target_modules)
+    return {n: torch.full(p.shape, value) for n, p in adapter_parameters(model.transformer, TRAINED_ADAPTER).items()}
+
+
+@pytest.mark.parametrize("broken", ["without to_out.0", "empty"])
+def test_a_push_that_binds_other_modules_stops_the_sync_naming_them(rollout, tiny_model_dir, broken):
+    mode, cfg, spec, pool, _ = rollout
+    full = adapter_like(spec, tiny_model_dir, 0.01)
+    payload = {n: t for n, t in full.items() if ".to_out.0." not in n} if broken != "empty" else {}
+    expected_error = r"missing \d+ tensors of modules .*to_out\.0" if broken != "empty" else r"no tensors given"
+    sync = WeightSync(cfg.sync, spec, pool.replicas, timeout_s=60.0, name=f"sync-{mode}-{broken}")  # a new group
+    try:
+        if mode == "merged":  # the folding actor refuses it at once
+            with pytest.raises(Exception, match=expected_error):
+                ray.get(sync.push(10, payload))
+        else:  # every receiver refuses it; the sync stops
+            ray.get(sync.push(10, payload))
+            with pytest.raises(Exception, match=expected_error):
+                sync.wait(10, timeout_s=60)
+            with pytest.raises(Exception, match="earlier failure"):
+                ray.get(sync.push(11, full))
+    finally:
+        sync.shutdown()
+    # Nothing was staged: the replicas still serve under their previous version.
+    (trajectory,) = pool.replicas[1].generate(tiny_request(f"after-failure-{mode}-{broken}"))
+    assert trajectory.versions.tolist() == [2, 2]
+
+
+def test_a_replica_that_joins_later_gets_the_current_version_before_serving(rollout, tiny_model_dir):
+    mode, cfg, spec, pool, _ = rollout
+    sync = WeightSync(cfg.sync, spec, pool.replicas, timeout_s=60.0, name=f"sync-{mode}-late")
+    late = RolloutReplica(spec, RolloutConfig(cfg_parallel_size=1), name=f"late-replica-{mode}").wait_ready()
+    try:
+        ray.get(sync.push(20, adapter_like(spec, tiny_model_dir, 0.02)))
+        sync.wait(20, timeout_s=60)
+        pool.replicas[0].generate(tiny_request(f"apply-20-{mode}"))
+        up_to_date = pool.replicas[0].adapter_weights()[0]
+
+        sync.attach(late, [*pool.replicas, late])
+        (trajectory,) = late.generate(tiny_request(f"late-{mode}"))
+        assert trajectory.versions.tolist() == [20, 20]
+        late_weights = late.adapter_weights()[0]
+        assert late_weights.keys() == up_to_date.keys()
+        assert all(torch.equal(late_weights[n], t) for n, t in up_to_date.items())
+        # The new group generation reaches the old replicas and the late one alike.
+        ray.get(sync.push(21, adapter_like(spec, tiny_model_dir, 0.03)))
+        sync.wait(21, timeout_s=60)
+        for replica in (pool.replicas[1], late):
+            (trajectory,) = replica.generate(tiny_request(f"v21-{mode}-{replica.name}"))
+            assert trajectory.versions.tolist() == [21, 21]
+    finally:
+        sync.shutdown()
+        late.shutdown()
