@@ -93,6 +93,8 @@ class RolloutConfig:
     """torch intra-op threads per rank on CPU."""
     placement_strategy: str = "PACK"
     """Placement-group strategy of a replica's ranks."""
+    resources: dict[str, float] = field(default_factory=dict)
+    """Custom Ray resources per rollout rank (e.g. {"gpu_node": 1} to keep them on one node type)."""
     collective_timeout_s: float = 300.0
     """A collective that takes longer fails with the rank and node named, instead of hanging."""
     batch_branches: bool = False
@@ -133,6 +135,8 @@ class LearnerConfig:
     cpus_per_rank: float = 1.0
     threads_per_rank: int = 1
     placement_strategy: str = "PACK"
+    resources: dict[str, float] = field(default_factory=dict)
+    """Custom Ray resources per learner rank (e.g. {"gpu_node": 1} to keep them on one node type)."""
 
     def validate(self, prefix: str = "learner") -> None:
         _need(self.world_size >= 1, f"{prefix}.world_size", self.world_size, "an integer >= 1")
@@ -229,6 +233,8 @@ class RewardConfig:
     """Images per reward call."""
     cpus_per_worker: float = 1.0
     gpus_per_worker: float = 0.0
+    resources: dict[str, float] = field(default_factory=dict)
+    """Custom Ray resources per reward worker (e.g. {"gpu_node": 1} to keep them on one node type)."""
     max_retries: int = 1
     """A reward call that raises is retried this many times, then the run stops (never silent zeros)."""
 
@@ -274,6 +280,8 @@ class SyncConfig:
     gpus: float | None = None
     """GPUs of the weight-sync actor (the broadcast source: nccl needs it on a GPU of its own);
     null: 1 when the cluster has GPUs, else 0."""
+    resources: dict[str, float] = field(default_factory=dict)
+    """Custom Ray resources per weight-sync actor (e.g. {"gpu_node": 1} to keep them on one node type)."""
 
     def validate(self, prefix: str = "sync") -> None:
         _need(self.mode in ("lora", "merged"), f"{prefix}.mode", self.mode, "'lora' or 'merged'")

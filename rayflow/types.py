@@ -7,6 +7,7 @@ C = latent channels per token, L = prompt tokens, D = text embedding width.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -169,3 +170,33 @@ class Trajectory:
     @property
     def oldest_version(self) -> int:
         return int(self.versions.min())
+
+    @property
+    def newest_version(self) -> int:
+        return int(self.versions.max())
+
+
+@dataclass
+class TrajectoryRef:
+    """What the driver keeps of a trajectory: where it lives (an ObjectRef to the list[Trajectory] its
+    rollout request returned, and its index there) and the few numbers admission, staleness and
+    advantages need. Its tensors never pass through the driver."""
+
+    ref: Any
+    index: int
+    prompt: str
+    prompt_id: int
+    group_id: int
+    seed: int
+    versions: list[int]
+    reward: float | None = None
+    rewards: dict[str, float] = field(default_factory=dict)
+    advantage: float | None = None
+
+    @property
+    def oldest_version(self) -> int:
+        return min(self.versions)
+
+    @property
+    def newest_version(self) -> int:
+        return max(self.versions)

@@ -69,3 +69,54 @@ def test_jpeg_compressibility(kwargs, quality):
         Image.fromarray(np.asarray(image)).save(buffer, format="JPEG", quality=quality)
         expected.append(-len(buffer.getvalue()) / 1000)
     torch.testing.assert_close(scores, torch.tensor(expected))
+
+
+# -- the weighted total (rayflow.rewards.weighted) ----------------------------------------------
+
+def weighted_config(*functions):
+    from rayflow.config import RewardFnConfig
+
+    return [RewardFnConfig(name=name, weight=weight, kwargs=kwargs) for name, weight, kwargs in functions]
+
+
+def test_weighted_reward_is_the_weighted_sum_with_each_component_kept():
+    from rayflow.rewards.weighted import WeightedReward
+
+    images = torch.cat([flat((250, 10, 10), size=32), noise(1, size=32), flat((0, 0, 255), size=32)])
+    prompts = ["a red apple", "a green tree", "a blue car"]
+    reward = WeightedReward(weighted_config(("color", 0.5, {}), ("jpeg_compressibility", 2.0, {"quality": 80})))
+    total, parts = reward(images, prompts)
+    color = make_reward("color")(images, prompts)
+    jpeg = make_reward("jpeg_compressibility", quality=80)(images, prompts)
+    assert set(parts) == {"color", "jpeg_compressibility"}
+    torch.testing.assert_close(parts["color"], color)
+    torch.testing.assert_close(parts["jpeg_compressibility"], jpeg)
+    torch.testing.assert_close(total, 0.5 * color + 2.0 * jpeg)
+
+
+def test_a_reward_used_twice_is_named_by_position():
+    from rayflow.rewards.weighted import WeightedReward
+
+    images = torch.cat([noise(2, size=32), flat((9, 9, 9), size=32)])
+    reward = WeightedReward(weighted_config(("jpeg_compressibility", 1.0, {"quality": 95}), ("color", -1.0, {}),
+                                            ("jpeg_compressibility", 0.25, {"quality": 30})))
+    total, parts = reward(images, ["red", "black"])
+    assert set(parts) == {"jpeg_compressibility#0", "color", "jpeg_compressibility#2"}
+    fine = make_reward("jpeg_compressibility", quality=95)(images, ["", ""])
+    coarse = make_reward("jpeg_compressibility", quality=30)(images, ["", ""])
+    torch.testing.assert_close(parts["jpeg_compressibility#2"], coarse)
+    torch.testing.assert_close(total, fine - parts["color"] + 0.25 * coarse)
+
+
+def test_weighted_reward_refuses_a_component_of_the_wrong_shape():
+    from rayflow.rewards import register_reward
+    from rayflow.rewards.registry import _REWARDS
+    from rayflow.rewards.weighted import WeightedReward
+
+    register_reward("test_one_number")(lambda: (lambda images, prompts, metadata=None: torch.tensor([1.0])))
+    try:
+        reward = WeightedReward(weighted_config(("test_one_number", 1.0, {})))
+        with pytest.raises(ValueError, match=r"reward 'test_one_number' returned shape \(1,\) for 2 images"):
+            reward(flat((0, 0, 0)).expand(2, -1, -1, -1), ["a", "b"])
+    finally:
+        del _REWARDS["test_one_number"]

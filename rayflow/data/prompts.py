@@ -88,18 +88,21 @@ class GroupSampler:
             random.Random(self.seed * 7919 + epoch).shuffle(order)
         return order
 
-    def next_group(self) -> PromptGroup:
-        n = self.groups_drawn
+    def group(self, n: int) -> PromptGroup:
+        """Group n of the stream: a pure function of n (a resumed run redraws groups it had in flight)."""
         epoch, position = divmod(n, len(self.prompts))
         prompt_id = self._order(epoch)[position]
         first = self.seed * 1_000_003 + n * self.group_size
-        self.groups_drawn += 1
         return PromptGroup(
             group_id=n,
             prompt_id=prompt_id,
             prompt=self.prompts[prompt_id],
             seeds=tuple(range(first, first + self.group_size)),
         )
+
+    def next_group(self) -> PromptGroup:
+        self.groups_drawn += 1
+        return self.group(self.groups_drawn - 1)
 
     def state_dict(self) -> dict:
         return {"groups_drawn": self.groups_drawn, "seed": self.seed}

@@ -19,13 +19,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from rayflow.data.prompts import PromptGroup
-from rayflow.types import Trajectory
+from rayflow.types import Trajectory, TrajectoryRef
 
 
 @dataclass
 class GroupInFlight:
     group: PromptGroup
-    trajectories: list[Trajectory] = field(default_factory=list)
+    trajectories: list[Trajectory | TrajectoryRef] = field(default_factory=list)
     attempts: int = 1
 
     @property
@@ -81,7 +81,7 @@ class StalenessQueue:
         self.groups[group.group_id] = GroupInFlight(group)
         self.running += len(group.seeds)
 
-    def finished(self, trajectory: Trajectory) -> None:
+    def finished(self, trajectory: Trajectory | TrajectoryRef) -> None:
         """A trajectory came back from rollout with its reward."""
         entry = self.groups[trajectory.group_id]
         entry.trajectories.append(trajectory)
@@ -94,7 +94,7 @@ class StalenessQueue:
         return sum(len(e.trajectories) for e in self.groups.values())
 
     # -- batches ---------------------------------------------------------------------------
-    def take_batch(self, version: int) -> tuple[list[Trajectory] | None, list[PromptGroup]]:
+    def take_batch(self, version: int) -> tuple[list[Trajectory | TrajectoryRef] | None, list[PromptGroup]]:
         """The next training batch, if enough fresh complete groups are waiting.
 
         Returns (batch or None, groups to resubmit). Complete groups staler than the bound are
@@ -128,9 +128,9 @@ class StalenessQueue:
         self._record(batch, version)
         return batch, resubmit
 
-    def _record(self, batch: list[Trajectory], version: int) -> None:
+    def _record(self, batch: list[Trajectory | TrajectoryRef], version: int) -> None:
         stale = [version - t.oldest_version for t in batch]
-        spans = [int(t.versions.max() - t.versions.min()) for t in batch]
+        spans = [t.newest_version - t.oldest_version for t in batch]
         s = self.stats
         s.batches += 1
         s.staleness_mean = sum(stale) / len(stale)

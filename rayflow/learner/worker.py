@@ -27,7 +27,7 @@ from rayflow.distributed.process_group import Rendezvous, init_default_group
 from rayflow.learner.backend import LearnerBackend
 from rayflow.learner.parallelize import build_mesh
 from rayflow.rng import get_rng_state
-from rayflow.types import Trajectory
+from rayflow.types import Trajectory, TrajectoryRef
 
 
 class LearnerError(RuntimeError):
@@ -56,8 +56,8 @@ class LearnerWorker:
         self.backend = LearnerBackend(self.cfg, build_mesh(device, self.cfg.learner.world_size), device)
         return self.backend.identity
 
-    def train_step(self, shard: list[Trajectory]) -> dict[str, float]:
-        return self.backend.train_step(shard)
+    def train_step(self, shard: list[Trajectory] | list[tuple[ray.ObjectRef, int, float]]) -> dict[str, float]:
+        return self.backend.train_step(fetch_shard(shard))
 
     def rollout_weights(self) -> tuple[int, dict[str, torch.Tensor] | None]:
         return self.backend.rollout_weights()
@@ -86,13 +86,28 @@ class LearnerWorker:
         self.backend.load_state_dict({**state, "rng": rng})
 
 
-def shard_batch(batch: list[Trajectory], world_size: int) -> list[list[Trajectory]]:
-    """Contiguous equal shards, one per rank, without the decoded images (learners never read them)."""
+def shard_batch(batch: list[Trajectory] | list[TrajectoryRef], world_size: int) -> list[list]:
+    """Contiguous equal shards, one per rank. Trajectories travel without their decoded images (learners
+    never read them); TrajectoryRefs travel as (ref, index, advantage), for the rank to fetch."""
     if len(batch) % world_size:
         raise ValueError(f"a batch of {len(batch)} trajectories does not split into {world_size} equal learner shards")
     n = len(batch) // world_size
-    light = [dataclasses.replace(t, image=None) for t in batch]
+    light = [
+        (t.ref, t.index, t.advantage) if isinstance(t, TrajectoryRef) else dataclasses.replace(t, image=None)
+        for t in batch
+    ]
     return [light[r * n : (r + 1) * n] for r in range(world_size)]
+
+
+def fetch_shard(shard: list[Trajectory] | list[tuple[ray.ObjectRef, int, float]]) -> list[Trajectory]:
+    """A rank's shard as trajectories: (ref, index, advantage) entries are fetched from the object store
+    (each rollout request's list once), given their advantage, and stripped of their images."""
+    refs = list(dict.fromkeys(item[0] for item in shard if isinstance(item, tuple)))
+    lists = dict(zip(refs, ray.get(refs))) if refs else {}
+    return [
+        dataclasses.replace(lists[item[0]][item[1]], advantage=item[2], image=None) if isinstance(item, tuple) else item
+        for item in shard
+    ]
 
 
 class LearnerGroup:
@@ -102,7 +117,7 @@ class LearnerGroup:
         lc = cfg.learner
         self.world_size = lc.world_size
         gpus = resolve_gpus(lc.gpus_per_rank)
-        self.placed = place(make_bundles(lc.world_size, lc.cpus_per_rank, gpus), lc.placement_strategy, name=name)
+        self.placed = place(make_bundles(lc.world_size, lc.cpus_per_rank, gpus, lc.resources), lc.placement_strategy, name=name)
         actor = ray.remote(LearnerWorker)
         self.workers = [
             actor.options(
@@ -119,8 +134,9 @@ class LearnerGroup:
             self.shutdown()
             raise
 
-    def train_step(self, batch: list[Trajectory]) -> list[ray.ObjectRef]:
-        """One optimizer step over `batch` (sliced per rank); refs to each rank's (equal) metrics."""
+    def train_step(self, batch: list[Trajectory] | list[TrajectoryRef]) -> list[ray.ObjectRef]:
+        """One optimizer step over `batch` (sliced per rank; TrajectoryRefs are fetched by the ranks, never
+        by the driver); refs to each rank's (equal) metrics."""
         return [w.train_step.remote(ray.put(shard)) for w, shard in zip(self.workers, shard_batch(batch, self.world_size))]
 
     def push_weights(self, sync_actor) -> list[ray.ObjectRef]:

@@ -79,7 +79,8 @@ class Monitor:
 
             self.bar = tqdm(total=total_steps, initial=start_step, desc="rayflow", dynamic_ncols=True)
 
-    def log(self, step: int, scalars: dict[str, float]) -> None:
+    def log(self, step: int, scalars: dict[str, float], advance: bool = True) -> None:
+        """Write one step's scalars; `advance` moves the progress bar (once per training step)."""
         if self.writer is not None and step % self.cfg.log_every == 0:
             for tag, value in scalars.items():
                 self.writer.add_scalar(tag, value, step)
@@ -91,7 +92,7 @@ class Monitor:
             if tag in scalars and scalars[tag] > self._counted.get(tag, 0):
                 counter.inc(scalars[tag] - self._counted.get(tag, 0))
                 self._counted[tag] = scalars[tag]
-        if self.bar is not None:
+        if self.bar is not None and advance:
             self.bar.update(1)
             self.bar.set_postfix(
                 reward=f"{scalars.get('reward/mean', float('nan')):.4f}",

@@ -13,14 +13,17 @@ The server may also answer {"error": "..."} with a non-2xx status; that message 
 from __future__ import annotations
 
 import base64
+import http.client
 import io
 import json
 import urllib.error
+import urllib.parse
 import urllib.request
 
 import torch
 from PIL import Image
 
+from rayflow.errors import ConfigError
 from rayflow.rewards.registry import register_reward
 
 
@@ -39,9 +42,21 @@ def decode_jpeg(text: str) -> torch.Tensor:
     return torch.from_numpy(np.asarray(image).copy())
 
 
+def _error_detail(body: bytes) -> str:
+    """The server's {"error": "..."} message, or the start of its body when it sent something else."""
+    text = body.decode(errors="replace")
+    try:
+        reply = json.loads(text)
+    except json.JSONDecodeError:
+        return text[:500]
+    return str(reply["error"])[:500] if isinstance(reply, dict) and "error" in reply else text[:500]
+
+
 @register_reward("http")
 class HttpReward:
     def __init__(self, url: str, timeout_s: float = 60.0, jpeg_quality: int = 95):
+        if urllib.parse.urlparse(url).scheme not in ("http", "https"):
+            raise ConfigError("reward.functions[http].kwargs.url", url, "an http:// or https:// URL")
         self.url = url
         self.timeout_s = timeout_s
         self.jpeg_quality = jpeg_quality
@@ -57,16 +72,24 @@ class HttpReward:
         )
         try:
             with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
-                reply = json.loads(response.read())
+                raw = response.read()
         except urllib.error.HTTPError as e:
-            detail = e.read().decode(errors="replace")[:500]
-            raise RuntimeError(f"http reward {self.url}: HTTP {e.code}: {detail}") from None
-        except (urllib.error.URLError, TimeoutError) as e:
+            raise RuntimeError(f"http reward {self.url}: HTTP {e.code}: {_error_detail(e.read())}") from None
+        except (TimeoutError, urllib.error.URLError) as e:
+            if isinstance(e, TimeoutError) or isinstance(getattr(e, "reason", None), TimeoutError):
+                raise RuntimeError(f"http reward {self.url}: no reply within timeout_s={self.timeout_s}s") from None
             raise RuntimeError(f"http reward {self.url}: unreachable ({e})") from None
-        except json.JSONDecodeError as e:
+        except (OSError, http.client.HTTPException) as e:  # e.g. the server closed the connection without a reply
+            raise RuntimeError(f"http reward {self.url}: the connection failed ({e!r})") from None
+        try:
+            reply = json.loads(raw)
+        except ValueError as e:  # json.JSONDecodeError, or bytes that are not text
             raise RuntimeError(f"http reward {self.url}: the response is not JSON ({e})") from None
         rewards = reply.get("rewards") if isinstance(reply, dict) else None
-        if not isinstance(rewards, list) or len(rewards) != len(prompts):
+        numbers = isinstance(rewards, list) and all(
+            isinstance(r, (int, float)) and not isinstance(r, bool) for r in rewards
+        )
+        if not numbers or len(rewards) != len(prompts):
             raise RuntimeError(
                 f"http reward {self.url}: expected {{\"rewards\": [{len(prompts)} numbers]}}, got {str(reply)[:200]}"
             )

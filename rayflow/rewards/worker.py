@@ -6,7 +6,6 @@ then the run stops with a clear message. Rewards are never silently zero.
 
 from __future__ import annotations
 
-import itertools
 import logging
 from dataclasses import dataclass
 
@@ -15,8 +14,8 @@ import torch
 
 from rayflow.config import RewardConfig, RewardFnConfig
 from rayflow.distributed.placement import PlacedGroup, make_bundles, place
-from rayflow.rewards.weighted import WeightedReward, assign_rewards, reward_inputs
-from rayflow.types import Trajectory
+from rayflow.rewards.weighted import WeightedReward, reward_inputs
+from rayflow.types import RolloutRequest, Trajectory, TrajectoryRef
 
 log = logging.getLogger("rayflow.rewards")
 
@@ -29,81 +28,147 @@ class RewardError(RuntimeError):
 class RewardWorker:
     """Holds the run's reward functions (which may load models) and scores batches of images."""
 
-    def __init__(self, functions: list[RewardFnConfig], threads: int = 1):
+    def __init__(self, functions: list[RewardFnConfig], batch_size: int, threads: int = 1):
         torch.set_num_threads(threads)
         self.reward = WeightedReward(functions)
+        self.batch_size = batch_size
 
-    def score(self, images: torch.Tensor, prompts: list[str], metadata: list[dict]
-              ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        return self.reward(images, prompts, metadata)
+    def score(self, trajectories: list[Trajectory]) -> list[tuple[float, dict[str, float], list[int]]]:
+        """(reward, components, per-step versions) of each trajectory, in calls of at most batch_size images.
+
+        Called with the ObjectRef a rollout request returned, Ray hands this worker the trajectories
+        straight from the object store: they never pass through the driver."""
+        out = []
+        for i in range(0, len(trajectories), self.batch_size):
+            chunk = trajectories[i : i + self.batch_size]
+            total, parts = self.reward(*reward_inputs(chunk))
+            out += [
+                (float(total[k]), {name: float(v[k]) for name, v in parts.items()}, t.versions.tolist())
+                for k, t in enumerate(chunk)
+            ]
+        return out
 
 
 @dataclass
 class _Call:
-    trajectories: list[Trajectory]
+    payload: list[Trajectory] | ray.ObjectRef
+    """What is scored (sent again on a retry): trajectories, or a rollout request's result by reference."""
+    request: RolloutRequest | None
+    """The request whose result `payload` refers to (None for trajectories)."""
     ref: ray.ObjectRef
-    worker: int
     attempt: int
+    worker: int
+    """Index of the worker the call went to (a retry goes to another one)."""
+
+    def describe(self) -> str:
+        prompts = self.request.prompts if self.request is not None else [t.prompt for t in self.payload]
+        return f"a batch of {len(prompts)} images (prompts {sorted(set(prompts))[:3]})"
+
+    def finish(self, scores: list[tuple[float, dict[str, float], list[int]]]) -> list[Trajectory | TrajectoryRef]:
+        if self.request is None:
+            for t, (reward, rewards, _) in zip(self.payload, scores):
+                t.reward, t.rewards = reward, rewards
+            return self.payload
+        r = self.request
+        return [
+            TrajectoryRef(self.payload, i, r.prompts[i], r.prompt_ids[i], r.group_ids[i], r.seeds[i], versions,
+                          reward=reward, rewards=rewards)
+            for i, (reward, rewards, versions) in enumerate(scores)
+        ]
 
 
 class RewardPool:
-    """reward.num_workers RewardWorkers in one placement group; batches go round robin."""
+    """reward.num_workers RewardWorkers in one placement group; calls go round robin."""
 
-    def __init__(self, cfg: RewardConfig):
+    def __init__(self, cfg: RewardConfig, name: str = "rayflow-rewards"):
         self.cfg = cfg
         self.placed: PlacedGroup = place(
-            make_bundles(cfg.num_workers, cfg.cpus_per_worker, cfg.gpus_per_worker), strategy="PACK", name="rayflow-rewards"
+            make_bundles(cfg.num_workers, cfg.cpus_per_worker, cfg.gpus_per_worker, cfg.resources),
+            strategy="PACK", name=name,
         )
         self.workers = [
             RewardWorker.options(
                 num_cpus=cfg.cpus_per_worker, num_gpus=cfg.gpus_per_worker,
                 scheduling_strategy=self.placed.strategy_for_rank(i),
-            ).remote(cfg.functions)
+            ).remote(cfg.functions, cfg.batch_size)
             for i in range(cfg.num_workers)
         ]
-        self._next_worker = itertools.cycle(range(cfg.num_workers))
+        self._turn = 0  # round robin position
+        self.dead: set[int] = set()
+        """Workers that died (ActorDiedError): no more calls go to them."""
         self.calls: list[_Call] = []
 
-    def _send(self, trajectories: list[Trajectory], attempt: int) -> _Call:
-        worker = next(self._next_worker)
-        ref = self.workers[worker].score.remote(*reward_inputs(trajectories))
-        return _Call(trajectories, ref, worker, attempt)
+    def _send(self, payload, request: RolloutRequest | None, attempt: int, avoid: int | None = None) -> _Call:
+        """Send to the next live worker in round robin, other than `avoid` (a retry's failed worker) if
+        another one is alive."""
+        live = [w for w in range(len(self.workers)) if w not in self.dead]
+        if not live:
+            raise RewardError(f"all {len(self.workers)} reward workers died; stopping the run")
+        choices = [w for w in live if w != avoid] or live
+        worker = choices[self._turn % len(choices)]
+        self._turn += 1
+        return _Call(payload, request, self.workers[worker].score.remote(payload), attempt, worker)
 
     def submit(self, trajectories: list[Trajectory]) -> None:
-        """Queue trajectories for scoring, in batches of reward.batch_size."""
+        """Queue trajectories held by the caller, in calls of reward.batch_size; collect fills in their rewards."""
         for i in range(0, len(trajectories), self.cfg.batch_size):
-            self.calls.append(self._send(trajectories[i : i + self.cfg.batch_size], attempt=0))
+            self.calls.append(self._send(trajectories[i : i + self.cfg.batch_size], None, attempt=0))
+
+    def submit_rollout(self, ref: ray.ObjectRef, request: RolloutRequest) -> None:
+        """Queue the trajectories a rollout request returned, by reference; collect returns TrajectoryRefs."""
+        self.calls.append(self._send(ref, request, attempt=0))
 
     @property
     def pending(self) -> int:
         return len(self.calls)
 
-    def collect(self, timeout_s: float | None = 0.0) -> list[Trajectory]:
-        """Trajectories whose rewards arrived (their .reward and .rewards filled in), waiting up to
-        timeout_s for at least one batch (None: until one is done)."""
-        if not self.calls:
-            return []
-        done, _ = ray.wait([c.ref for c in self.calls], num_returns=1, timeout=timeout_s)
+    @property
+    def refs(self) -> list[ray.ObjectRef]:
+        """The calls in flight, for a caller waiting on several kinds of work at once."""
+        return [c.ref for c in self.calls]
+
+    def collect(self, timeout_s: float | None = 0.0) -> list[Trajectory | TrajectoryRef]:
+        """Scored trajectories of the calls that finished, waiting up to timeout_s for at least one
+        (None: until one is done). A failed call is logged and retried on another worker."""
+        scored, self.calls = self._finish(self.calls, timeout_s)
+        return scored
+
+    def score(self, trajectories: list[Trajectory]) -> None:
+        """Score trajectories held by the caller now (blocking, with the same retries), apart from the
+        calls in flight: e.g. an evaluation between training steps."""
+        calls = [self._send(trajectories[i : i + self.cfg.batch_size], None, attempt=0)
+                 for i in range(0, len(trajectories), self.cfg.batch_size)]
+        while calls:
+            _, calls = self._finish(calls, timeout_s=None)
+
+    def _finish(self, calls: list[_Call], timeout_s: float | None) -> tuple[list, list[_Call]]:
+        """(scored trajectories of the finished calls, the calls still in flight or retried)."""
+        if not calls:
+            return [], []
+        refs = [c.ref for c in calls]
+        done, _ = ray.wait(refs, num_returns=1, timeout=timeout_s)
+        if done:  # every call that has finished by now, not only the first one
+            done, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
         done_set = set(done)
         scored, still = [], []
-        for call in self.calls:
+        for call in calls:
             if call.ref not in done_set:
                 still.append(call)
                 continue
             try:
-                assign_rewards(call.trajectories, *ray.get(call.ref))
-                scored += call.trajectories
+                scored += call.finish(ray.get(call.ref))
             except Exception as e:  # the reward raised inside the worker (RayTaskError) or the worker died
+                if isinstance(e, ray.exceptions.ActorDiedError):
+                    self.dead.add(call.worker)
                 if call.attempt >= self.cfg.max_retries:
                     raise RewardError(
-                        f"reward failed {call.attempt + 1} times on a batch of {len(call.trajectories)} images "
-                        f"(prompts {sorted({t.prompt for t in call.trajectories})[:3]}); stopping the run. Last error:\n{e}"
+                        f"reward failed {call.attempt + 1} times on {call.describe()}; stopping the run. "
+                        f"Last error:\n{e}"
                     ) from None
-                log.warning("reward call failed (attempt %d of %d), retrying:\n%s",
-                            call.attempt + 1, self.cfg.max_retries + 1, e)
-                still.append(self._send(call.trajectories, call.attempt + 1))
-        self.calls = still
-        return scored
+                log.warning("reward call on %s failed (attempt %d of %d, worker %d); retrying on another worker:\n%s",
+                            call.describe(), call.attempt + 1, self.cfg.max_retries + 1, call.worker, e)
+                still.append(self._send(call.payload, call.request, call.attempt + 1, avoid=call.worker))
+        return scored, still
 
     def shutdown(self) -> None:
         for w in self.workers:

@@ -76,7 +76,7 @@ class RolloutReplica:
         self.world_size = W = rollout.cfg_parallel_size
         self.collective_timeout_s = spec.collective_timeout_s
         gpus = resolve_gpus(rollout.gpus_per_rank)
-        self.placed = place(make_bundles(W, rollout.cpus_per_rank, gpus), rollout.placement_strategy, name=name)
+        self.placed = place(make_bundles(W, rollout.cpus_per_rank, gpus, rollout.resources), rollout.placement_strategy, name=name)
         self.workers = [
             RolloutWorker.options(
                 scheduling_strategy=self.placed.strategy_for_rank(r), num_cpus=rollout.cpus_per_rank, num_gpus=gpus

@@ -23,7 +23,7 @@ class WeightSync:
     def __init__(self, cfg: SyncConfig, rollout_spec: RolloutWorkerSpec, replicas: list[RolloutReplica],
                  timeout_s: float = 300.0, name: str = "rayflow-weight-sync"):
         gpus = resolve_gpus(cfg.gpus)
-        self.placed = place(make_bundles(1, cfg.cpus, gpus), "PACK", name=name)
+        self.placed = place(make_bundles(1, cfg.cpus, gpus, cfg.resources), "PACK", name=name)
         self.actor = WeightSyncActor.options(
             num_cpus=cfg.cpus, num_gpus=gpus, scheduling_strategy=self.placed.strategy_for_rank(0)
         ).remote(SyncSpec(cfg.mode, cfg.bucket_mb, cfg.verify_checksum, timeout_s), rollout_spec)

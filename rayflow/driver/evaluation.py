@@ -1,0 +1,39 @@
+"""Evaluation between training steps: deterministic (ODE) samples of fixed prompts and seeds under the
+current rollout weights, their mean reward, and an image grid, logged as eval/*."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from rayflow.config import RayflowConfig
+from rayflow.data.prompts import load_prompts
+from rayflow.logging.monitor import Monitor, image_grid
+from rayflow.rewards.worker import RewardPool
+from rayflow.rollout.pool import RolloutPool
+from rayflow.types import RolloutRequest
+
+EVAL_GROUP_ID = -1
+"""Evaluation samples never enter the training queue; their group id says so."""
+
+
+class Evaluator:
+    def __init__(self, cfg: RayflowConfig, train_prompts: list[str], rollout: RolloutPool, rewards: RewardPool,
+                 num_prompts: int = 4):
+        prompts = load_prompts(cfg.data.eval_prompts) if cfg.data.eval_prompts else train_prompts[:num_prompts]
+        T = cfg.sampling.num_steps
+        params = dataclasses.replace(cfg.sampling, sde_type="ode", sde_step_indices=None, return_step_indices=[T])
+        # One request per prompt, seed = its index: the same images every evaluation but for the weights.
+        self.requests = [
+            RolloutRequest(f"eval-{i}", [p], [i], [EVAL_GROUP_ID], [i], params) for i, p in enumerate(prompts)
+        ]
+        self.rollout, self.rewards = rollout, rewards
+
+    def run(self, step: int, monitor: Monitor) -> dict[str, float]:
+        trajectories = [t for f in self.rollout.map(self.requests) for t in f.result()]
+        self.rewards.score(trajectories)
+        scalars = {"eval/reward_mean": float(torch.tensor([t.reward for t in trajectories]).mean())}
+        monitor.log(step, scalars, advance=False)
+        monitor.log_images(step, "eval/images", image_grid([t.image for t in trajectories]))
+        return scalars

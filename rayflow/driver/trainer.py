@@ -1,0 +1,245 @@
+"""Trainer: the driver's loop over rollout replicas, reward workers, learners and the weight sync.
+
+One pass of the loop (every call returns futures; the loop only waits for "something finished"):
+
+    admit     new prompt groups while the StalenessQueue allows (max_staleness bounds it)
+    rollout   finished requests → rewards (by reference: trajectories never pass through the driver)
+    reward    scored trajectories → the queue; complete, fresh groups form a batch
+    train     batch → advantages → learners (one optimizer step, version + 1)
+    sync      learner rank 0 pushes the rollout adapter; the WeightSyncActor broadcasts it
+    log       TensorBoard / Ray metrics / progress bar; eval and checkpoint on their schedule
+
+With async.max_staleness = 0 the loop is synchronous: a batch is rolled out entirely under the
+current weights, trained on, and the new weights are on every rollout rank before the next batch
+starts; the run then equals the single-process reference trainer (rayflow.reference) bit for bit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+
+import ray
+import torch
+
+from rayflow.algorithms.advantages import assign_advantages
+from rayflow.checkpoint import checkpoint_root, is_save_step, load_checkpoint, resolve_resume, save_checkpoint
+from rayflow.config import RayflowConfig
+from rayflow.data.prompts import GroupSampler, PromptGroup, load_prompts
+from rayflow.driver.evaluation import Evaluator
+from rayflow.driver.queue import StalenessQueue
+from rayflow.learner.worker import LearnerGroup
+from rayflow.logging.monitor import Monitor
+from rayflow.rewards.worker import RewardPool
+from rayflow.rollout.pool import RolloutPool
+from rayflow.rollout.rank import RolloutWorkerSpec
+from rayflow.rollout.replica import ReplicaError, RolloutFuture
+from rayflow.sync.weight_sync import WeightSync
+from rayflow.types import TrajectoryRef
+
+log = logging.getLogger("rayflow")
+
+
+class Trainer:
+    def __init__(self, cfg: RayflowConfig):
+        self.cfg = cfg
+        prompts = load_prompts(cfg.data.prompts)  # a bad prompt file fails before any actor starts
+        self.sampler = GroupSampler(prompts, cfg.algorithm.group_size, cfg.trainer.seed, cfg.data.shuffle)
+        self.queue = StalenessQueue(
+            cfg.algorithm.batch_size, cfg.algorithm.group_size, cfg.async_.max_staleness, cfg.async_.over_stale
+        )
+        self.version = 0
+        self.synced = 0
+        """The newest version staged on every rollout rank (waited for in synchronous mode)."""
+        self.zero_signal_groups = 0
+        self.history: list[dict[str, float]] = []
+        self.rollouts: list[RolloutFuture] = []
+        self.components: list = []  # shut down in reverse order
+        try:
+            spec = RolloutWorkerSpec.from_config(cfg)
+            self.learners = self._own(LearnerGroup(cfg))
+            self.rollout = self._own(RolloutPool.create(spec, cfg.rollout))
+            self.rewards = self._own(RewardPool(cfg.reward))
+            self.sync = self._own(WeightSync(cfg.sync, spec, self.rollout.replicas, cfg.rollout.collective_timeout_s))
+            self.evaluator = Evaluator(cfg, prompts, self.rollout, self.rewards)
+            self._resume()
+            self.monitor = self._own(Monitor(cfg.trainer.logdir, cfg.logging, cfg.trainer.total_steps, self.version))
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _own(self, component):
+        self.components.append(component)
+        return component
+
+    # -- the loop ----------------------------------------------------------------------------------
+    def run(self) -> list[dict[str, float]]:
+        """Train until trainer.total_steps optimizer steps; returns each step's logged scalars."""
+        cfg = self.cfg
+        clock = _Clock()
+        training: list[ray.ObjectRef] | None = None
+        batch: list[TrajectoryRef] = []
+        while self.version < cfg.trainer.total_steps:
+            self._admit()
+            if training is None:
+                batch, resubmit = self.queue.take_batch(self.version)
+                self._submit(resubmit)
+                if batch is not None:
+                    adv = assign_advantages(batch, global_std=cfg.algorithm.global_std, clip_max=cfg.algorithm.adv_clip_max)
+                    self.zero_signal_groups = adv.zero_signal_groups
+                    training = self.learners.train_step(batch)
+            clock.tick(rollout_busy=bool(self.rollouts), learner_busy=training is not None)
+            ray.wait(self._pending_refs(training), num_returns=1, timeout=1.0)
+            self._collect_rollouts()
+            for trajectory in self.rewards.collect(timeout_s=0):
+                self.queue.finished(trajectory)
+            if training is not None and _ready(training):
+                metrics = self.learners.get(training)[0]
+                training = None
+                self._step_done(metrics, batch, clock)
+        return self.history
+
+    def _admit(self) -> None:
+        if self.cfg.async_.max_staleness == 0 and self.synced < self.version:
+            return  # synchronous: the next batch starts only under the newest weights
+        while self.queue.can_admit(self.version):
+            self._submit([self.sampler.next_group()], new=True)
+
+    def _submit(self, groups: list[PromptGroup], new: bool = False) -> None:
+        for group in groups:
+            if new:
+                self.queue.submitted(group)
+            self.rollouts += self.rollout.map(group.requests(self.cfg.sampling, self.cfg.rollout.micro_batch_size))
+
+    def _collect_rollouts(self) -> None:
+        still = []
+        for future in self.rollouts:
+            if not future.done():
+                still.append(future)
+                continue
+            try:
+                future.result(timeout=0)
+            except ReplicaError as e:  # the replica is out of service; another one samples the request
+                log.warning("%s; resubmitting request %s", e, future.request.request_id)
+                still.append(self.rollout.submit(future.request))
+                continue
+            self.rewards.submit_rollout(future.ref, future.request)
+        self.rollouts = still
+
+    def _pending_refs(self, training: list[ray.ObjectRef] | None) -> list[ray.ObjectRef]:
+        return [f.ref for f in self.rollouts] + self.rewards.refs + (training or [])
+
+    def _step_done(self, metrics: dict[str, float], batch: list[TrajectoryRef], clock: "_Clock") -> None:
+        """An optimizer step finished: new version → push weights → log → eval → checkpoint."""
+        cfg = self.cfg
+        self.version += 1
+        push = self.learners.get(self.learners.push_weights(self.sync.actor))[0]
+        sync_s = push["gather_s"] + push["push_s"]
+        if cfg.async_.max_staleness == 0:
+            sync_s += self.sync.wait(self.version, timeout_s=cfg.rollout.collective_timeout_s).broadcast_s
+            self.synced = self.version
+        rewards = torch.tensor([t.reward for t in batch])
+        q = self.queue.stats
+        scalars = {
+            "reward/mean": float(rewards.mean()),
+            "reward/std": float(rewards.std(unbiased=False)),
+            **{f"reward/{name}": float(torch.tensor([t.rewards[name] for t in batch]).mean()) for name in batch[0].rewards},
+            "loss/policy": metrics["loss/policy"],
+            "loss/kl": metrics["loss/kl"],
+            "train/clip_frac": metrics.get("train/clip_frac", 0.0),
+            "train/grad_norm": metrics["train/grad_norm"],
+            "train/skipped_steps": metrics["train/skipped_steps"],
+            "train/zero_signal_groups": self.zero_signal_groups,
+            "staleness/mean": q.staleness_mean,
+            "staleness/max": q.staleness_max,
+            "rollout/partial_ratio": q.partial_ratio,
+            "rollout/max_partial_span": q.max_partial_span,
+            "rollout/regenerated": q.regenerated,
+            "rollout/dropped": q.dropped,
+            "rollout/queue_depth": self.queue.depth,
+            "perf/sync_s": sync_s,
+            **clock.lap(images=len(batch)),
+        }
+        self.history.append(scalars)
+        self.monitor.log(self.version, scalars)
+        if not cfg.logging.progress_bar:
+            log.info("step %d  reward %.4f  loss %+.5f  staleness %.2f  %.2fs", self.version, scalars["reward/mean"],
+                     scalars["loss/policy"], scalars["staleness/mean"], scalars["perf/step_s"])
+        if cfg.trainer.eval_every and self.version % cfg.trainer.eval_every == 0:
+            self.evaluator.run(self.version, self.monitor)
+        if is_save_step(self.version, cfg.trainer.save_every, cfg.trainer.total_steps):
+            self._save()
+
+    # -- checkpoints -------------------------------------------------------------------------------
+    def _save(self) -> None:
+        pending = sorted(self.queue.groups)
+        data = {**self.sampler.state_dict(), "pending_groups": pending}
+        ckpt = self.learners.checkpoint(self.version, data)
+        path = save_checkpoint(checkpoint_root(self.cfg.trainer.output_dir), ckpt, self.cfg.trainer.keep_checkpoints)
+        log.info("saved %s", path)
+
+    def _resume(self) -> None:
+        path = resolve_resume(self.cfg.trainer.resume, checkpoint_root(self.cfg.trainer.output_dir))
+        if path is None:
+            return
+        ckpt = load_checkpoint(path, self.learners.identity)
+        self.learners.restore(ckpt)
+        self.sampler.load_state_dict(ckpt.data)
+        self.version = ckpt.version
+        # Admission counts every sample trained on so far (accepted + running <= (max_staleness + v + 1)·B).
+        self.queue.accepted = ckpt.version * self.cfg.algorithm.batch_size
+        # Groups in flight when the checkpoint was written are drawn again, first.
+        for gid in ckpt.data.get("pending_groups", []):
+            group = self.sampler.group(gid)
+            self.queue.submitted(group)
+            self._submit([group])
+        self.learners.get(self.learners.push_weights(self.sync.actor))
+        self.sync.wait(self.version, timeout_s=self.cfg.rollout.collective_timeout_s)
+        self.synced = self.version
+        log.info("resumed from %s at step %d", path, self.version)
+
+    def shutdown(self) -> None:
+        for component in reversed(self.components):
+            try:
+                component.shutdown() if hasattr(component, "shutdown") else component.close()
+            except Exception as e:  # keep tearing down the rest
+                log.warning("shutting down %s: %s", type(component).__name__, e)
+        self.components = []
+
+
+def _ready(refs: list[ray.ObjectRef]) -> bool:
+    done, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+    return len(done) == len(refs)
+
+
+@dataclasses.dataclass
+class _Clock:
+    """Wall time per step, and how much of it rollout and learners spent with nothing to do."""
+
+    start: float = dataclasses.field(default_factory=time.perf_counter)
+    last: float = dataclasses.field(default_factory=time.perf_counter)
+    rollout_idle: float = 0.0
+    learner_idle: float = 0.0
+    _rollout_busy: bool = False
+    _learner_busy: bool = False
+
+    def tick(self, rollout_busy: bool, learner_busy: bool) -> None:
+        """Charge the time since the last tick to the state the loop saw then; remember the new state."""
+        now = time.perf_counter()
+        dt, self.last = now - self.last, now
+        self.rollout_idle += dt * (not self._rollout_busy)
+        self.learner_idle += dt * (not self._learner_busy)
+        self._rollout_busy, self._learner_busy = rollout_busy, learner_busy
+
+    def lap(self, images: int) -> dict[str, float]:
+        self.tick(self._rollout_busy, self._learner_busy)
+        step_s = self.last - self.start
+        out = {
+            "perf/step_s": step_s,
+            "perf/images_per_s": images / step_s,
+            "perf/rollout_idle": self.rollout_idle / step_s,
+            "perf/learner_idle": self.learner_idle / step_s,
+        }
+        self.start, self.rollout_idle, self.learner_idle = self.last, 0.0, 0.0
+        return out

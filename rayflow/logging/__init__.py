@@ -1,0 +1,1 @@
+"""What a run shows while it trains: TensorBoard, Ray metrics, a progress bar (see monitor.py)."""

@@ -1,0 +1,142 @@
+"""Monitor: TensorBoard scalars and images read back from the event files, Ray metrics, the progress bar."""
+
+import io
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from rayflow.config import LoggingConfig
+from rayflow.logging.monitor import Monitor, image_grid
+
+QUIET = dict(ray_metrics=False, progress_bar=False)
+
+
+def events(logdir) -> EventAccumulator:
+    acc = EventAccumulator(str(logdir), size_guidance={"scalars": 0, "images": 0})  # 0: keep everything
+    acc.Reload()
+    return acc
+
+
+def scalars_at(step: int) -> dict[str, float]:
+    return {"reward/mean": 0.25 * step, "loss/policy": -1.5 + step, "reward/color#1": 0.125 * step,
+            "rollout/regenerated": float(step // 2)}
+
+
+def test_scalars_are_written_with_exactly_the_given_tags_and_values(tmp_path):
+    monitor = Monitor(str(tmp_path), LoggingConfig(**QUIET), total_steps=4)
+    for step in range(4):
+        monitor.log(step, scalars_at(step))
+    monitor.close()
+    acc = events(tmp_path)
+    assert set(acc.Tags()["scalars"]) == set(scalars_at(0))
+    for tag in scalars_at(0):
+        logged = [(e.step, e.value) for e in acc.Scalars(tag)]
+        assert logged == [(step, pytest.approx(scalars_at(step)[tag])) for step in range(4)], tag
+
+
+def test_log_every_writes_only_every_nth_step(tmp_path):
+    monitor = Monitor(str(tmp_path), LoggingConfig(log_every=3, **QUIET), total_steps=8)
+    for step in range(8):
+        monitor.log(step, {"reward/mean": float(step)})
+    monitor.close()
+    assert [(e.step, e.value) for e in events(tmp_path).Scalars("reward/mean")] == [(0, 0.0), (3, 3.0), (6, 6.0)]
+
+
+def test_tensorboard_off_writes_no_event_files(tmp_path):
+    monitor = Monitor(str(tmp_path / "run"), LoggingConfig(tensorboard=False, **QUIET), total_steps=2)
+    monitor.log(0, {"reward/mean": 1.0})
+    monitor.log_images(0, "samples", torch.zeros(4, 4, 3, dtype=torch.uint8))
+    monitor.close()
+    assert not (tmp_path / "run").exists()
+
+
+def test_image_grid_is_written_and_reads_back_exactly(tmp_path):
+    grid = torch.randint(0, 256, (12, 20, 3), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    monitor = Monitor(str(tmp_path), LoggingConfig(**QUIET), total_steps=1)
+    monitor.log_images(5, "samples/train", grid)
+    monitor.close()
+    acc = events(tmp_path)
+    assert acc.Tags()["images"] == ["samples/train"]
+    (image,) = acc.Images("samples/train")
+    assert (image.step, image.height, image.width) == (5, 12, 20)
+    decoded = np.asarray(Image.open(io.BytesIO(image.encoded_image_string)).convert("RGB"))
+    np.testing.assert_array_equal(decoded, grid.numpy())  # PNG: lossless
+
+
+def test_image_grid_layout():
+    # Five 2x3 images, each filled with its own index + 1: three rows of two, the last cell black.
+    tiles = [torch.full((2, 3, 3), i + 1, dtype=torch.uint8) for i in range(5)]
+    tiles[0][0, 0] = torch.tensor([200, 100, 50], dtype=torch.uint8)  # orientation: top-left pixel of the first
+    grid = image_grid(tiles, columns=2)
+    assert grid.shape == (6, 6, 3) and grid.dtype == torch.uint8
+    expected = torch.tensor([[1, 2], [3, 4], [5, 0]], dtype=torch.uint8)  # [rows, columns] tile values
+    expected = expected.repeat_interleave(2, dim=0).repeat_interleave(3, dim=1)[..., None].expand(6, 6, 3).clone()
+    expected[0, 0] = torch.tensor([200, 100, 50])
+    torch.testing.assert_close(grid, expected)
+    assert image_grid(tiles[:3], columns=4).shape == (2, 12, 3)  # one partly filled row
+
+
+class FakeMetric:
+    made: dict[str, "FakeMetric"] = {}
+
+    def __init__(self, name: str, description: str = ""):
+        self.name, self.description, self.values, self.increments = name, description, [], []
+        FakeMetric.made[name] = self
+
+    def set(self, value):
+        self.values.append(value)
+
+    def inc(self, value=1.0):
+        assert value > 0  # Ray's Counter refuses non-positive increments
+        self.increments.append(value)
+
+
+def test_ray_metrics_get_latest_values_and_counter_increments(tmp_path, monkeypatch):
+    import ray.util.metrics
+
+    FakeMetric.made = {}
+    monkeypatch.setattr(ray.util.metrics, "Gauge", FakeMetric)
+    monkeypatch.setattr(ray.util.metrics, "Counter", FakeMetric)
+    monitor = Monitor(str(tmp_path), LoggingConfig(tensorboard=False, progress_bar=False), total_steps=4)
+    totals = [0, 2, 2, 5]  # running totals, as the driver reports them
+    for step, total in enumerate(totals):
+        monitor.log(step, {"reward/mean": 0.1 * step, "rollout/regenerated": total, "rollout/dropped": 0})
+    monitor.close()
+    made = FakeMetric.made
+    assert made["rayflow_reward_mean"].values == pytest.approx([0.0, 0.1, 0.2, 0.3])
+    assert made["rayflow_rollout_regenerated"].increments == [2, 3]
+    assert made["rayflow_rollout_dropped"].increments == []
+    assert made["rayflow_staleness_max"].values == []  # not reported: not set
+    assert made["rayflow_rollout_regenerated"].description == "rollout/regenerated"
+
+
+def test_ray_metrics_on_a_live_ray(ray_session, tmp_path):
+    monitor = Monitor(str(tmp_path), LoggingConfig(tensorboard=False, progress_bar=False), total_steps=3)
+    assert set(monitor.gauges) >= {"reward/mean", "staleness/mean"} and "train/skipped_steps" in monitor.counters
+    for step, total in enumerate([1, 1, 4]):
+        monitor.log(step, {"reward/mean": 0.5, "staleness/max": 2, "train/skipped_steps": total})
+    monitor.close()
+    assert monitor._counted == {"train/skipped_steps": 4}
+
+
+def test_progress_bar_on_and_off(tmp_path, capsys):
+    quiet = Monitor(str(tmp_path / "a"), LoggingConfig(tensorboard=False, ray_metrics=False, progress_bar=False),
+                    total_steps=3)
+    quiet.log(0, {"reward/mean": 0.5})
+    quiet.close()
+    assert quiet.bar is None
+    assert capsys.readouterr().err == ""
+
+    shown = Monitor(str(tmp_path / "b"), LoggingConfig(tensorboard=False, ray_metrics=False), total_steps=10,
+                    start_step=4)
+    shown.log(4, {"reward/mean": 0.5})
+    shown.log(5, {"reward/mean": 0.75, "staleness/mean": 1.5})
+    assert (shown.bar.n, shown.bar.total) == (6, 10)  # resumed at step 4, two more steps
+    shown.log(5, {"eval/reward_mean": 0.5}, advance=False)  # extra figures of a step: the bar stays
+    assert shown.bar.n == 6
+    shown.close()
+    err = capsys.readouterr().err
+    assert "rayflow" in err and "reward=0.7500" in err and "staleness=1.50" in err

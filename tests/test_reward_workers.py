@@ -1,0 +1,166 @@
+"""RewardPool on the session's local Ray: scoring like the in-process WeightedReward, round robin,
+retries of a failing reward (a local reward server that fails on demand), and a killed worker."""
+
+import copy
+import io
+import logging
+import re
+import time
+
+import numpy as np
+import pytest
+import ray
+import torch
+from PIL import Image
+
+from rayflow.config import RewardConfig, RewardFnConfig
+from rayflow.rewards import make_reward
+from rayflow.rewards.weighted import WeightedReward
+from rayflow.rewards.worker import RewardError, RewardPool
+from rayflow.types import SamplingParams, Trajectory
+from reward_server import RewardServer, score_mean_red
+
+PROMPTS = ["a red apple", "a blue car", "a green tree", "a white cat", "a yellow duck"]
+
+
+def trajectory(i: int) -> Trajectory:
+    image = torch.randint(0, 256, (16, 16, 3), dtype=torch.uint8, generator=torch.Generator().manual_seed(i))
+    return Trajectory(
+        prompt=PROMPTS[i % len(PROMPTS)], prompt_id=i % len(PROMPTS), group_id=i // 2, seed=1000 + i,
+        params=SamplingParams(num_steps=1), latents=torch.zeros(1, 1, 1), latent_indices=[1],
+        timesteps=torch.zeros(1), sigmas=torch.zeros(2), log_probs=torch.zeros(1),
+        sde_mask=torch.zeros(1, dtype=torch.bool), versions=torch.tensor([0]), conds={}, image=image,
+    )
+
+
+def collect_all(pool: RewardPool, timeout_s: float = 60.0) -> list[Trajectory]:
+    scored, deadline = [], time.monotonic() + timeout_s
+    while pool.pending:
+        assert time.monotonic() < deadline, "reward calls did not finish"
+        scored += pool.collect(timeout_s=5.0)
+    return scored
+
+
+@pytest.fixture
+def make_pool(ray_session):
+    """RewardPool(cfg) with 2 workers; removed (actors and placement group) after the test."""
+    pools = []
+
+    def make(functions: list[RewardFnConfig], batch_size: int = 2, max_retries: int = 1) -> RewardPool:
+        cfg = RewardConfig(functions=functions, num_workers=2, batch_size=batch_size, cpus_per_worker=1.0,
+                           max_retries=max_retries)
+        pools.append(RewardPool(cfg, name=f"test-rewards-{len(pools)}"))
+        return pools[-1]
+
+    yield make
+    for pool in pools:
+        pool.shutdown()
+
+
+COLOR_AND_JPEG = [RewardFnConfig("color", 0.5), RewardFnConfig("jpeg_compressibility", 2.0)]
+
+
+def test_pool_scores_like_the_weighted_reward_in_process(make_pool):
+    pool = make_pool(COLOR_AND_JPEG, batch_size=2)
+    trajectories = [trajectory(i) for i in range(5)]
+    local = copy.deepcopy(trajectories)
+    pool.submit(trajectories)
+    # Batches of reward.batch_size, round robin over the two workers.
+    assert [len(c.payload) for c in pool.calls] == [2, 2, 1]
+    assert [c.worker for c in pool.calls] == [0, 1, 0]
+    scored = collect_all(pool)
+    assert sorted(map(id, scored)) == sorted(map(id, trajectories))  # the caller's objects, filled in
+
+    WeightedReward(COLOR_AND_JPEG).score(local)
+    images = torch.stack([t.image for t in local])
+    color = make_reward("color")(images, PROMPTS)
+    jpeg = make_reward("jpeg_compressibility")(images, PROMPTS)
+    for i, t in enumerate(trajectories):
+        assert t.rewards == local[i].rewards and t.reward == local[i].reward
+        assert t.rewards == {"color": pytest.approx(float(color[i])),
+                             "jpeg_compressibility": pytest.approx(float(jpeg[i]))}
+        assert t.reward == pytest.approx(0.5 * float(color[i]) + 2.0 * float(jpeg[i]), rel=1e-6)
+
+
+def jpeg_mean_red(image: torch.Tensor) -> float:
+    """What the test server computes, here from the JPEG that the http reward sends (quality 95)."""
+    buffer = io.BytesIO()
+    Image.fromarray(np.asarray(image)).save(buffer, format="JPEG", quality=95)
+    return np.asarray(Image.open(buffer).convert("RGB"))[..., 0].mean() / 255
+
+
+def test_a_reward_that_fails_once_is_retried_on_the_other_worker(make_pool, caplog):
+    def fail_first(i, body):
+        return (500, {"error": "reward model warming up"}) if i == 0 else score_mean_red(i, body)
+
+    with RewardServer(fail_first) as server:
+        pool = make_pool([RewardFnConfig("http", 1.0, {"url": server.url, "timeout_s": 20})], batch_size=4)
+        trajectories = [trajectory(i) for i in range(3)]
+        with caplog.at_level(logging.WARNING, logger="rayflow.rewards"):
+            pool.submit(trajectories)
+            assert [c.worker for c in pool.calls] == [0]
+            assert pool.collect(timeout_s=30) == []  # the first call failed...
+            assert [(c.worker, c.attempt) for c in pool.calls] == [(1, 1)]  # ...and went to the other worker
+            scored = collect_all(pool)
+    assert scored == trajectories and len(server.requests) == 2
+    for t in trajectories:
+        assert t.rewards == {"http": pytest.approx(jpeg_mean_red(t.image))}
+        assert t.reward == t.rewards["http"]
+    (record,) = [r for r in caplog.records if r.name == "rayflow.rewards"]
+    assert record.levelno == logging.WARNING
+    assert "attempt 1 of 2" in record.getMessage() and "a batch of 3 images" in record.getMessage()
+    assert f"http reward {server.url}: HTTP 500: reward model warming up" in record.getMessage()
+
+
+def test_a_reward_that_keeps_failing_stops_the_run_with_the_batch_and_last_error(make_pool):
+    def always_fail(i, body):
+        return 500, {"error": f"reward model crashed (call {i})"}
+
+    with RewardServer(always_fail) as server:
+        pool = make_pool([RewardFnConfig("http", 1.0, {"url": server.url, "timeout_s": 20})], batch_size=4)
+        trajectories = [trajectory(i) for i in range(3)]
+        pool.submit(trajectories)
+        with pytest.raises(RewardError) as info:
+            collect_all(pool)
+    message = str(info.value)
+    assert "reward failed 2 times on a batch of 3 images (prompts ['a blue car', 'a green tree', 'a red apple'])" \
+        in message
+    assert "stopping the run" in message
+    assert re.search(re.escape(f"http reward {server.url}: HTTP 500: reward model crashed (call 1)"), message)
+    assert len(server.requests) == 2  # max_retries=1: one try and one retry
+    assert all(t.reward is None and t.rewards == {} for t in trajectories)  # never silent zeros
+
+
+def wait_until_dead(worker, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            ray.get(worker.score.remote([]), timeout=5)
+        except ray.exceptions.RayActorError:
+            return
+        time.sleep(0.1)
+    raise AssertionError("the killed reward worker still answers")
+
+
+def test_a_killed_worker_is_skipped_and_its_batch_retried_on_the_other(make_pool, caplog):
+    pool = make_pool([RewardFnConfig("color", 1.0)], batch_size=2)
+    ray.kill(pool.workers[0])
+    wait_until_dead(pool.workers[0])
+    trajectories = [trajectory(i) for i in range(4)]
+    with caplog.at_level(logging.WARNING, logger="rayflow.rewards"):
+        pool.submit(trajectories)
+        assert [c.worker for c in pool.calls] == [0, 1]  # the pool does not know yet
+        scored = collect_all(pool)
+    assert sorted(map(id, scored)) == sorted(map(id, trajectories))
+    assert pool.dead == {0}
+    assert len([r for r in caplog.records if r.name == "rayflow.rewards"]) == 1  # the dead worker's batch
+
+    expected = make_reward("color")(torch.stack([t.image for t in trajectories]), [t.prompt for t in trajectories])
+    assert [t.reward for t in trajectories] == pytest.approx(expected.tolist())
+
+    # Later batches go to the live worker only.
+    more = [trajectory(i) for i in range(4, 8)]
+    pool.submit(more)
+    assert [c.worker for c in pool.calls] == [1, 1]
+    assert sorted(map(id, collect_all(pool))) == sorted(map(id, more))
+    assert all(t.reward is not None for t in more)
