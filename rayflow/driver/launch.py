@@ -28,6 +28,11 @@ def start_ray(cfg: RayflowConfig) -> bool:
     if os.environ.get("RAY_ADDRESS"):
         import ray
 
+        if not os.path.isabs(cfg.trainer.output_dir):
+            logging.getLogger("rayflow").warning(
+                "trainer.output_dir=%r is relative: under `ray job submit` it lands in the job's temporary copy of "
+                "the working dir, which Ray deletes (and resume=auto then finds nothing); give an absolute path",
+                cfg.trainer.output_dir)
         ray.init(address=os.environ["RAY_ADDRESS"])
         return False
     # Keep a laptop run off the network (RAY-LOCAL.md): set before Ray is imported.

@@ -42,7 +42,7 @@ class LearnerBackend:
     def __init__(self, cfg: RayflowConfig, mesh: DeviceMesh, device: torch.device):
         self.cfg = cfg
         self.mesh = mesh
-        self.model = load_policy_model(cfg, device)
+        self.model = load_policy_model(cfg, device, transformer_only=True)
         # Before sharding: the fingerprint reads whole base weights.
         self.identity = policy_identity(cfg, self.model)
         transformer = self.model.transformer

@@ -21,13 +21,15 @@ _FINGERPRINT_ELEMENTS = 256
 """Leading elements of each base weight that enter the weights fingerprint (cheap for a 20B model)."""
 
 
-def load_policy_model(cfg: RayflowConfig, device: str | torch.device | None = None) -> DiffusionModel:
+def load_policy_model(cfg: RayflowConfig, device: str | torch.device | None = None,
+                      transformer_only: bool = False) -> DiffusionModel:
     """The model with its LoRA adapters ("default", and "old" when the algorithm rolls out under an EMA).
+    `transformer_only` (learner ranks): no text encoder or VAE, which a learner never runs.
 
     Reads cfg.model, cfg.learner (LoRA), cfg.algorithm (EMA or not) and cfg.trainer.seed."""
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     path = resolve_model_path(cfg.model.path, cfg.model.cache_dir, cfg.model.tiny_size, cfg.model.tiny_seed)
-    model = load_model(path, device=device, dtype=getattr(torch, cfg.model.dtype))
+    model = load_model(path, device=device, dtype=getattr(torch, cfg.model.dtype), transformer_only=transformer_only)
     # Same weights on every process for the same seed (the LoRA A matrices are random).
     torch.manual_seed(cfg.trainer.seed)
     add_lora(

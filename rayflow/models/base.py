@@ -82,8 +82,11 @@ class DiffusionModel(ABC):
 
     @classmethod
     @abstractmethod
-    def load(cls, path: str, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> "DiffusionModel":
-        """Load the pipeline at `path` through `from_pretrained`."""
+    def load(cls, path: str, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+             transformer_only: bool = False) -> "DiffusionModel":
+        """Load the pipeline at `path` through `from_pretrained`. `transformer_only` skips the text encoder
+        and the VAE (learners replay stored conditionings and never decode): predict_velocity works,
+        encode_prompt and decode do not."""
 
     @classmethod
     @abstractmethod
@@ -156,9 +159,10 @@ def model_class(pipeline_class: str) -> type[DiffusionModel]:
     return _REGISTRY[pipeline_class]
 
 
-def load_model(path: str, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> DiffusionModel:
+def load_model(path: str, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+               transformer_only: bool = False) -> DiffusionModel:
     """Load the pipeline at `path` as the DiffusionModel registered for its class."""
-    return model_class(pipeline_class_of(path)).load(path, device=device, dtype=dtype)
+    return model_class(pipeline_class_of(path)).load(path, device=device, dtype=dtype, transformer_only=transformer_only)
 
 
 def _import_builtin_models() -> None:

@@ -36,7 +36,8 @@ class QwenImageModel(DiffusionModel):
         self.dtype = dtype
 
     @classmethod
-    def load(cls, path: str, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> "QwenImageModel":
+    def load(cls, path: str, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+             transformer_only: bool = False) -> "QwenImageModel":
         import transformers
         from diffusers import QwenImagePipeline
         from diffusers.utils import logging as diffusers_logging
@@ -44,12 +45,14 @@ class QwenImageModel(DiffusionModel):
         # Loading bars from every rank of every actor would bury the run's own progress bar.
         diffusers_logging.disable_progress_bar()
         transformers.utils.logging.disable_progress_bar()
-        pipe = QwenImagePipeline.from_pretrained(path, dtype=dtype)
+        skipped = dict(text_encoder=None, vae=None, tokenizer=None) if transformer_only else {}
+        pipe = QwenImagePipeline.from_pretrained(path, dtype=dtype, **skipped)
         pipe.set_progress_bar_config(disable=True)
         device = torch.device(device)
         pipe.to(device)
         for module in (pipe.transformer, pipe.vae, pipe.text_encoder):
-            module.requires_grad_(False).eval()
+            if module is not None:
+                module.requires_grad_(False).eval()
         return cls(pipe, device, dtype)
 
     @classmethod

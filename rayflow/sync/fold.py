@@ -20,7 +20,7 @@ class AdapterFolder:
         m = spec.model
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         path = resolve_model_path(m.path, m.cache_dir, m.tiny_size, m.tiny_seed)
-        self.model = load_model(path, device=device, dtype=getattr(torch, m.dtype))
+        self.model = load_model(path, device=device, dtype=getattr(torch, m.dtype), transformer_only=True)
         add_lora(
             self.model.transformer,
             rank=spec.lora_rank,
