@@ -113,15 +113,21 @@ class LearnerConfig:
     world_size: int = 1
     """FSDP2 ranks."""
     lr: float = 1e-4
+    """AdamW learning rate."""
     weight_decay: float = 0.0
+    """AdamW weight decay."""
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    """AdamW betas."""
     eps: float = 1e-8
+    """AdamW epsilon."""
     max_grad_norm: float = 1.0
     """Gradient-norm clip; a step whose norm is not finite is skipped and counted."""
     micro_batch_size: int = 4
     """Samples per forward/backward on one rank (gradient accumulation over the rank's shard)."""
     lora_rank: int = 8
+    """LoRA rank r."""
     lora_alpha: float = 8.0
+    """LoRA alpha (the adapter is scaled by alpha / r)."""
     lora_targets: list[str] | None = None
     """Module names to adapt; null: the model's attention projections (incl. to_out.0 and the text stream)."""
     lora_init: str = "gaussian"
@@ -129,12 +135,17 @@ class LearnerConfig:
     mixed_precision: str = "none"
     """"none" or "bf16" (FSDP2 MixedPrecisionPolicy: bf16 params, fp32 reduce)."""
     activation_checkpointing: bool = False
+    """Recompute each transformer block in the backward pass (memory for compute)."""
     reshard_after_forward: bool = True
+    """FSDP2: free the gathered parameters after the forward (False keeps them until the backward)."""
     gpus_per_rank: float | None = None
     """GPUs per learner rank; null: 1 when the cluster has GPUs, else 0."""
     cpus_per_rank: float = 1.0
+    """CPUs reserved per learner rank."""
     threads_per_rank: int = 1
+    """torch intra-op threads per learner rank."""
     placement_strategy: str = "PACK"
+    """Placement-group strategy of the learner ranks."""
     resources: dict[str, float] = field(default_factory=dict)
     """Custom Ray resources per learner rank (e.g. {"gpu_node": 1} to keep them on one node type)."""
 
@@ -232,7 +243,9 @@ class RewardConfig:
     batch_size: int = 16
     """Images per reward call."""
     cpus_per_worker: float = 1.0
+    """CPUs reserved per reward worker."""
     gpus_per_worker: float = 0.0
+    """GPUs per reward worker (for model-based rewards)."""
     resources: dict[str, float] = field(default_factory=dict)
     """Custom Ray resources per reward worker (e.g. {"gpu_node": 1} to keep them on one node type)."""
     max_retries: int = 1
@@ -298,6 +311,7 @@ class DataConfig:
     eval_prompts: str | None = None
     """Evaluation prompts; null: the first 4 training prompts."""
     shuffle: bool = True
+    """Shuffle the prompts every epoch (with trainer.seed)."""
 
 
 @dataclass
@@ -305,12 +319,15 @@ class TrainerConfig:
     total_steps: int = 100
     """Optimizer steps."""
     seed: int = 0
+    """The run seed: prompt order, sample seeds, LoRA init."""
     output_dir: str = "outputs/run"
+    """Checkpoints go under <output_dir>/checkpoints; give an absolute path under `ray job submit`."""
     logdir: str = "${trainer.output_dir}/tensorboard"
     """TensorBoard event files."""
     save_every: int = 10
     """Checkpoint every this many steps (0: only at the end)."""
     keep_checkpoints: int = 2
+    """How many of the newest checkpoints to keep."""
     eval_every: int = 10
     """Evaluate (ODE, fixed prompts and seeds, an image grid) every this many steps (0: never)."""
     resume: str = "auto"
@@ -326,10 +343,13 @@ class TrainerConfig:
 @dataclass
 class LoggingConfig:
     tensorboard: bool = True
+    """Write TensorBoard scalars and image grids under trainer.logdir."""
     ray_metrics: bool = True
     """Export key figures as ray.util.metrics so the Ray dashboard shows them."""
     progress_bar: bool = True
+    """A progress bar on the driver (off: one log line per step)."""
     log_every: int = 1
+    """Write TensorBoard scalars every this many steps."""
 
     def validate(self, prefix: str = "logging") -> None:
         _need(self.log_every >= 1, f"{prefix}.log_every", self.log_every, "an integer >= 1")

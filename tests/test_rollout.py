@@ -153,7 +153,7 @@ def test_staging_checks_names_shapes_and_versions(tiny_model_dir):
     name = sorted(weights)[0]
     with pytest.raises(ValueError, match="missing"):
         rank.stage_weights(1, {n: t for n, t in weights.items() if n != name})
-    with pytest.raises(ValueError, match="wrong shapes"):
+    with pytest.raises(ValueError, match="shape mismatches"):
         rank.stage_weights(1, {**weights, name: torch.zeros(1)})
     with pytest.raises(ValueError, match="not newer"):
         rank.stage_weights(0, weights)

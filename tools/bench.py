@@ -23,6 +23,7 @@ import dataclasses
 import json
 import os
 import platform
+import shutil
 import statistics
 import sys
 import time
@@ -36,6 +37,7 @@ from rayflow.types import RolloutRequest, SamplingParams
 
 LATENCY_GOAL, LATENCY_LIMIT, THROUGHPUT_GOAL = 1.6, 2.0, 0.9
 SYNC_OVER_RAW_GOAL = 1.5
+PIPELINE_OVERLAP_GOAL, PIPELINE_OVERHEAD_GOAL = 1.5, 0.25
 
 
 def start_local_ray(num_cpus: int):
@@ -257,6 +259,62 @@ def _time_one_copy(worker) -> float:
     return time.perf_counter() - start
 
 
+def bench_pipeline(args: argparse.Namespace) -> dict:
+    """Steady-state step time of the default recipe's shape: max_staleness 0 against 1, and synchronous
+    mode against the single-process reference trainer."""
+    load_before = os.getloadavg()[0]
+    from rayflow.config import load_config
+    from rayflow.driver.launch import required_cpus
+
+    overrides = [f"trainer.total_steps={args.steps}", "trainer.eval_every=0", "trainer.save_every=0",
+                 "logging.progress_bar=false", "logging.tensorboard=false", *args.overrides]
+    cfg = load_config(args.recipe, [*overrides, "trainer.output_dir=/tmp/rayflow-bench/reference"])
+    torch.set_num_threads(1)  # as one rank of the distributed run
+    from rayflow import reference
+
+    _, ref_history = reference.train(cfg, log=lambda *_: None)
+    ref_steps = [h.seconds for h in ref_history][args.warmup:]
+
+    ray = start_local_ray(num_cpus=max(os.cpu_count() or 1, int(required_cpus(cfg) + 0.999)))
+    from rayflow.driver.trainer import Trainer  # imports ray: after its environment is set
+
+    runs = {}
+    try:
+        for staleness in (0, 1):
+            run_cfg = load_config(args.recipe, [*overrides, f"async.max_staleness={staleness}",
+                                                f"trainer.output_dir=/tmp/rayflow-bench/staleness{staleness}",
+                                                "trainer.resume=never"])
+            shutil.rmtree(run_cfg.trainer.output_dir, ignore_errors=True)
+            trainer = Trainer(run_cfg)
+            try:
+                runs[staleness] = trainer.run()[args.warmup:]
+            finally:
+                trainer.shutdown()
+    finally:
+        ray.shutdown()
+
+    def median(history: list[dict], key: str) -> float:
+        return statistics.median(h[key] for h in history)
+
+    sync_s, async_s, ref_s = median(runs[0], "perf/step_s"), median(runs[1], "perf/step_s"), statistics.median(ref_steps)
+    return {
+        "benchmark": "pipeline",
+        "command": " ".join(["python", *sys.argv]),
+        "setup": {"recipe": args.recipe, "overrides": overrides, "steps": args.steps, "warmup_steps_dropped": args.warmup,
+                  "batch": cfg.algorithm.batch_size, "cpus": os.cpu_count(), "load_average_before": load_before,
+                  "torch": torch.__version__, "ray": ray.__version__},
+        "step_s": {"max_staleness_0": sync_s, "max_staleness_1": async_s, "reference": ref_s},
+        "overlap_speedup": sync_s / async_s,
+        "orchestration_overhead": sync_s / ref_s - 1,
+        "idle": {f"max_staleness_{k}": {"rollout": median(v, "perf/rollout_idle"), "learner": median(v, "perf/learner_idle")}
+                 for k, v in runs.items()},
+        "staleness_mean_at_1": statistics.mean(h["staleness/mean"] for h in runs[1]),
+        "goals": {"overlap_speedup_at_least": PIPELINE_OVERLAP_GOAL, "overlap_met": sync_s / async_s >= PIPELINE_OVERLAP_GOAL,
+                  "overhead_at_most": PIPELINE_OVERHEAD_GOAL, "overhead_met": sync_s / ref_s - 1 <= PIPELINE_OVERHEAD_GOAL},
+        "note": "medians of per-step wall time after warm-up; the reference runs in this process with one thread",
+    }
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="benchmark", required=True)
@@ -279,10 +337,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     sync.add_argument("--lora-rank", type=int, default=128)
     sync.add_argument("--bucket-mb", type=float, default=64.0)
     sync.add_argument("--repeats", type=int, default=5)
+    pipeline = sub.add_parser("pipeline", help="step time: max_staleness 0 vs 1, and against the reference trainer")
+    pipeline.add_argument("--json", default=None, help="write the results here (also printed)")
+    pipeline.add_argument("--recipe", default="recipes/flowgrpo_qwen_image.yaml")
+    pipeline.add_argument("--steps", type=int, default=20)
+    pipeline.add_argument("--warmup", type=int, default=4, help="first steps left out of the medians")
+    pipeline.add_argument("overrides", nargs="*", help="extra dotlist overrides for the recipe")
     return parser.parse_args(argv)
 
 
-BENCHMARKS = {"rollout": bench_rollout, "sync": bench_sync}
+BENCHMARKS = {"rollout": bench_rollout, "sync": bench_sync, "pipeline": bench_pipeline}
 
 
 def main(argv: list[str] | None = None) -> None:
