@@ -136,6 +136,10 @@ class LearnerConfig:
     """"none" or "bf16" (FSDP2 MixedPrecisionPolicy: bf16 params, fp32 reduce)."""
     activation_checkpointing: bool = False
     """Recompute each transformer block in the backward pass (memory for compute)."""
+    shard: str = "auto"
+    """FSDP2 sharding: "auto" shards when there is more than one rank (or bf16 mixed precision, which
+    FSDP2 applies); one full-precision rank trains the plain model, as the reference trainer does.
+    "always" shards even a single rank."""
     reshard_after_forward: bool = True
     """FSDP2: free the gathered parameters after the forward (False keeps them until the backward)."""
     gpus_per_rank: float | None = None
@@ -148,6 +152,11 @@ class LearnerConfig:
     """Placement-group strategy of the learner ranks."""
     resources: dict[str, float] = field(default_factory=dict)
     """Custom Ray resources per learner rank (e.g. {"gpu_node": 1} to keep them on one node type)."""
+
+    @property
+    def sharded(self) -> bool:
+        """Whether the learner applies FSDP2 (see `shard`)."""
+        return self.shard == "always" or self.world_size > 1 or self.mixed_precision != "none"
 
     def validate(self, prefix: str = "learner") -> None:
         _need(self.world_size >= 1, f"{prefix}.world_size", self.world_size, "an integer >= 1")
@@ -167,6 +176,7 @@ class LearnerConfig:
         )
         _need(self.lora_init in ("gaussian", "default"), f"{prefix}.lora_init", self.lora_init, "'gaussian' or 'default'")
         _need(self.mixed_precision in ("none", "bf16"), f"{prefix}.mixed_precision", self.mixed_precision, "'none' or 'bf16'")
+        _need(self.shard in ("auto", "always"), f"{prefix}.shard", self.shard, "'auto' or 'always'")
         _validate_resources(self, prefix)
 
 

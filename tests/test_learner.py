@@ -25,6 +25,8 @@ from tiny_run import GRPO, NFT, small_cfg
 CPU = torch.device("cpu")
 STEPS = 3
 
+SHARD1 = "learner.shard=always"  # backend tests on a one-rank mesh check FSDP2 itself: shard that rank too
+
 
 @pytest.fixture(scope="module")
 def mesh1():
@@ -53,7 +55,7 @@ def randomize_adapters(transformers, seed=1):
 
 
 def test_fsdp_shards_each_block_then_the_root_and_computes_as_the_plain_model(mesh1, tiny_model_dir, tmp_path):
-    cfg = small_cfg(GRPO, tiny_model_dir, tmp_path)
+    cfg = small_cfg(GRPO, tiny_model_dir, tmp_path, SHARD1)
     backend, plain = LearnerBackend(cfg, mesh1, CPU), load_policy_model(cfg, CPU)
     t = backend.transformer
     assert isinstance(t, FSDPModule) and all(isinstance(b, FSDPModule) for b in t.transformer_blocks)
@@ -68,7 +70,7 @@ def test_fsdp_shards_each_block_then_the_root_and_computes_as_the_plain_model(me
 
 @pytest.mark.parametrize("recipe, expected", [(GRPO, "default"), (NFT, "old")])
 def test_rollout_adapter_name(mesh1, tiny_model_dir, tmp_path, recipe, expected):
-    backend = LearnerBackend(small_cfg(recipe, tiny_model_dir, tmp_path), mesh1, CPU)
+    backend = LearnerBackend(small_cfg(recipe, tiny_model_dir, tmp_path, SHARD1), mesh1, CPU)
     assert backend.rollout_adapter_name == expected
     randomize_adapters([backend.transformer])  # "old" and "default" now differ
     version, tensors = backend.rollout_weights()
@@ -91,7 +93,7 @@ def assert_only_default_trainable(transformer):
 def test_swapping_adapters_keeps_default_trainable_without_resharding(mesh1, tiny_model_dir, tmp_path):
     # reshard_after_forward=False keeps blocks unsharded after a forward: a swap then flips requires_grad on
     # the unsharded parameters only, and FSDP2 copies the sharded flag back at the next all-gather.
-    cfg = small_cfg(NFT, tiny_model_dir, tmp_path, "learner.reshard_after_forward=false")
+    cfg = small_cfg(NFT, tiny_model_dir, tmp_path, SHARD1, "learner.reshard_after_forward=false")
     backend, plain = LearnerBackend(cfg, mesh1, CPU), load_policy_model(cfg, CPU)
     models = [backend.model, plain]
     randomize_adapters([m.transformer for m in models])
@@ -120,7 +122,7 @@ def test_swapping_adapters_keeps_default_trainable_without_resharding(mesh1, tin
 def test_activation_checkpointing_recomputes_each_block_with_the_same_gradients(mesh1, tiny_model_dir, tmp_path):
     grads, calls = {}, {}
     for ac in (False, True):
-        cfg = small_cfg(GRPO, tiny_model_dir, tmp_path, f"learner.activation_checkpointing={str(ac).lower()}")
+        cfg = small_cfg(GRPO, tiny_model_dir, tmp_path, SHARD1, f"learner.activation_checkpointing={str(ac).lower()}")
         backend = LearnerBackend(cfg, mesh1, CPU)
         randomize_adapters([backend.transformer])
         count = []
@@ -153,7 +155,7 @@ def grpo_batches(tiny_model_dir, tmp_path_factory):
 
 
 def test_non_finite_grad_norm_skips_the_step_and_counts_it(mesh1, tiny_model_dir, tmp_path, grpo_batches):
-    backend = LearnerBackend(small_cfg(GRPO, tiny_model_dir, tmp_path), mesh1, CPU)
+    backend = LearnerBackend(small_cfg(GRPO, tiny_model_dir, tmp_path, SHARD1), mesh1, CPU)
     before = adapter_state(backend.transformer, "default")
     poisoned = [dataclasses.replace(t, advantage=float("nan")) for t in grpo_batches[0]]
     metrics = backend.train_step(poisoned)
@@ -171,7 +173,7 @@ def test_world_size_2_and_1_end_where_the_reference_does(ray_session, mesh1, tin
     # Adam divides by the gradient's scale, so rounding differences in how ranks sum gradients move the
     # LoRA by ~lr x relative rounding of the smallest gradients: lr 1e-3 keeps 3 steps well inside 1e-5.
     cfg2 = small_cfg(recipe, tiny_model_dir, tmp_path, "learner.world_size=2", "learner.lr=0.001")
-    cfg1 = dataclasses.replace(cfg2, learner=dataclasses.replace(cfg2.learner, world_size=1))
+    cfg1 = dataclasses.replace(cfg2, learner=dataclasses.replace(cfg2.learner, world_size=1, shard="always"))
     group = LearnerGroup(cfg2, name=f"test-equivalence-{cfg2.algorithm.name}")
     try:
         ws1, run = LearnerBackend(cfg1, mesh1, CPU), reference.build_run(cfg1)

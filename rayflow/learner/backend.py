@@ -48,7 +48,8 @@ class LearnerBackend:
         transformer = self.model.transformer
         if cfg.learner.activation_checkpointing:
             apply_activation_checkpointing(transformer)
-        apply_fsdp(transformer, mesh, mixed_precision_policy(cfg.learner.mixed_precision), cfg.learner.reshard_after_forward)
+        if cfg.learner.sharded:
+            apply_fsdp(transformer, mesh, mixed_precision_policy(cfg.learner.mixed_precision), cfg.learner.reshard_after_forward)
         # After sharding, so the optimizer owns the DTensor shards.
         self.optimizer = build_optimizer(transformer, cfg.learner)
         self.policy = cfg.cfg.make_policy()
