@@ -11,8 +11,11 @@ import argparse
 import logging
 import os
 import signal
+import sys
 
 from rayflow.config import RayflowConfig, load_config
+from rayflow.data.prompts import load_prompts
+from rayflow.errors import ConfigError
 
 
 def required_cpus(cfg: RayflowConfig) -> float:
@@ -62,14 +65,21 @@ def run_recipe(default_config: str, argv: list[str] | None = None) -> list[dict[
     parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. trainer.total_steps=3 model.path=/models/Qwen-Image")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    cfg = load_config(args.config, args.overrides)  # a bad config fails before anything starts
+    try:
+        # Bad input fails here, before anything starts, with one message naming the key or file and line.
+        cfg = load_config(args.config, args.overrides)
+        prompts = load_prompts(cfg.data.prompts)
+        if cfg.data.eval_prompts:
+            load_prompts(cfg.data.eval_prompts)
+    except (ConfigError, ValueError) as e:
+        sys.exit(f"error: {e}")
     started = start_ray(cfg)
     _stop_on_sigterm()
     from rayflow.driver.trainer import Trainer  # imports Ray
 
     trainer = None
     try:
-        trainer = Trainer(cfg)
+        trainer = Trainer(cfg, prompts)
         return trainer.run()
     finally:
         if trainer is not None:

@@ -42,9 +42,10 @@ log = logging.getLogger("rayflow")
 
 
 class Trainer:
-    def __init__(self, cfg: RayflowConfig):
+    def __init__(self, cfg: RayflowConfig, prompts: list[str] | None = None):
+        """`prompts`: the training prompts if already loaded (else read from data.prompts, before any actor starts)."""
         self.cfg = cfg
-        prompts = load_prompts(cfg.data.prompts)  # a bad prompt file fails before any actor starts
+        prompts = prompts if prompts is not None else load_prompts(cfg.data.prompts)
         self.sampler = GroupSampler(prompts, cfg.algorithm.group_size, cfg.trainer.seed, cfg.data.shuffle)
         self.queue = StalenessQueue(
             cfg.algorithm.batch_size, cfg.algorithm.group_size, cfg.async_.max_staleness, cfg.async_.over_stale
