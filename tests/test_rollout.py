@@ -164,8 +164,8 @@ def test_staged_versions_are_taken_in_order():
     assert staged.newest(default=0) == 0
     for v in (1, 2, 3):
         staged.put(v, {"w": torch.tensor(float(v))})
-    assert staged.newest(default=0) == 3
-    assert staged.take(2)["w"].item() == 2.0  # drops version 1 with it
+    assert staged.newest(default=0) == 3  # staging 3 dropped 1: at most the two newest are kept
+    assert staged.take(2)["w"].item() == 2.0
     assert staged.newest(default=2) == 3
     with pytest.raises(KeyError, match="not staged"):
         staged.take(1)

@@ -16,6 +16,7 @@ from rayflow.models import load_model
 from rayflow.rollout.pool import RolloutPool
 from rayflow.rollout.rank import RolloutWorkerSpec
 from rayflow.rollout.replica import RolloutReplica
+from rayflow.sync.broadcast import ReceiveBuffers
 from rayflow.sync.buckets import checksum, make_manifest, pack_all, plan_buckets
 from rayflow.sync.weight_sync import WeightSync
 from rayflow.types import RolloutRequest, SamplingParams
@@ -45,6 +46,15 @@ def test_buckets_split_by_size_and_dtype_and_round_trip():
     flipped = tensors["a"].clone()
     flipped[0, 0] = torch.nextafter(flipped[0, 0], torch.tensor(10.0))
     assert checksum(flipped) != checksum(tensors["a"])
+
+
+def test_receive_buffers_are_a_ring_over_versions():
+    ring = ReceiveBuffers(slots=3)
+    cpu = torch.device("cpu")
+    first = [ring.get(v, 0, 8, torch.float32, cpu) for v in (5, 6, 7)]
+    assert len({b.data_ptr() for b in first}) == 3  # three versions in flight never share memory
+    assert ring.get(8, 0, 8, torch.float32, cpu) is first[0]  # version 8 reuses version 5's slot
+    assert ring.get(8, 1, 8, torch.float32, cpu) is not first[0]  # per bucket
 
 
 # -- on Ray ----------------------------------------------------------------------------------------

@@ -1,6 +1,16 @@
 """rayflow benchmarks: ratios measured side by side in one run, written as JSON.
 
     python tools/bench.py rollout --json bench_rollout.json [--size small --height 192 --width 192 --steps 20 --batch 4]
+    python tools/bench.py sync --json bench_sync.json [--lora-rank 128 --bucket-mb 64 --repeats 10]
+    python tools/bench.py pipeline --json bench_pipeline.json [--recipe recipes/flowgrpo_qwen_image.yaml --steps 20]
+
+sync: a learner's rollout adapter (the "small" tiny model, LoRA rank 128) pushed through the
+WeightSyncActor to two W = 1 rollout replicas, in lora and in merged mode, against one raw
+torch.distributed broadcast of the same bytes on the same group; bytes per mode; how long learner
+rank 0 is blocked per push against one copy of the tensors.
+
+pipeline: steady-state step time of the default recipe with async.max_staleness 0 against 1, and
+the synchronous run against the single-process reference trainer (rayflow.reference).
 
 rollout: CFG-parallel rollout on a local Ray, two CFG branches (Qwen-Image true CFG), one torch
 thread per rank, requests of rollout.micro_batch_size (4) samples. The model is the "small" tiny
@@ -204,7 +214,7 @@ def bench_sync(args: argparse.Namespace) -> dict:
             "merged_transfer_met": merged["broadcast_over_raw_broadcast"] <= SYNC_OVER_RAW_GOAL,
             "learner_blocked": "push_s against copy_s, one copy of the tensors on the learner",
         },
-        "note": "medians over repeats after one warm-up round, ratios of medians; sync_s = sync_copy_s (the actor's copy of a push, straight into its buckets; "
+        "note": "one warm-up round dropped; ratios of the best of the repeats (medians beside); sync_s = sync_copy_s (the actor's copy of a push, straight into its buckets; "
                 "merged mode: folding too) + sync_broadcast_s (notifying receivers, the bucket broadcasts, receivers "
                 "verifying and staging); raw_broadcast_s is one torch.distributed broadcast of the same bytes on the same "
                 "group, the receivers already waiting in it",
@@ -237,13 +247,21 @@ def measure_sync(ray, learners, sync, replicas, batch, repeats: int) -> dict:
                      "sync_broadcast_s": report.broadcast_s, "raw_broadcast_s": raw_s,
                      "learner_push_s": timing["push_s"], "learner_gather_s": timing["gather_s"], "copy_s": copy_s})
     rows = rows[1:]
+    # Gloo broadcasts on this 2-core machine are bimodal (the same bytes take ~15 or ~65 ms depending on
+    # how the three processes get scheduled), raw and sync alike. Delays only ever add time, so the
+    # minimum over repeats estimates each cost; the medians are reported beside it.
+    best = {k: min(r[k] for r in rows) for k in rows[0]}
     median = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
-    # Ratios of medians: the two sides of a ratio run moments apart on a shared machine.
-    median["sync_over_raw_broadcast"] = median["sync_s"] / median["raw_broadcast_s"]
-    median["broadcast_over_raw_broadcast"] = median["sync_broadcast_s"] / median["raw_broadcast_s"]
-    median["learner_push_over_one_copy"] = median["learner_push_s"] / median["copy_s"]
-    median["rounds"] = rows
-    return median
+    return {
+        "bytes": int(best["bytes"]),
+        "best": best,
+        "median": median,
+        "sync_over_raw_broadcast": best["sync_s"] / best["raw_broadcast_s"],
+        "broadcast_over_raw_broadcast": best["sync_broadcast_s"] / best["raw_broadcast_s"],
+        "median_sync_over_raw_broadcast": median["sync_s"] / median["raw_broadcast_s"],
+        "learner_push_over_one_copy": median["learner_push_s"] / median["copy_s"],
+        "rounds": rows,
+    }
 
 
 def _receive_raw(worker, numel: int) -> None:
@@ -268,7 +286,8 @@ def bench_pipeline(args: argparse.Namespace) -> dict:
 
     overrides = [f"trainer.total_steps={args.steps}", "trainer.eval_every=0", "trainer.save_every=0",
                  "logging.progress_bar=false", "logging.tensorboard=false", *args.overrides]
-    cfg = load_config(args.recipe, [*overrides, "trainer.output_dir=/tmp/rayflow-bench/reference"])
+    cfg = load_config(args.recipe, [*overrides, "trainer.output_dir=/tmp/rayflow-bench/reference", "trainer.resume=never"])
+    shutil.rmtree(cfg.trainer.output_dir, ignore_errors=True)
     torch.set_num_threads(1)  # as one rank of the distributed run
     from rayflow import reference
 
@@ -315,30 +334,32 @@ def bench_pipeline(args: argparse.Namespace) -> dict:
     }
 
 
+def _subcommand(sub, name: str, help: str, model: bool) -> argparse.ArgumentParser:
+    """A benchmark's parser with the shared options: --json, and the model ones if it builds replicas."""
+    parser = sub.add_parser(name, help=help)
+    parser.add_argument("--json", default=None, help="write the results here (also printed)")
+    if model:
+        parser.add_argument("--model", default=None, help="a pipeline directory; default: the tiny offline model of --size")
+        parser.add_argument("--size", default="small", help="tiny model size when --model is not given")
+        parser.add_argument("--cache-dir", default="~/.cache/rayflow")
+    return parser
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="benchmark", required=True)
-    rollout = sub.add_parser("rollout", help="CFG-parallel rollout: latency, throughput, all_gather share")
-    rollout.add_argument("--json", default=None, help="write the results here (also printed)")
-    rollout.add_argument("--model", default=None, help="a pipeline directory; default: the tiny offline model of --size")
-    rollout.add_argument("--size", default="small", help="tiny model size when --model is not given")
-    rollout.add_argument("--cache-dir", default="~/.cache/rayflow")
+    rollout = _subcommand(sub, "rollout", "CFG-parallel rollout: latency, throughput, all_gather share", model=True)
     rollout.add_argument("--height", type=int, default=192)
     rollout.add_argument("--width", type=int, default=192)
     rollout.add_argument("--steps", type=int, default=20)
     rollout.add_argument("--batch", type=int, default=4, help="samples per request")
     rollout.add_argument("--repeats", type=int, default=3)
     rollout.add_argument("--throughput-requests", type=int, default=4, help="requests per throughput round")
-    sync = sub.add_parser("sync", help="weight sync: against a raw broadcast, lora vs merged bytes, learner blocking")
-    sync.add_argument("--json", default=None, help="write the results here (also printed)")
-    sync.add_argument("--model", default=None, help="a pipeline directory; default: the tiny offline model of --size")
-    sync.add_argument("--size", default="small", help="tiny model size when --model is not given")
-    sync.add_argument("--cache-dir", default="~/.cache/rayflow")
+    sync = _subcommand(sub, "sync", "weight sync: against a raw broadcast, lora vs merged bytes, learner blocking", model=True)
     sync.add_argument("--lora-rank", type=int, default=128)
     sync.add_argument("--bucket-mb", type=float, default=64.0)
     sync.add_argument("--repeats", type=int, default=5)
-    pipeline = sub.add_parser("pipeline", help="step time: max_staleness 0 vs 1, and against the reference trainer")
-    pipeline.add_argument("--json", default=None, help="write the results here (also printed)")
+    pipeline = _subcommand(sub, "pipeline", "step time: max_staleness 0 vs 1, and against the reference trainer", model=False)
     pipeline.add_argument("--recipe", default="recipes/flowgrpo_qwen_image.yaml")
     pipeline.add_argument("--steps", type=int, default=20)
     pipeline.add_argument("--warmup", type=int, default=4, help="first steps left out of the medians")

@@ -29,8 +29,8 @@ from rayflow.learner.lora import TRAINED_ADAPTER, adapter_parameters, add_lora, 
 from rayflow.models import load_model
 from rayflow.models.tiny import resolve_model_path
 from rayflow.distributed.process_group import CollectiveGroup
-from rayflow.rollout.weights import StagedWeights, check_adapter, load_weights
-from rayflow.sync.broadcast import receive, verify_checksums
+from rayflow.rollout.weights import KEEP_STAGED, StagedWeights, check_adapter, load_weights
+from rayflow.sync.broadcast import ReceiveBuffers, receive, verify_checksums
 from rayflow.sync.buckets import Manifest
 from rayflow.sampling.denoise import advance, finish_rollout, start_rollout
 from rayflow.types import RolloutRequest, Trajectory
@@ -133,6 +133,7 @@ class RolloutRank:
             self._synced = {name: params[name] for name in target_weight_names(self.model.transformer, targets)}
         self.version = 0
         self.staged = StagedWeights()
+        self.receive_buffers = ReceiveBuffers(slots=KEEP_STAGED + 1)
         self.group: TimedGroup | None = None
         self.progress: tuple[str, int] | None = None
         """(request id, step) while a request is in flight."""
@@ -163,7 +164,7 @@ class RolloutRank:
 
         The whole broadcast is received before anything is checked: a rank that left early would
         leave the source and every other rank waiting in the collective."""
-        tensors = receive(group, manifest, bucket_bytes)
+        tensors = receive(group, manifest, bucket_bytes, self.receive_buffers)
         verify_checksums(manifest, tensors, where=f"rollout rank {self.rank}/{self.world_size}")
         self.stage_weights(manifest.version, tensors)
 

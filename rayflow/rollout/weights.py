@@ -6,7 +6,7 @@ Ordering rules (DESIGN §8, §9):
   the lock-protected hand-over between them.
 - A replica applies a version only once it is staged on ALL its ranks (the ranks agree on the
   minimum of their newest staged versions), so every rank samples under the same weights.
-- Applying version v drops every staged version older than v.
+- Applying version v drops every staged version older than v; staging keeps the two newest.
 """
 
 from __future__ import annotations
@@ -35,6 +35,10 @@ def load_weights(params: dict[str, torch.Tensor], tensors: dict[str, torch.Tenso
         p.copy_(tensors[name])
 
 
+KEEP_STAGED = 2
+"""Versions a rank keeps staged (see StagedWeights.put); rayflow.sync.broadcast.ReceiveBuffers needs one slot more."""
+
+
 class StagedWeights:
     """Versions received but not applied yet: {version: canonical name -> tensor}; thread-safe."""
 
@@ -43,8 +47,13 @@ class StagedWeights:
         self._by_version: dict[int, dict[str, torch.Tensor]] = {}
 
     def put(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
+        """Stage `version`, keeping only it and the newest one before it: the ranks of a replica stage from
+        one broadcast source in lockstep, so the version they agree on is never older than that (and an
+        idle replica does not pile up every version it receives)."""
         with self._lock:
             self._by_version[version] = tensors
+            for old in sorted(self._by_version)[:-KEEP_STAGED]:
+                del self._by_version[old]
 
     def newest(self, default: int) -> int:
         """The newest staged version, or `default` (the applied one) when nothing is staged."""

@@ -20,14 +20,40 @@ def send(group, packed: Packed) -> None:
         group.broadcast(buffer, src=SOURCE_RANK)
 
 
-def receive(group, manifest: Manifest, bucket_bytes: int) -> dict[str, torch.Tensor]:
-    """Join the source's broadcast of `manifest`; the received tensors (own memory, on group.device)."""
+def receive(group, manifest: Manifest, bucket_bytes: int, buffers: "ReceiveBuffers | None" = None
+            ) -> dict[str, torch.Tensor]:
+    """Join the source's broadcast of `manifest`; the received tensors, views of `buffers`' slot for this
+    version (or of new buffers) on group.device."""
     out: dict[str, torch.Tensor] = {}
-    for bucket in plan_buckets(manifest, bucket_bytes):
-        buffer = bucket_buffer(manifest, bucket, group.device)
+    for i, bucket in enumerate(plan_buckets(manifest, bucket_bytes)):
+        if buffers is None:
+            buffer = bucket_buffer(manifest, bucket, group.device)
+        else:
+            spec0 = manifest.specs[bucket[0]]
+            numel = sum(manifest.specs[k].numel for k in bucket)
+            buffer = buffers.get(manifest.version, i, numel, spec0.dtype, group.device)
         group.broadcast(buffer, src=SOURCE_RANK)
         out.update(unpack(manifest, bucket, buffer))
     return out
+
+
+class ReceiveBuffers:
+    """A ring of `slots` buffers per bucket: version v is received into slot v % slots, so after the
+    first pushes receiving allocates nothing (fresh pages for every push cost more than the copy
+    itself on a CPU) and at most `slots` versions' memory exists.
+
+    Safe when a receiver keeps at most slots − 1 versions staged (rayflow.rollout.weights.StagedWeights
+    keeps two): the slot written is always one no version still staged, or being applied, lives in."""
+
+    def __init__(self, slots: int = 3):
+        self.slots = slots
+        self._buffers: dict[tuple, torch.Tensor] = {}
+
+    def get(self, version: int, bucket: int, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        key = (version % self.slots, bucket, numel, dtype, str(device))
+        if key not in self._buffers:
+            self._buffers[key] = torch.empty(numel, dtype=dtype, device=device)
+        return self._buffers[key]
 
 
 class SyncMismatch(ValueError):
