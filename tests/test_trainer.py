@@ -70,3 +70,22 @@ def test_asynchronous_run_overlaps_and_stays_within_the_staleness_bound(ray_sess
     assert all(0 <= h["perf/learner_idle"] <= 1 and 0 <= h["perf/rollout_idle"] <= 1 for h in history)
     events = os.listdir(cfg.trainer.logdir)
     assert any(name.startswith("events.out.tfevents") for name in events)
+
+
+def test_a_dead_rollout_replica_is_routed_around_and_left_out_of_weight_sync(ray_session, tiny_model_dir, tmp_path):
+    import ray
+
+    cfg = small_cfg(GRPO, tiny_model_dir, tmp_path, "trainer.total_steps=1", "trainer.eval_every=0",
+                    "logging.progress_bar=false", "rollout.num_replicas=2", "rollout.micro_batch_size=2")
+    trainer = Trainer(cfg)
+    try:
+        trainer.run()
+        ray.kill(trainer.rollout.replicas[1].workers[0])
+        trainer.cfg.trainer.total_steps = 3
+        history = trainer.run()
+        assert len(history) == 3 and not trainer.rollout.replicas[1].alive
+        assert trainer.dead_replicas == {trainer.rollout.replicas[1].name}
+        # Every later batch was sampled by the live replica under the newest weights.
+        assert all(h["staleness/max"] == 0 for h in history)
+    finally:
+        trainer.shutdown()

@@ -56,6 +56,7 @@ class Trainer:
         self.zero_signal_groups = 0
         self.history: list[dict[str, float]] = []
         self.rollouts: list[RolloutFuture] = []
+        self.dead_replicas: set[str] = set()
         self.components: list = []  # shut down in reverse order
         try:
             spec = RolloutWorkerSpec.from_config(cfg)
@@ -123,6 +124,9 @@ class Trainer:
                 future.result(timeout=0)
             except ReplicaError as e:  # the replica is out of service; another one samples the request
                 log.warning("%s; resubmitting request %s", e, future.request.request_id)
+                if future.replica.name not in self.dead_replicas:
+                    self.dead_replicas.add(future.replica.name)
+                    self.sync.connect(self.rollout.replicas)  # a new sync group, without the dead ranks
                 still.append(self.rollout.submit(future.request))
                 continue
             self.rewards.submit_rollout(future.ref, future.request)

@@ -70,8 +70,7 @@ class WeightSyncActor:
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.group: CollectiveGroup | None = None
         self.receivers: list = []
-        self.generation = 0
-        self.latest: tuple[int, dict[str, torch.Tensor]] | None = None
+        self.latest: tuple[int, Packed] | None = None
         self.reports: dict[int, SyncReport] = {}
         self.error: BaseException | None = None
         self._pending: queue.Queue = queue.Queue()
@@ -91,7 +90,6 @@ class WeightSyncActor:
                 self.group.destroy()
             self.group = CollectiveGroup(name, rendezvous, 0, len(receivers) + 1, self.device, self.spec.timeout_s)
             self.receivers = receivers
-            self.generation += 1
 
     def current(self) -> tuple[int, dict[str, torch.Tensor]] | None:
         """The newest (version, tensors) pushed, as broadcast (merged in merged mode): for late joiners."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from rayflow.sync.buckets import Manifest, Packed, bucket_buffer, checksum, plan_buckets, unpack
+from rayflow.sync.buckets import Manifest, Packed, checksum, plan_buckets, unpack
 
 SOURCE_RANK = 0
 
@@ -20,18 +20,13 @@ def send(group, packed: Packed) -> None:
         group.broadcast(buffer, src=SOURCE_RANK)
 
 
-def receive(group, manifest: Manifest, bucket_bytes: int, buffers: "ReceiveBuffers | None" = None
-            ) -> dict[str, torch.Tensor]:
-    """Join the source's broadcast of `manifest`; the received tensors, views of `buffers`' slot for this
-    version (or of new buffers) on group.device."""
+def receive(group, manifest: Manifest, bucket_bytes: int, buffers: "ReceiveBuffers") -> dict[str, torch.Tensor]:
+    """Join the source's broadcast of `manifest`; the received tensors, views of `buffers`' slot for
+    this version, on group.device."""
     out: dict[str, torch.Tensor] = {}
     for i, bucket in enumerate(plan_buckets(manifest, bucket_bytes)):
-        if buffers is None:
-            buffer = bucket_buffer(manifest, bucket, group.device)
-        else:
-            spec0 = manifest.specs[bucket[0]]
-            numel = sum(manifest.specs[k].numel for k in bucket)
-            buffer = buffers.get(manifest.version, i, numel, spec0.dtype, group.device)
+        numel = sum(manifest.specs[k].numel for k in bucket)
+        buffer = buffers.get(manifest.version, i, numel, manifest.specs[bucket[0]].dtype, group.device)
         group.broadcast(buffer, src=SOURCE_RANK)
         out.update(unpack(manifest, bucket, buffer))
     return out

@@ -80,12 +80,6 @@ def plan_buckets(manifest: Manifest, bucket_bytes: int) -> list[list[int]]:
     return buckets
 
 
-def bucket_buffer(manifest: Manifest, bucket: list[int], device: torch.device | str) -> torch.Tensor:
-    """An empty flat buffer for one bucket."""
-    spec0 = manifest.specs[bucket[0]]
-    return torch.empty(sum(manifest.specs[i].numel for i in bucket), dtype=spec0.dtype, device=device)
-
-
 def pack(manifest: Manifest, bucket: list[int], tensors: dict[str, torch.Tensor], device: torch.device | str
          ) -> torch.Tensor:
     """One bucket's tensors copied into a new flat buffer on `device`."""
