@@ -97,6 +97,8 @@ class RolloutConfig:
     """Custom Ray resources per rollout rank (e.g. {"gpu_node": 1} to keep them on one node type)."""
     collective_timeout_s: float = 300.0
     """A collective that takes longer fails with the rank and node named, instead of hanging."""
+    max_restarts: int = 3
+    """Times a replica that died is replaced by a new one (per replica); then the run goes on without it."""
     batch_branches: bool = False
     """A rank with several CFG branches runs them in one batched forward: faster, but not bit-exact
     with the single-process sampler (which runs one forward per branch)."""
@@ -105,6 +107,7 @@ class RolloutConfig:
         _need(self.num_replicas >= 1, f"{prefix}.num_replicas", self.num_replicas, "an integer >= 1")
         _need(self.cfg_parallel_size >= 1, f"{prefix}.cfg_parallel_size", self.cfg_parallel_size, "an integer >= 1")
         _need(self.micro_batch_size >= 1, f"{prefix}.micro_batch_size", self.micro_batch_size, "an integer >= 1")
+        _need(self.max_restarts >= 0, f"{prefix}.max_restarts", self.max_restarts, "an integer >= 0")
         _validate_resources(self, prefix)
 
 
@@ -260,6 +263,8 @@ class RewardConfig:
     """Custom Ray resources per reward worker (e.g. {"gpu_node": 1} to keep them on one node type)."""
     max_retries: int = 1
     """A reward call that raises is retried this many times, then the run stops (never silent zeros)."""
+    max_restarts: int = 3
+    """Times Ray restarts a reward worker whose process died (its calls meanwhile are retried elsewhere)."""
 
     def validate(self, prefix: str = "reward") -> None:
         from rayflow.rewards import registered_rewards
@@ -271,6 +276,7 @@ class RewardConfig:
         _need(self.num_workers >= 1, f"{prefix}.num_workers", self.num_workers, "an integer >= 1")
         _need(self.batch_size >= 1, f"{prefix}.batch_size", self.batch_size, "an integer >= 1")
         _need(self.max_retries >= 0, f"{prefix}.max_retries", self.max_retries, "an integer >= 0")
+        _need(self.max_restarts >= 0, f"{prefix}.max_restarts", self.max_restarts, "an integer >= 0")
 
 
 @dataclass

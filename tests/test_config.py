@@ -56,6 +56,8 @@ def test_user_interpolation_resolves(tmp_path):
         (["sampling=[64, 64]"], "sampling", [64, 64], "a mapping with keys ['height'"),
         (["reward.functions=[{name: color, kwargs: [1]}]"], "reward.functions[0].kwargs", [1], "a mapping"),
         (["rollout.cfg_parallel_size=0"], "rollout.cfg_parallel_size", 0, ">= 1"),
+        (["rollout.max_restarts=-1"], "rollout.max_restarts", -1, ">= 0"),
+        (["reward.max_restarts=-2"], "reward.max_restarts", -2, ">= 0"),
         (["sampling.num_steps=0"], "sampling.num_steps", 0, ">= 1"),
         (["sampling.height=60"], "sampling.height", 60, "multiple of 16"),
         (["sampling.width=72"], "sampling.width", 72, "multiple of 16"),

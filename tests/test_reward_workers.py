@@ -4,6 +4,7 @@ retries of a failing reward (a local reward server that fails on demand), and a 
 import copy
 import io
 import logging
+import os
 import re
 import time
 
@@ -46,9 +47,9 @@ def make_pool(ray_session):
     """RewardPool(cfg) with 2 workers; removed (actors and placement group) after the test."""
     pools = []
 
-    def make(functions: list[RewardFnConfig], batch_size: int = 2, max_retries: int = 1) -> RewardPool:
+    def make(functions: list[RewardFnConfig], batch_size: int = 2, max_retries: int = 1, max_restarts: int = 0) -> RewardPool:
         cfg = RewardConfig(functions=functions, num_workers=2, batch_size=batch_size, cpus_per_worker=1.0,
-                           max_retries=max_retries)
+                           max_retries=max_retries, max_restarts=max_restarts)
         pools.append(RewardPool(cfg, name=f"test-rewards-{len(pools)}"))
         return pools[-1]
 
@@ -164,3 +165,20 @@ def test_a_killed_worker_is_skipped_and_its_batch_retried_on_the_other(make_pool
     assert [c.worker for c in pool.calls] == [1, 1]
     assert sorted(map(id, collect_all(pool))) == sorted(map(id, more))
     assert all(t.reward is not None for t in more)
+
+
+def test_a_worker_whose_process_dies_is_restarted_and_stays_in_the_rotation(make_pool, caplog):
+    pool = make_pool([RewardFnConfig("color", 1.0)], batch_size=2, max_restarts=1)
+    pid = ray.get(pool.workers[0].__ray_call__.remote(lambda self: os.getpid()))
+    ray.kill(pool.workers[0], no_restart=False)  # as if the process crashed
+    trajectories = [trajectory(i) for i in range(4)]
+    with caplog.at_level(logging.WARNING, logger="rayflow.rewards"):
+        pool.submit(trajectories)
+        scored = collect_all(pool)
+    assert sorted(map(id, scored)) == sorted(map(id, trajectories)) and pool.dead == set()
+    # Ray re-ran the interrupted call on the restarted worker: no retry of ours was spent on it.
+    assert not [r for r in caplog.records if r.name == "rayflow.rewards"]
+    expected = make_reward("color")(torch.stack([t.image for t in trajectories]), [t.prompt for t in trajectories])
+    assert [t.reward for t in trajectories] == pytest.approx(expected.tolist())
+    # The same handle answers again, from a new process.
+    assert ray.get(pool.workers[0].__ray_call__.remote(lambda self: os.getpid()), timeout=60) != pid

@@ -18,7 +18,7 @@ from rayflow.rollout.rank import RolloutWorkerSpec
 from rayflow.rollout.replica import RolloutReplica
 from rayflow.sync.broadcast import ReceiveBuffers
 from rayflow.sync.buckets import checksum, make_manifest, pack_all, plan_buckets
-from rayflow.sync.weight_sync import WeightSync
+from rayflow.sync.weight_sync import ReceiversLost, WeightSync
 from rayflow.types import RolloutRequest, SamplingParams
 from tiny_run import GRPO, NFT, small_cfg
 
@@ -179,3 +179,36 @@ def test_a_replica_that_joins_later_gets_the_current_version_before_serving(roll
     finally:
         sync.shutdown()
         late.shutdown()
+
+
+def test_a_receiver_that_dies_is_left_out_and_the_newest_version_is_sent_again(ray_session, tiny_model_dir, tmp_path):
+    cfg = small_cfg(GRPO, tiny_model_dir, tmp_path, "sync.cpus=0.5")
+    spec = dataclasses.replace(RolloutWorkerSpec.from_config(cfg), collective_timeout_s=20.0)
+    pool = RolloutPool([RolloutReplica(spec, RolloutConfig(), name=f"lost-{i}").wait_ready() for i in range(2)])
+    sync = WeightSync(cfg.sync, spec, pool.replicas, timeout_s=20.0, name="sync-lost")
+    try:
+        ray.get(sync.push(1, adapter_like(spec, tiny_model_dir, 0.01)))
+        sync.wait(1, timeout_s=60)
+        ray.kill(pool.replicas[1].workers[0])
+        ray.get(sync.push(2, adapter_like(spec, tiny_model_dir, 0.02)))
+        with pytest.raises(ReceiversLost, match=r"receivers \[2\] .* version 2"):
+            sync.wait(2, timeout_s=60)
+        # Pushes go on; their broadcasts wait for a group without the dead rank.
+        newest = adapter_like(spec, tiny_model_dir, 0.03)
+        ray.get(sync.push(3, newest))
+        with pytest.raises(ReceiversLost):
+            sync.wait(3, timeout_s=60)
+        assert sync.lost_versions() == [2, 3]
+        assert pool.replicas[0].check_alive() and not pool.replicas[1].check_alive()
+        sync.connect(pool.replicas)  # the live replica only; the newest version is sent again
+        assert sync.wait(3, timeout_s=60).version == 3 and sync.lost_versions() == []
+        (trajectory,) = pool.replicas[0].generate(tiny_request("after-a-lost-receiver"))
+        assert trajectory.versions.tolist() == [3, 3]
+        held = pool.replicas[0].adapter_weights()[0]
+        assert held.keys() == newest.keys() and all(torch.equal(held[n], t) for n, t in newest.items())
+        # Later pushes go to the new generation as usual.
+        ray.get(sync.push(4, adapter_like(spec, tiny_model_dir, 0.04)))
+        assert sync.wait(4, timeout_s=60).version == 4
+    finally:
+        sync.shutdown()
+        pool.shutdown()

@@ -34,9 +34,9 @@ from rayflow.logging.monitor import Monitor
 from rayflow.rewards.worker import RewardPool
 from rayflow.rollout.pool import RolloutPool
 from rayflow.rollout.rank import RolloutWorkerSpec
-from rayflow.rollout.replica import ReplicaError, RolloutFuture
-from rayflow.sync.weight_sync import WeightSync
-from rayflow.types import TrajectoryRef
+from rayflow.rollout.replica import ReplicaError, RolloutFuture, RolloutReplica
+from rayflow.sync.weight_sync import ReceiversLost, WeightSync
+from rayflow.types import RolloutRequest, TrajectoryRef
 
 log = logging.getLogger("rayflow")
 
@@ -56,7 +56,9 @@ class Trainer:
         self.zero_signal_groups = 0
         self.history: list[dict[str, float]] = []
         self.rollouts: list[RolloutFuture] = []
-        self.dead_replicas: set[str] = set()
+        self.waiting: list[RolloutRequest] = []
+        """Requests with no live replica to serve them while replacements start."""
+        self.dead_replicas: list[RolloutReplica] = []
         self.components: list = []  # shut down in reverse order
         try:
             spec = RolloutWorkerSpec.from_config(cfg)
@@ -83,6 +85,7 @@ class Trainer:
         training: list[ray.ObjectRef] | None = None
         batch: list[TrajectoryRef] = []
         while self.version < cfg.trainer.total_steps:
+            self._promote_replacements()
             self._admit()
             if training is None:
                 batch, resubmit = self.queue.take_batch(self.version)
@@ -112,11 +115,52 @@ class Trainer:
         for group in groups:
             if new:
                 self.queue.submitted(group)
-            self.rollouts += self.rollout.map(group.requests(self.cfg.sampling, self.cfg.rollout.micro_batch_size))
+            for request in group.requests(self.cfg.sampling, self.cfg.rollout.micro_batch_size):
+                self._send(request)
+
+    def _send(self, request: RolloutRequest) -> None:
+        """To the least-loaded live replica; held back while every replica is dead and replacements start."""
+        try:
+            self.rollouts.append(self.rollout.submit(request))
+        except ReplicaError:
+            if not self.rollout.starting:
+                raise
+            self.waiting.append(request)
+
+    def _replica_died(self, replica: RolloutReplica) -> None:
+        """Leave a dead replica out of weight sync and start its replacement (rollout.max_restarts)."""
+        if replica in self.dead_replicas:
+            return
+        self.dead_replicas.append(replica)
+        if self.rollout.replace(replica):
+            log.warning("rollout replica %r died; starting its replacement", replica.name)
+        else:
+            log.warning("rollout replica %r died and its restarts are used up; going on without it", replica.name)
+        self.sync.connect(self.rollout.replicas)  # a new sync group, without the dead ranks
+
+    def _promote_replacements(self) -> None:
+        """Replacements that finished loading get the current weights, then serve (held-back requests first)."""
+        for replica in self.rollout.promote_ready(lambda r: self.sync.attach(r, self.rollout.replicas)):
+            log.warning("rollout replica %r is back in service at version %d", replica.name, self.version)
+        if self.waiting and any(r.alive for r in self.rollout.replicas):
+            waiting, self.waiting = self.waiting, []
+            for request in waiting:
+                self._send(request)
+
+    def _check_sync(self) -> None:
+        """A broadcast that met a dead receiver: find the dead replicas; a new sync group resends the newest version."""
+        if not self.sync.lost_versions():
+            return
+        dead = [r for r in self.rollout.replicas if r.alive and not r.check_alive()]
+        if not dead:
+            raise RuntimeError("weight sync lost a receiver, but every rollout replica answers")
+        for replica in dead:
+            self._replica_died(replica)
 
     def _collect_rollouts(self) -> None:
-        still = []
-        for future in self.rollouts:
+        still, pending = [], self.rollouts
+        self.rollouts = []  # _send adds resubmitted requests here
+        for future in pending:
             if not future.done():
                 still.append(future)
                 continue
@@ -124,13 +168,11 @@ class Trainer:
                 future.result(timeout=0)
             except ReplicaError as e:  # the replica is out of service; another one samples the request
                 log.warning("%s; resubmitting request %s", e, future.request.request_id)
-                if future.replica.name not in self.dead_replicas:
-                    self.dead_replicas.add(future.replica.name)
-                    self.sync.connect(self.rollout.replicas)  # a new sync group, without the dead ranks
-                still.append(self.rollout.submit(future.request))
+                self._replica_died(future.replica)
+                self._send(future.request)
                 continue
             self.rewards.submit_rollout(future.ref, future.request)
-        self.rollouts = still
+        self.rollouts = still + self.rollouts
 
     def _pending_refs(self, training: list[ray.ObjectRef] | None) -> list[ray.ObjectRef]:
         return [f.ref for f in self.rollouts] + self.rewards.refs + (training or [])
@@ -142,8 +184,10 @@ class Trainer:
         push = self.learners.get(self.learners.push_weights(self.sync.actor))[0]
         sync_s = push["gather_s"] + push["push_s"]
         if cfg.async_.max_staleness == 0:
-            sync_s += self.sync.wait(self.version, timeout_s=cfg.rollout.collective_timeout_s).broadcast_s
+            sync_s += self._wait_synced()
             self.synced = self.version
+        else:
+            self._check_sync()
         rewards = torch.tensor([t.reward for t in batch])
         q = self.queue.stats
         scalars = {
@@ -175,6 +219,15 @@ class Trainer:
             self.evaluator.run(self.version, self.monitor)
         if is_save_step(self.version, cfg.trainer.save_every, cfg.trainer.total_steps):
             self._save()
+
+    def _wait_synced(self) -> float:
+        """Block until the newest version is on every live rollout rank; seconds the broadcast took."""
+        while True:
+            try:
+                return self.sync.wait(self.version, timeout_s=self.cfg.rollout.collective_timeout_s).broadcast_s
+            except ReceiversLost as e:
+                log.warning("%s", e)
+                self._check_sync()
 
     # -- checkpoints -------------------------------------------------------------------------------
     def _save(self) -> None:

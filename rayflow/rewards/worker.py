@@ -1,7 +1,9 @@
 """Rewards on Ray: RewardWorker actors (their own resources) and the driver-side RewardPool.
 
 A reward call that raises is logged with its traceback and retried (reward.max_retries times);
-then the run stops with a clear message. Rewards are never silently zero.
+then the run stops with a clear message. Rewards are never silently zero. A worker whose process
+dies is restarted by Ray (reward.max_restarts times, in its own bundle), the calls it had are run
+again there, and it stays in the rotation; once its restarts are used up it is left out.
 """
 
 from __future__ import annotations
@@ -89,13 +91,15 @@ class RewardPool:
         self.workers = [
             RewardWorker.options(
                 num_cpus=cfg.cpus_per_worker, num_gpus=cfg.gpus_per_worker,
+                # Scoring is idempotent: Ray re-runs a call that a restart interrupted, on the restarted worker.
+                max_restarts=cfg.max_restarts, max_task_retries=cfg.max_restarts,
                 scheduling_strategy=self.placed.strategy_for_rank(i),
             ).remote(cfg.functions, cfg.batch_size)
             for i in range(cfg.num_workers)
         ]
         self._turn = 0  # round robin position
         self.dead: set[int] = set()
-        """Workers that died (ActorDiedError): no more calls go to them."""
+        """Workers that died for good (ActorDiedError: restarts used up, or killed without restart)."""
         self.calls: list[_Call] = []
 
     def _send(self, payload, request: RolloutRequest | None, attempt: int, avoid: int | None = None) -> _Call:

@@ -4,12 +4,19 @@ A prompt's group of G samples is split into micro-batches (`PromptGroup.requests
 rollout.micro_batch_size)`); each request goes to the live replica with the fewest samples in
 flight. Every request carries its own seeds and each sample draws from its own generators, so a
 request's trajectories do not depend on which replica served it.
+
+A replica that died is replaced (`rollout.max_restarts` times per replica): `replace` frees its
+placement group and starts a new one under the same name without waiting for it to load;
+`promote_ready` puts a replacement into service once all its ranks joined, after a caller's hook
+(the weight sync's late-join) has run, so it never serves a request under stale weights.
 """
 
 from __future__ import annotations
 
 import ray
 import torch
+
+from typing import Callable
 
 from rayflow.cfg.policy import CFGPolicy
 from rayflow.config import RolloutConfig
@@ -19,19 +26,64 @@ from rayflow.types import RolloutRequest, Trajectory
 
 
 class RolloutPool:
-    def __init__(self, replicas: list[RolloutReplica]):
+    def __init__(self, replicas: list[RolloutReplica], start_replica: Callable[[str], RolloutReplica] | None = None,
+                 max_restarts: int = 0):
+        """`start_replica(name)` starts a replacement replica (without waiting for it); None: no restarts."""
         if not replicas:
             raise ValueError("a RolloutPool needs at least one replica")
         self.replicas = replicas
         self._in_flight: list[list[RolloutFuture]] = [[] for _ in replicas]
+        self._start_replica = start_replica
+        self.max_restarts = max_restarts if start_replica is not None else 0
+        self.restarts = [0] * len(replicas)
+        self.starting: dict[int, RolloutReplica] = {}
+        """Replacements still loading, by the index of the replica they replace."""
 
     @classmethod
     def create(cls, spec: RolloutWorkerSpec, rollout: RolloutConfig, name: str = "rollout") -> "RolloutPool":
         """Start every replica (their actors load concurrently), then wait for all of them."""
-        replicas = [RolloutReplica(spec, rollout, name=f"{name}-{i}") for i in range(rollout.num_replicas)]
+        start = lambda replica_name: RolloutReplica(spec, rollout, name=replica_name)  # noqa: E731
+        replicas = [start(f"{name}-{i}") for i in range(rollout.num_replicas)]
         for replica in replicas:
             replica.wait_ready()
-        return cls(replicas)
+        return cls(replicas, start, rollout.max_restarts)
+
+    # -- replacing dead replicas ---------------------------------------------------------------------
+    def replace(self, replica: RolloutReplica) -> bool:
+        """Shut the dead `replica` down and start its replacement; False when its restarts are used up
+        (or it is already being replaced)."""
+        index = self.replicas.index(replica)
+        replica.shutdown()  # frees its placement group for the replacement
+        if index in self.starting or self.restarts[index] >= self.max_restarts:
+            return False
+        self.restarts[index] += 1
+        self.starting[index] = self._start_replica(replica.name)
+        return True
+
+    def promote_ready(self, before_serving: Callable[[RolloutReplica], None]) -> list[RolloutReplica]:
+        """Put every replacement whose ranks all joined into service, calling `before_serving(replica)`
+        once it is in `replicas` and before any request can reach it. A replacement that failed to start
+        counts as another death: it is replaced again while restarts are left."""
+        promoted = []
+        for index, replica in list(self.starting.items()):
+            try:
+                if not replica.ready():
+                    continue
+            except ReplicaError:
+                del self.starting[index]
+                self.replicas[index] = replica
+                self.replace(replica)
+                continue
+            del self.starting[index]
+            self.replicas[index], self._in_flight[index] = replica, []
+            before_serving(replica)
+            promoted.append(replica)
+        return promoted
+
+    @property
+    def serving(self) -> bool:
+        """Some replica serves requests now or will once its replacement is ready."""
+        return bool(self.starting) or any(r.alive for r in self.replicas)
 
     def _samples_in_flight(self, index: int) -> int:
         self._in_flight[index] = [f for f in self._in_flight[index] if not f.done()]
@@ -61,8 +113,9 @@ class RolloutPool:
         return [r for replica in self.replicas if replica.alive for r in replica.stage_weights(version, ref)]
 
     def shutdown(self) -> None:
-        for replica in self.replicas:
+        for replica in self.replicas + list(self.starting.values()):
             replica.shutdown()
+        self.starting = {}
 
     def __enter__(self) -> "RolloutPool":
         return self

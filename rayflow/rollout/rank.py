@@ -160,12 +160,14 @@ class RolloutRank:
         self.staged.put(version, tensors)
 
     def receive_weights(self, group: CollectiveGroup, manifest: Manifest, bucket_bytes: int) -> None:
-        """Join the weight-sync source's broadcast of one version, verify it, and stage it.
+        """Join the weight-sync source's broadcast of one version, verify it, and stage it (unless applied).
 
         The whole broadcast is received before anything is checked: a rank that left early would
         leave the source and every other rank waiting in the collective."""
         tensors = receive(group, manifest, bucket_bytes, self.receive_buffers)
         verify_checksums(manifest, tensors, where=f"rollout rank {self.rank}/{self.world_size}")
+        if manifest.version <= self.version:
+            return  # sent again to a new group generation (after a receiver died); this rank applied it already
         self.stage_weights(manifest.version, tensors)
 
     def apply_weights(self, version: int, tensors: dict[str, torch.Tensor]) -> None:

@@ -102,6 +102,30 @@ class RolloutReplica:
         self._collect(self._joined, "start-up", timeout)
         return self
 
+    def ready(self) -> bool:
+        """Without waiting: True once every rank loaded its model and joined the group; raises
+        ReplicaError if a rank failed to start."""
+        self._check_alive()
+        done, _ = ray.wait(self._joined, num_returns=len(self._joined), timeout=0)
+        for ref in done:
+            try:
+                ray.get(ref)
+            except Exception as e:
+                rank = self._joined.index(ref)
+                self._dead = f"rollout replica {self.name!r}: {self.describe_rank(rank)} failed to start: {_summary(e)}"
+                raise ReplicaError(self._dead) from None
+        return len(done) == len(self._joined)
+
+    def check_alive(self, timeout: float = 10.0) -> bool:
+        """Ask every rank (on its monitor thread, which answers while sampling); False, and out of
+        service, if one of them died."""
+        if self._dead is None:
+            try:
+                self._collect([w.progress.remote() for w in self.workers], "a liveness check", timeout)
+            except ReplicaError:
+                pass
+        return self.alive
+
     def describe_rank(self, rank: int) -> str:
         address, node_id = self.nodes[rank]
         return f"rank {rank} of {self.world_size} (node {address}, node id {node_id[:12]})"

@@ -10,11 +10,15 @@ Ordering rules and version protocol:
    staged version at their next denoising-step boundary (or between requests) once ALL their ranks
    hold it, and tag later steps with it.
 3. Versions only grow: a push older than or equal to the last one is refused. Any failure (a
-   refused push, a receiver that does not bind what was sent, a dead rank) stops the sync: `wait`
-   and every later push raise it.
+   refused push, a receiver that does not bind what was sent) stops the sync: `wait` and every
+   later push raise it.
 4. `wait(v)` returns once version v is staged on every rank (raising the first receiver's error).
 5. A replica that joins later (restarted or added) is brought into a new group generation with
    everyone else, and receives the current version before it serves a request.
+6. A receiver that dies does not stop the sync: the broadcast that met it, and every one queued
+   until the next group generation, raises ReceiversLost in `wait`. The driver forms a new
+   generation without the dead ranks, and the newest version is broadcast again to it (ranks that
+   already hold it skip re-staging).
 
 In "merged" mode the actor holds the base transformer with one LoRA slot, folds each pushed adapter
 into the weights of the adapted linears (W + ΔW, peft's merge) and broadcasts those instead.
@@ -35,6 +39,10 @@ from rayflow.rollout.rank import RolloutWorkerSpec
 from rayflow.sync.fold import AdapterFolder
 from rayflow.sync.broadcast import send
 from rayflow.sync.buckets import Packed, WirePush, from_wire, make_manifest, pack_all
+
+
+class ReceiversLost(RuntimeError):
+    """Receivers of the weight-sync group died; the newest version goes to the next group generation."""
 
 
 @dataclass(frozen=True)
@@ -72,6 +80,8 @@ class WeightSyncActor:
         self.receivers: list = []
         self.latest: tuple[int, Packed] | None = None
         self.reports: dict[int, SyncReport] = {}
+        self.lost: dict[int, ReceiversLost] = {}
+        """Versions whose broadcast met a dead receiver (until a later generation delivers them)."""
         self.error: BaseException | None = None
         self._pending: queue.Queue = queue.Queue()
         self._done = threading.Condition()
@@ -90,6 +100,9 @@ class WeightSyncActor:
                 self.group.destroy()
             self.group = CollectiveGroup(name, rendezvous, 0, len(receivers) + 1, self.device, self.spec.timeout_s)
             self.receivers = receivers
+            self.lost = {}
+            if self.latest is not None and self.latest[0] not in self.reports:
+                self._pending.put((self.latest[1], 0.0))  # lost with a dead receiver: to the new generation
 
     def current(self) -> tuple[int, dict[str, torch.Tensor]] | None:
         """The newest (version, tensors) pushed, as broadcast (merged in merged mode): for late joiners."""
@@ -128,20 +141,32 @@ class WeightSyncActor:
         """Block until `version` is staged on every receiver (or raise the sync's failure)."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         with self._done:
-            while version not in self.reports and self.error is None:
+            while version not in self.reports and version not in self.lost and self.error is None:
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
                     raise TimeoutError(f"weight sync of version {version} not done after {timeout_s}s")
                 self._done.wait(remaining)
         if version in self.reports:
             return self.reports[version]
+        if version in self.lost:
+            raise self.lost[version]
         raise RuntimeError(f"weight sync failed: {self.error}") from self.error
+
+    def lost_versions(self) -> list[int]:
+        """Versions whose broadcast met a dead receiver since the last group generation."""
+        with self._done:
+            return sorted(self.lost)
 
     def _broadcast_loop(self) -> None:
         while True:
             packed, copy_s = self._pending.get()
             try:
                 report = self._broadcast(packed, copy_s)
+            except ReceiversLost as e:  # the driver forms a new generation; the newest version goes to it
+                with self._done:
+                    self.lost[packed.manifest.version] = e
+                    self._done.notify_all()
+                continue
             except BaseException as e:  # surfaced by wait() and the next push
                 self._fail(e)
                 return
@@ -158,12 +183,39 @@ class WeightSyncActor:
         start = time.perf_counter()
         manifest = packed.manifest
         with self._lock:
+            if manifest.version in self.reports:  # queued twice around a new generation: delivered already
+                return self.reports[manifest.version]
+            if self.lost:  # this generation lost a receiver: wait for the next one
+                raise ReceiversLost(f"version {manifest.version} waits for a new weight-sync group: {next(iter(self.lost.values()))}")
             # Receivers join the broadcast from their "weights" thread, then verify and stage.
             received = [r.receive_weights.remote(manifest, self.spec.bucket_bytes) for r in self.receivers]
-            send(self.group, packed)
-            ray.get(received)
+            try:
+                send(self.group, packed)
+                ray.get(received)
+            except Exception as e:
+                dead = self._dead_receivers(received)
+                if not dead:
+                    raise
+                raise ReceiversLost(
+                    f"receivers {dead} of the weight-sync group (ranks 1..{len(self.receivers)}) died during the "
+                    f"broadcast of version {manifest.version}"
+                ) from e
         broadcast_s = time.perf_counter() - start
         return SyncReport(manifest.version, manifest.nbytes, copy_s + broadcast_s, copy_s, broadcast_s)
+
+    def _dead_receivers(self, received: list[ray.ObjectRef]) -> list[int]:
+        """Group ranks whose receive call failed because their actor died (survivors get the collective
+        timeout to finish or fail theirs)."""
+        ray.wait(received, num_returns=len(received), timeout=self.spec.timeout_s)
+        dead = []
+        for rank, ref in enumerate(received, start=1):
+            try:
+                ray.get(ref, timeout=0)
+            except ray.exceptions.RayActorError:
+                dead.append(rank)
+            except Exception:
+                pass
+        return dead
 
     def close(self) -> None:
         with self._lock:

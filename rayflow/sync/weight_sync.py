@@ -4,6 +4,9 @@
     learners.push_weights(sync.actor)                          # learner rank 0 pushes version v
     sync.wait(v)                                               # staged on every rollout rank
     sync.attach(new_replica, pool.replicas)                    # late joiner: new group, current version
+
+When a receiver dies, `wait` raises ReceiversLost (and `lost_versions` lists them): `connect` the
+live replicas again and the newest version is broadcast to the new generation.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from rayflow.config import SyncConfig
 from rayflow.distributed.placement import make_bundles, place, resolve_gpus
 from rayflow.rollout.rank import RolloutWorkerSpec
 from rayflow.rollout.replica import RolloutReplica
-from rayflow.sync.actor import SyncReport, SyncSpec, WeightSyncActor
+from rayflow.sync.actor import ReceiversLost, SyncReport, SyncSpec, WeightSyncActor  # noqa: F401 (ReceiversLost: for callers)
 from rayflow.sync.buckets import to_wire
 
 
@@ -52,6 +55,10 @@ class WeightSync:
     def wait(self, version: int, timeout_s: float | None = None) -> SyncReport:
         """Block until `version` is staged on every rollout rank; raises the sync's failure."""
         return ray.get(self.actor.wait.remote(version, timeout_s))
+
+    def lost_versions(self) -> list[int]:
+        """Versions whose broadcast met a dead receiver since the last `connect`."""
+        return ray.get(self.actor.lost_versions.remote())
 
     def attach(self, replica: RolloutReplica, replicas: list[RolloutReplica]) -> None:
         """Bring a restarted or added `replica` (one of `replicas`) into the group, and stage the current
