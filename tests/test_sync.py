@@ -18,7 +18,8 @@ from rayflow.rollout.rank import RolloutWorkerSpec
 from rayflow.rollout.replica import RolloutReplica
 from rayflow.sync.broadcast import ReceiveBuffers
 from rayflow.sync.buckets import checksum, make_manifest, pack_all, plan_buckets
-from rayflow.sync.weight_sync import ReceiversLost, WeightSync
+from rayflow.sync.actor import ReceiversLost
+from rayflow.sync.weight_sync import WeightSync
 from rayflow.types import RolloutRequest, SamplingParams
 from tiny_run import GRPO, NFT, small_cfg
 

@@ -35,7 +35,8 @@ from rayflow.rewards.worker import RewardPool
 from rayflow.rollout.pool import RolloutPool
 from rayflow.rollout.rank import RolloutWorkerSpec
 from rayflow.rollout.replica import ReplicaError, RolloutFuture, RolloutReplica
-from rayflow.sync.weight_sync import ReceiversLost, WeightSync
+from rayflow.sync.actor import ReceiversLost
+from rayflow.sync.weight_sync import WeightSync
 from rayflow.types import RolloutRequest, TrajectoryRef
 
 log = logging.getLogger("rayflow")

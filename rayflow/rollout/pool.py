@@ -13,16 +13,19 @@ placement group and starts a new one under the same name without waiting for it 
 
 from __future__ import annotations
 
+import logging
+from typing import Callable
+
 import ray
 import torch
-
-from typing import Callable
 
 from rayflow.cfg.policy import CFGPolicy
 from rayflow.config import RolloutConfig
 from rayflow.rollout.rank import RolloutWorkerSpec
 from rayflow.rollout.replica import ReplicaError, RolloutFuture, RolloutReplica
 from rayflow.types import RolloutRequest, Trajectory
+
+log = logging.getLogger("rayflow")
 
 
 class RolloutPool:
@@ -42,7 +45,9 @@ class RolloutPool:
     @classmethod
     def create(cls, spec: RolloutWorkerSpec, rollout: RolloutConfig, name: str = "rollout") -> "RolloutPool":
         """Start every replica (their actors load concurrently), then wait for all of them."""
-        start = lambda replica_name: RolloutReplica(spec, rollout, name=replica_name)  # noqa: E731
+        def start(replica_name: str) -> RolloutReplica:
+            return RolloutReplica(spec, rollout, name=replica_name)
+
         replicas = [start(f"{name}-{i}") for i in range(rollout.num_replicas)]
         for replica in replicas:
             replica.wait_ready()
@@ -69,7 +74,8 @@ class RolloutPool:
             try:
                 if not replica.ready():
                     continue
-            except ReplicaError:
+            except ReplicaError as e:
+                log.warning("%s; replacing it again", e)
                 del self.starting[index]
                 self.replicas[index] = replica
                 self.replace(replica)

@@ -5,7 +5,7 @@
     sync.wait(v)                                               # staged on every rollout rank
     sync.attach(new_replica, pool.replicas)                    # late joiner: new group, current version
 
-When a receiver dies, `wait` raises ReceiversLost (and `lost_versions` lists them): `connect` the
+When a receiver dies, `wait` raises rayflow.sync.actor.ReceiversLost (and `lost_versions` lists them): `connect` the
 live replicas again and the newest version is broadcast to the new generation.
 """
 
@@ -18,7 +18,7 @@ from rayflow.config import SyncConfig
 from rayflow.distributed.placement import make_bundles, place, resolve_gpus
 from rayflow.rollout.rank import RolloutWorkerSpec
 from rayflow.rollout.replica import RolloutReplica
-from rayflow.sync.actor import ReceiversLost, SyncReport, SyncSpec, WeightSyncActor  # noqa: F401 (ReceiversLost: for callers)
+from rayflow.sync.actor import SyncReport, SyncSpec, WeightSyncActor
 from rayflow.sync.buckets import to_wire
 
 
