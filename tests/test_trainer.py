@@ -93,6 +93,7 @@ def test_a_dead_rollout_replica_is_replaced_or_routed_around(ray_session, tiny_m
         assert trainer.dead_replicas == [dead] and not dead.alive
         # Every batch was sampled under the newest weights: the run stayed synchronous throughout.
         assert all(h["staleness/max"] == 0 for h in history)
+        assert history[-1]["rollout/replica_restarts"] == max_restarts
         if max_restarts == 0:
             assert trainer.rollout.replicas[1] is dead and trainer.rollout.restarts == [0, 0]
             return

@@ -208,6 +208,7 @@ class Trainer:
             "rollout/regenerated": q.regenerated,
             "rollout/dropped": q.dropped,
             "rollout/queue_depth": self.queue.depth,
+            "rollout/replica_restarts": sum(self.rollout.restarts),
             "perf/sync_s": sync_s,
             **clock.lap(images=len(batch)),
         }

@@ -28,6 +28,7 @@ SCALAR_TAGS = (
     "rollout/regenerated",
     "rollout/dropped",
     "rollout/queue_depth",
+    "rollout/replica_restarts",
     "perf/images_per_s",
     "perf/step_s",
     "perf/sync_s",
@@ -39,7 +40,7 @@ SCALAR_TAGS = (
 # Exported to Ray's metrics (Prometheus names): gauges of the latest value, counters of totals.
 _GAUGES = ("reward/mean", "loss/policy", "staleness/mean", "staleness/max", "perf/images_per_s", "perf/step_s",
            "rollout/queue_depth")
-_COUNTERS = ("rollout/regenerated", "rollout/dropped", "train/skipped_steps")
+_COUNTERS = ("rollout/regenerated", "rollout/dropped", "rollout/replica_restarts", "train/skipped_steps")
 
 
 def _metric_name(tag: str) -> str:
