@@ -166,7 +166,7 @@ class Trainer:
                 still.append(future)
                 continue
             try:
-                future.result(timeout=0)
+                future.wait(timeout=0)
             except ReplicaError as e:  # the replica is out of service; another one samples the request
                 log.warning("%s; resubmitting request %s", e, future.request.request_id)
                 self._replica_died(future.replica)
@@ -176,7 +176,7 @@ class Trainer:
         self.rollouts = still + self.rollouts
 
     def _pending_refs(self, training: list[ray.ObjectRef] | None) -> list[ray.ObjectRef]:
-        return [f.ref for f in self.rollouts] + self.rewards.refs + (training or [])
+        return [f.refs[0] for f in self.rollouts] + self.rewards.refs + (training or [])
 
     def _step_done(self, metrics: dict[str, float], batch: list[TrajectoryRef], clock: "_Clock") -> None:
         """An optimizer step finished: new version → push weights → log → eval → checkpoint."""

@@ -49,22 +49,26 @@ def _summary(error: Exception) -> str:
 
 
 class RolloutFuture:
-    """One request in flight on a replica. `ref` (rank 0's result) can be handed on without waiting."""
+    """One request in flight on a replica. `ref` (rank 0's trajectories) can be handed on without waiting."""
 
-    def __init__(self, replica: "RolloutReplica", request: RolloutRequest, refs: list[ray.ObjectRef]):
-        self.replica, self.request, self.refs = replica, request, refs
-
-    @property
-    def ref(self) -> ray.ObjectRef:
-        return self.refs[0]
+    def __init__(self, replica: "RolloutReplica", request: RolloutRequest, refs: list[ray.ObjectRef], ref: ray.ObjectRef):
+        self.replica, self.request = replica, request
+        self.refs = refs
+        """Each rank's completion (a sample count): small, so waiting on them fetches no trajectories."""
+        self.ref = ref
 
     def done(self) -> bool:
         ready, _ = ray.wait(self.refs, num_returns=len(self.refs), timeout=0)
         return len(ready) == len(self.refs)
 
+    def wait(self, timeout: float | None = None) -> None:
+        """Until every rank finished; raises the request's error, or ReplicaError if a rank died."""
+        self.replica._collect(self.refs, f"request {self.request.request_id!r}", timeout)
+
     def result(self, timeout: float | None = None) -> list[Trajectory]:
-        """The trajectories (rank 0's); raises the request's error, or ReplicaError if a rank died."""
-        return self.replica._collect(self.refs, f"request {self.request.request_id!r}", timeout)[0]
+        """The trajectories (rank 0's), after `wait`."""
+        self.wait(timeout)
+        return ray.get(self.ref)
 
 
 class RolloutReplica:
@@ -137,8 +141,8 @@ class RolloutReplica:
         self._check_alive()
         request_ref = ray.put(request)  # once, shared by every rank
         with self._submit_lock:
-            refs = [w.generate.remote(request_ref, policy) for w in self.workers]
-        return RolloutFuture(self, request, refs)
+            pairs = [w.generate.remote(request_ref, policy) for w in self.workers]
+        return RolloutFuture(self, request, [done for done, _ in pairs], pairs[0][1])
 
     def generate(self, request: RolloutRequest, policy: CFGPolicy | None = None) -> list[Trajectory]:
         return self.submit(request, policy).result()
@@ -192,7 +196,7 @@ class RolloutReplica:
         timeout (plus a grace) to fail too; a rank still silent then is stalled, and reported."""
         rank_of = dict(zip(refs, self._ranks(ranks)))
         deadline = None if timeout is None else time.monotonic() + timeout
-        pending, failed = list(refs), None
+        pending, failed, values = list(refs), None, {}
         while pending:
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
             ready, pending = ray.wait(pending, num_returns=1, timeout=remaining)
@@ -209,7 +213,7 @@ class RolloutReplica:
                 except Exception as e:
                     raise ReplicaError(self._dead) from e
             try:
-                ray.get(ready[0])
+                values[ready[0]] = ray.get(ready[0])
             except RayActorError as e:
                 self._dead = (
                     f"rollout replica {self.name!r}: {self.describe_rank(rank_of[ready[0]])} died during {what}: "
@@ -221,7 +225,8 @@ class RolloutReplica:
                     failed = ready[0]
                     grace = time.monotonic() + self.collective_timeout_s + STALL_GRACE_S
                     deadline = grace if deadline is None else min(deadline, grace)
-        return [self._result(ref, rank_of[ref]) for ref in refs]
+        # In rank order: the lowest failing rank's error is raised.
+        return [values[ref] if ref in values else self._result(ref, rank_of[ref]) for ref in refs]
 
     def _result(self, ref: ray.ObjectRef, rank: int) -> Any:
         """`ref`'s value, or its task's own exception (e.g. the ConfigError naming a request field) noting

@@ -40,8 +40,12 @@ class RolloutWorker:
         r.join(self.group)
         return {"node_ip": node_ip(), "node_id": ray.get_runtime_context().get_node_id()}
 
-    def generate(self, request: RolloutRequest, policy: CFGPolicy | None = None) -> list[Trajectory] | None:
-        return self.rank.generate(request, policy)
+    @ray.method(num_returns=2)
+    def generate(self, request: RolloutRequest, policy: CFGPolicy | None = None) -> tuple[int, list[Trajectory] | None]:
+        """(samples returned, trajectories): the small first object tells the driver the request is done
+        (or raises its error) without fetching the trajectories, which go to rewards and learners by reference."""
+        trajectories = self.rank.generate(request, policy)
+        return (0 if trajectories is None else len(trajectories)), trajectories
 
     def apply_weights(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
         self.rank.apply_weights(version, tensors)
