@@ -78,9 +78,9 @@ def test_a_dead_rollout_replica_is_replaced_or_routed_around(ray_session, tiny_m
                                                              max_staleness):
     import ray
 
-    cfg = small_cfg(GRPO, tiny_model_dir, tmp_path, "trainer.total_steps=1", "trainer.eval_every=0",
-                    "logging.progress_bar=false", "rollout.num_replicas=2", "rollout.micro_batch_size=2",
-                    f"rollout.max_restarts={max_restarts}", f"async.max_staleness={max_staleness}")
+    overrides = ["trainer.eval_every=0", "logging.progress_bar=false", "rollout.num_replicas=2",
+                 "rollout.micro_batch_size=2", f"rollout.max_restarts={max_restarts}", f"async.max_staleness={max_staleness}"]
+    cfg = small_cfg(GRPO, tiny_model_dir, tmp_path / "distributed", "trainer.total_steps=1", *overrides)
     trainer = Trainer(cfg)
     try:
         trainer.run()
@@ -97,18 +97,23 @@ def test_a_dead_rollout_replica_is_replaced_or_routed_around(ray_session, tiny_m
         assert history[-1]["rollout/replica_restarts"] == max_restarts
         if max_restarts == 0:
             assert trainer.rollout.replicas[1] is dead and trainer.rollout.restarts == [0, 0]
-            return
-        replacement = trainer.rollout.replicas[1]
-        assert replacement is not dead and replacement.alive and trainer.rollout.restarts == [0, 1]
-        # The replacement serves, within the staleness bound.
-        before = replacement.timings()[0]["requests"]
-        trainer.cfg.trainer.total_steps += 2
-        assert all(h["staleness/max"] <= max_staleness for h in trainer.run()[-2:])
-        assert replacement.timings()[0]["requests"] > before
-        if max_staleness > 0:
-            return
-        # Synchronous: it holds the same weights as its peer, bit for bit.
-        ours, peer = replacement.adapter_weights()[0], trainer.rollout.replicas[0].adapter_weights()[0]
-        assert ours.keys() == peer.keys() and all(torch.equal(ours[n], t) for n, t in peer.items())
+        else:
+            replacement = trainer.rollout.replicas[1]
+            assert replacement is not dead and replacement.alive and trainer.rollout.restarts == [0, 1]
+            # The replacement serves, within the staleness bound.
+            before = replacement.timings()[0]["requests"]
+            trainer.cfg.trainer.total_steps += 2
+            assert all(h["staleness/max"] <= max_staleness for h in trainer.run()[-2:])
+            assert replacement.timings()[0]["requests"] > before
+            if max_staleness == 0:  # it holds the same weights as its peer, bit for bit
+                ours, peer = replacement.adapter_weights()[0], trainer.rollout.replicas[0].adapter_weights()[0]
+                assert ours.keys() == peer.keys() and all(torch.equal(ours[n], t) for n, t in peer.items())
     finally:
         trainer.shutdown()
+    if max_staleness == 0:
+        # Synchronous: step for step the reference trainer's numbers, the death and the replacement notwithstanding.
+        ref_cfg = small_cfg(GRPO, tiny_model_dir, tmp_path / "reference", f"trainer.total_steps={trainer.version}", *overrides)
+        _, ref_history = reference.train(ref_cfg, log=lambda *_: None)
+        assert [h["reward/mean"] for h in trainer.history] == [r.reward_mean for r in ref_history]
+        assert [h["loss/policy"] for h in trainer.history] == [r.metrics["loss/policy"] for r in ref_history]
+        assert [h["train/grad_norm"] for h in trainer.history] == [r.grad_norm for r in ref_history]
