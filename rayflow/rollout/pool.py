@@ -55,14 +55,15 @@ class RolloutPool:
 
     # -- replacing dead replicas ---------------------------------------------------------------------
     def replace(self, replica: RolloutReplica) -> bool:
-        """Shut the dead `replica` down and start its replacement; False when its restarts are used up
-        (or it is already being replaced)."""
-        index = self.replicas.index(replica)
+        """Shut the dead `replica` down and start its replacement; False when its restarts are used up."""
         replica.shutdown()  # frees its placement group for the replacement
+        return self._restart(self.replicas.index(replica))
+
+    def _restart(self, index: int) -> bool:
         if index in self.starting or self.restarts[index] >= self.max_restarts:
             return False
         self.restarts[index] += 1
-        self.starting[index] = self._start_replica(replica.name)
+        self.starting[index] = self._start_replica(self.replicas[index].name)
         return True
 
     def promote_ready(self, before_serving: Callable[[RolloutReplica], None]) -> list[RolloutReplica]:
@@ -75,21 +76,15 @@ class RolloutPool:
                 if not replica.ready():
                     continue
             except ReplicaError as e:
-                log.warning("%s; replacing it again", e)
                 del self.starting[index]
-                self.replicas[index] = replica
-                self.replace(replica)
+                replica.shutdown()
+                log.warning("%s; %s", e, "replacing it again" if self._restart(index) else "its restarts are used up")
                 continue
             del self.starting[index]
             self.replicas[index], self._in_flight[index] = replica, []
             before_serving(replica)
             promoted.append(replica)
         return promoted
-
-    @property
-    def serving(self) -> bool:
-        """Some replica serves requests now or will once its replacement is ready."""
-        return bool(self.starting) or any(r.alive for r in self.replicas)
 
     def _samples_in_flight(self, index: int) -> int:
         self._in_flight[index] = [f for f in self._in_flight[index] if not f.done()]

@@ -109,7 +109,7 @@ class RolloutReplica:
     def ready(self) -> bool:
         """Without waiting: True once every rank loaded its model and joined the group; raises
         ReplicaError if a rank failed to start."""
-        self._check_alive()
+        self._raise_if_dead()
         done, _ = ray.wait(self._joined, num_returns=len(self._joined), timeout=0)
         for ref in done:
             try:
@@ -138,7 +138,7 @@ class RolloutReplica:
 
     def submit(self, request: RolloutRequest, policy: CFGPolicy | None = None) -> RolloutFuture:
         """Queue `request` on every rank (in the same order on all of them); `policy` overrides the spec's."""
-        self._check_alive()
+        self._raise_if_dead()
         request_ref = ray.put(request)  # once, shared by every rank
         with self._submit_lock:
             pairs = [w.generate.remote(request_ref, policy) for w in self.workers]
@@ -183,7 +183,7 @@ class RolloutReplica:
         """False once a rank died or the replica was shut down."""
         return self._dead is None
 
-    def _check_alive(self) -> None:
+    def _raise_if_dead(self) -> None:
         if self._dead is not None:
             raise ReplicaError(self._dead)
 
