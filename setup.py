@@ -19,6 +19,8 @@ setup(
         "pillow",
         "tqdm",
         "numpy",
+        # The `ocr` reward: PP-OCRv4 det/rec ONNX models inside the wheel (the package supports Python < 3.13).
+        "rapidocr-onnxruntime>=1.4,<1.5; python_version < '3.13'",
     ],
-    extras_require={"test": ["pytest>=8", "pytest-timeout", "requests", "pyyaml", "jsonschema"]},
+    extras_require={"test": ["pytest>=8", "pytest-timeout", "requests", "pyyaml", "jsonschema", "wandb"], "wandb": ["wandb"]},
 )

@@ -6,28 +6,40 @@
         adapter_old.safetensors      the EMA shadow (DiffusionNFT)
         optimizer.pt                 AdamW state of full tensors by canonical name (plain tensors, numbers, strings)
         rng.safetensors              RNG states per process ("driver/torch", "learner1/numpy.keys", ...)
+        manifest.json                sha256 and size of every file above, written last
 
+The same format serves
 The same format serves the single-process reference trainer and the distributed learners (whose
 state is gathered to full tensors), so either can resume or export the other's checkpoints.
 Nothing is unpickled: tensors come from safetensors, the optimizer from torch.load(weights_only=True).
-A directory is first written under a temporary name beside its final one and renamed when
-complete, so a crash never leaves a partial `step_*` directory behind.
+A directory is first written under a temporary name beside its final one, every file and the directory
+fsynced, and renamed when complete, so neither a killed process nor a node crash leaves a partial
+`step_*` directory behind. A checkpoint proves itself: `verify_checkpoint` checks the manifest's
+checksums, the metadata's schema and that every tensor is finite, and `resolve_resume` falls back
+(loudly, naming the file) from a damaged newest checkpoint to the previous intact one.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import shutil
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 from safetensors.torch import load_file, save_file
 
+from rayflow.checkpoint_integrity import all_finite, fsync_dir, meta_problem, seal_file, sha256_file
+
 FORMAT = "rayflow-checkpoint/1"
+MANIFEST = "manifest.json"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
+_LEFTOVER_DIR = re.compile(r"^\.(tmp|old)-step_\d+-")
+log = logging.getLogger("rayflow")
 
 
 @dataclass
@@ -49,7 +61,24 @@ class Checkpoint:
     data: dict
     """The prompt sampler's position (GroupSampler.state_dict())."""
     counters: dict[str, int] = field(default_factory=dict)
-    """Running totals that continue across a resume (e.g. skipped_steps)."""
+    """Running totals that continue across a resume (e.g. skipped_steps, consecutive_skipped)."""
+    base_model: dict = field(default_factory=dict)
+    """The base model the run loaded (base_model_record): recorded, not compared on resume."""
+
+
+class CheckpointDamaged(ValueError):
+    """A checkpoint file is missing, truncated, altered, holds non-finite tensors or invalid metadata."""
+
+    def __init__(self, path: str, file: str, reason: str):
+        self.path, self.file, self.reason = path, file, reason
+        super().__init__(f"checkpoint {path} is damaged: {file}: {reason}")
+
+    def __reduce__(self):
+        return type(self), (self.path, self.file, self.reason)
+
+
+class CheckpointWriteError(OSError):
+    """Writing a checkpoint file failed (disk full, permissions, I/O error); names the file."""
 
 
 class CheckpointMismatch(ValueError):
@@ -74,29 +103,82 @@ def latest_checkpoint(root: str) -> str | None:
 
 
 def save_checkpoint(root: str, ckpt: Checkpoint, keep: int) -> str:
-    """Write `ckpt` as root/step_<step>, atomically; then delete all but the newest `keep`. Returns its path."""
+    """Write `ckpt` as root/step_<step>, atomically and durably; then delete all but the newest `keep`,
+    sparing the newest healthy checkpoint (finite tensors, last step applied) if none of those is. Returns its path."""
     os.makedirs(root, exist_ok=True)
     final = step_dir(root, ckpt.step)
     tmp = tempfile.mkdtemp(prefix=f".tmp-{os.path.basename(final)}-", dir=root)
     os.chmod(tmp, 0o755)  # mkdtemp makes it private; a checkpoint is as readable as the run's other outputs
     try:
         for name, tensors in ckpt.adapters.items():
-            save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(tmp, f"adapter_{name}.safetensors"))
-        torch.save(ckpt.optimizer, os.path.join(tmp, "optimizer.pt"))
+            _write(tmp, f"adapter_{name}.safetensors", lambda f, t=tensors: save_file({k: v.contiguous() for k, v in t.items()}, f))
+        _write(tmp, "optimizer.pt", lambda f: torch.save(ckpt.optimizer, f))
         rng = {f"{process}/{key}": t for process, states in ckpt.rng.items() for key, t in states.items()}
-        save_file(rng, os.path.join(tmp, "rng.safetensors"))
+        _write(tmp, "rng.safetensors", lambda f: save_file(rng, f))
+        healthy = all_finite(ckpt.adapters) and all_finite(ckpt.optimizer) and not ckpt.counters.get("consecutive_skipped", 0)
         meta = {
             "format": FORMAT, "step": ckpt.step, "version": ckpt.version, "identity": ckpt.identity,
             "adapters": sorted(ckpt.adapters), "data": ckpt.data, "counters": ckpt.counters,
+            "base_model": ckpt.base_model, "healthy": healthy,
         }
-        with open(os.path.join(tmp, "meta.json"), "w") as f:
-            json.dump(meta, f, indent=2)
+        _write(tmp, "meta.json", lambda f: _write_text(f, json.dumps(meta, indent=2)))
+        files = {name: seal_file(os.path.join(tmp, name)) for name in sorted(os.listdir(tmp))}
+        # Written last: a directory with a valid manifest has every file complete.
+        _write(tmp, MANIFEST, lambda f: _write_text(f, json.dumps({"format": FORMAT, "files": files}, indent=2)))
+        seal_file(os.path.join(tmp, MANIFEST))
+        fsync_dir(tmp)
         _replace_dir(tmp, final)
+        fsync_dir(root)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    for old in list_checkpoints(root)[:-keep]:
-        shutil.rmtree(old)
+    _rotate(root, keep)
     return final
+
+
+def _write(directory: str, name: str, writer: Callable[[str], object]) -> None:
+    file = os.path.join(directory, name)
+    try:
+        writer(file)
+    except (OSError, RuntimeError) as e:  # torch.save reports a full disk as a RuntimeError of its zip writer
+        free = shutil.disk_usage(directory).free
+        raise CheckpointWriteError(f"cannot write checkpoint file {file}: {e} ({free} bytes free on its filesystem)") from e
+
+
+def _write_text(file: str, text: str) -> None:
+    with open(file, "w") as f:
+        f.write(text)
+
+
+def _rotate(root: str, keep: int) -> None:
+    found = list_checkpoints(root)
+    doomed, kept = found[:-keep], found[-keep:]
+    if not any(_is_healthy(p) for p in kept):
+        # The kept ones were all written after skipped steps or hold non-finite tensors: the newest
+        # checkpoint that trained cleanly stays as the one to go back to.
+        healthy = [p for p in doomed if _is_healthy(p)]
+        if healthy:
+            doomed.remove(healthy[-1])
+            log.warning("checkpoint rotation keeps %s: the newer ones are not healthy (non-finite tensors or skipped steps)",
+                        healthy[-1])
+    for old in doomed:
+        shutil.rmtree(old)
+
+
+def _is_healthy(path: str) -> bool:
+    try:
+        return read_meta(path).get("healthy", False) is True
+    except (OSError, ValueError):
+        return False
+
+
+def remove_leftovers(root: str) -> None:
+    """Delete the temporary directories of saves that were killed midway (.tmp-step_*, .old-step_*)."""
+    if not os.path.isdir(root):
+        return
+    for name in os.listdir(root):
+        if _LEFTOVER_DIR.match(name):
+            log.warning("removing %s, left by a checkpoint save that did not finish", os.path.join(root, name))
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
 
 
 def _replace_dir(src: str, dst: str) -> None:
@@ -112,14 +194,52 @@ def _replace_dir(src: str, dst: str) -> None:
 
 
 def read_meta(path: str) -> dict:
+    """meta.json of a checkpoint directory, validated (CheckpointDamaged names the field and value)."""
     meta_path = os.path.join(path, "meta.json")
     if not os.path.isfile(meta_path):
         raise FileNotFoundError(f"{path!r} is not a rayflow checkpoint (no meta.json)")
-    with open(meta_path) as f:
-        meta = json.load(f)
+    try:
+        with open(meta_path) as f:
+            meta = json.load(f)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointDamaged(path, "meta.json", f"not valid JSON ({e})") from None
+    if not isinstance(meta, dict):
+        raise CheckpointDamaged(path, "meta.json", f"not a JSON object: {meta!r}")
     if meta.get("format") != FORMAT:
-        raise ValueError(f"{path!r}: checkpoint format {meta.get('format')!r}; this rayflow reads {FORMAT!r}")
+        raise CheckpointDamaged(path, "meta.json", f"format {meta.get('format')!r}; this rayflow reads {FORMAT!r}")
+    problem = meta_problem(meta)
+    if problem:
+        raise CheckpointDamaged(path, "meta.json", problem)
     return meta
+
+
+def verify_checkpoint(path: str) -> None:
+    """Raise CheckpointDamaged naming the first file that is missing, truncated or altered (against the
+    manifest), invalid metadata, or a non-finite tensor in an adapter or the optimizer state."""
+    manifest_path = os.path.join(path, MANIFEST)
+    try:
+        with open(manifest_path) as f:
+            files = json.load(f)["files"]
+    except FileNotFoundError:
+        raise CheckpointDamaged(path, MANIFEST, "missing (not written by a complete save)") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
+        raise CheckpointDamaged(path, MANIFEST, f"unreadable ({e!r})") from None
+    for name, entry in files.items():
+        file = os.path.join(path, name)
+        if not os.path.isfile(file):
+            raise CheckpointDamaged(path, name, "missing")
+        size = os.path.getsize(file)
+        if size != entry["bytes"]:
+            raise CheckpointDamaged(path, name, f"{size} bytes, the manifest says {entry['bytes']} (truncated or rewritten)")
+        if sha256_file(file) != entry["sha256"]:
+            raise CheckpointDamaged(path, name, "sha256 differs from the manifest's (the file was altered)")
+    meta = read_meta(path)
+    for name in meta["adapters"]:
+        if not all_finite(load_adapter(path, name)):
+            raise CheckpointDamaged(path, f"adapter_{name}.safetensors", "holds non-finite (NaN or Inf) values")
+    optimizer = torch.load(os.path.join(path, "optimizer.pt"), map_location="cpu", weights_only=True)
+    if not all_finite(optimizer):
+        raise CheckpointDamaged(path, "optimizer.pt", "holds non-finite (NaN or Inf) values")
 
 
 def load_checkpoint(path: str, identity: dict | None = None) -> Checkpoint:
@@ -141,6 +261,7 @@ def load_checkpoint(path: str, identity: dict | None = None) -> Checkpoint:
         rng=rng,
         data=meta["data"],
         counters=meta["counters"],
+        base_model=meta.get("base_model", {}),
     )
 
 
@@ -174,11 +295,13 @@ def _differences(saved, current, prefix: str) -> list[tuple[str, object, object]
 def resolve_resume(resume: str, root: str) -> str | None:
     """trainer.resume → the checkpoint directory to start from, or None to start over.
 
-    "auto": the newest checkpoint under `root`, if any. "never": none, and an error if `root` already
+    "auto": the newest intact checkpoint under `root`, if any. "never": none, and an error if `root` already
     holds checkpoints (a new run would mix its checkpoints with an old run's). Otherwise a path:
-    a checkpoint directory, or a directory of them (its newest)."""
+    a checkpoint directory, or a directory of them (its newest intact one). Leftovers of killed saves
+    under `root` are removed first."""
+    remove_leftovers(root)
     if resume == "auto":
-        return latest_checkpoint(root)
+        return newest_intact(root) if list_checkpoints(root) else None
     if resume == "never":
         if list_checkpoints(root):
             raise ValueError(
@@ -190,13 +313,37 @@ def resolve_resume(resume: str, root: str) -> str | None:
 
 
 def find_checkpoint(path: str) -> str:
-    """`path` if it is a checkpoint directory, else the newest checkpoint inside it."""
-    if os.path.isfile(os.path.join(path, "meta.json")):
+    """`path` if it is a checkpoint directory (verified), else the newest intact checkpoint inside it."""
+    if os.path.isfile(os.path.join(path, "meta.json")) or os.path.isfile(os.path.join(path, MANIFEST)):
+        verify_checkpoint(path)
         return path
-    newest = latest_checkpoint(path)
-    if newest is None:
+    if not list_checkpoints(path):
         raise FileNotFoundError(f"{path!r} is neither a checkpoint directory nor a directory of checkpoints")
-    return newest
+    return newest_intact(path)
+
+
+def newest_intact(root: str) -> str:
+    """The newest checkpoint under `root` that verifies; each damaged newer one is reported (which file,
+    why) and passed over. Raises CheckpointDamaged if none is intact."""
+    damaged = []
+    for path in reversed(list_checkpoints(root)):
+        try:
+            verify_checkpoint(path)
+        except CheckpointDamaged as e:
+            log.error("%s; falling back to the previous checkpoint", e)
+            damaged.append(str(e))
+            continue
+        if damaged:
+            log.warning("resuming from %s, the newest intact checkpoint (%d newer damaged)", path, len(damaged))
+        return path
+    raise CheckpointDamaged(root, "every checkpoint", "; ".join(damaged) + ". Restore one, or start a new run")
+
+
+def base_model_record(model_cfg) -> dict:
+    """What a checkpoint records of the base model (rayflow.config.ModelConfig): its directory, or the tiny spec."""
+    if model_cfg.path is not None:
+        return {"path": os.path.abspath(os.path.expanduser(model_cfg.path))}
+    return {"tiny": {"size": model_cfg.tiny_size, "seed": model_cfg.tiny_seed}}
 
 
 def checkpoint_root(output_dir: str) -> str:
@@ -222,4 +369,5 @@ def export_lora(path: str, out: str, adapter: str = "default") -> str:
     config = LoraConfig(r=lora["rank"], lora_alpha=lora["alpha"], target_modules=lora["targets"])
     pipeline = getattr(diffusers, identity["model"]["pipeline"])
     pipeline.save_lora_weights(out, transformer_lora_layers=tensors, transformer_lora_adapter_metadata=config.to_dict())
+    os.chmod(os.path.join(out, "pytorch_lora_weights.safetensors"), 0o644)  # as readable as the run's other outputs
     return out

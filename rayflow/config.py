@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import time
 import types
 import typing
 from dataclasses import dataclass, field
@@ -19,11 +20,16 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from rayflow.algorithms.advantages import STAT_TRACKING
+from rayflow.algorithms.diffusion_nft import ADV_MODES
 from rayflow.errors import ConfigError
+from rayflow.paths import recipe
+from rayflow.sampling.window import window_bounds
 from rayflow.types import SamplingParams
 
 DTYPES = ("float32", "bfloat16", "float16")
 PLACEMENT_STRATEGIES = ("PACK", "STRICT_PACK", "SPREAD", "STRICT_SPREAD")
+ATTENTION_BACKENDS = ("auto", "flash", "efficient", "cudnn", "math")
 
 
 def _need(ok: bool, key: str, value: Any, allowed: str) -> None:
@@ -34,27 +40,39 @@ def _need(ok: bool, key: str, value: Any, allowed: str) -> None:
 @dataclass
 class ModelConfig:
     path: str | None = None
-    """A diffusers pipeline directory; null builds (once, then cached) the tiny offline Qwen-Image."""
+    """A diffusers pipeline directory; null builds (once, then cached) the tiny offline twin of tiny_arch."""
     tiny_size: str = "tiny"
     """Size of the tiny offline model when path is null: "tiny" or "small"."""
     tiny_seed: int = 0
     """Weight seed of the tiny offline model."""
+    tiny_arch: str = "qwen_image"
+    """Family of the tiny offline model when path is null: "qwen_image", "sd3" or "flux"."""
     cache_dir: str = "~/.cache/rayflow"
     """Where the tiny offline model is cached."""
     dtype: str = "float32"
     """Weights and activations dtype: float32, bfloat16 or float16."""
+    compile: bool = False
+    """torch.compile each transformer block (regional: one compiled block, reused by every block) in
+    rollout ranks and learners; needs Triton on GPU, a C++ compiler on CPU."""
+    attention_backend: str = "auto"
+    """Attention kernel of the transformer: "auto" (torch SDPA chooses), "flash", "efficient", "cudnn"
+    (CUDA only) or "math" (SDPA kernels through diffusers' attention dispatcher)."""
 
     def validate(self, prefix: str = "model") -> None:
-        from rayflow.models.tiny import SPECS
+        from rayflow.models.tiny import ARCHS, tiny_sizes
 
         _need(self.dtype in DTYPES, f"{prefix}.dtype", self.dtype, f"one of {list(DTYPES)}")
-        _need(self.tiny_size in SPECS, f"{prefix}.tiny_size", self.tiny_size, f"one of {sorted(SPECS)}")
+        _need(self.tiny_arch in ARCHS, f"{prefix}.tiny_arch", self.tiny_arch, f"one of {list(ARCHS)}")
+        sizes = tiny_sizes(self.tiny_arch)
+        _need(self.tiny_size in sizes, f"{prefix}.tiny_size", self.tiny_size, f"one of {sizes} for tiny_arch={self.tiny_arch}")
+        _need(self.attention_backend in ATTENTION_BACKENDS, f"{prefix}.attention_backend", self.attention_backend,
+              f"one of {list(ATTENTION_BACKENDS)}")
 
 
 @dataclass
 class CFGConfig:
     policy: str = "true_cfg"
-    """"true_cfg" (Qwen-Image's norm-rescaled CFG), "standard", "none" or "dual_negative"."""
+    """"true_cfg" (Qwen-Image's norm-rescaled CFG), "standard", "none", "embedded" (FLUX.1-dev's guidance embedding) or "dual_negative"."""
     parallel_arithmetic: bool = False
     """Combine as s·p + (1 − s)·n instead of n + s·(p − n) (equal to rounding)."""
     avoid_prompt: str = "blurry, low quality"
@@ -98,7 +116,14 @@ class RolloutConfig:
     collective_timeout_s: float = 300.0
     """A collective that takes longer fails with the rank and node named, instead of hanging."""
     max_restarts: int = 3
-    """Times a replica that died is replaced by a new one (per replica); then the run goes on without it."""
+    """Times a replica that died is replaced by a new one (per replica, within restart_window_s); then the run goes on without it."""
+    restart_window_s: float = 3600.0
+    """max_restarts counts a replica's restarts within any this many seconds (0: over the whole run)."""
+    stall_timeout_s: float = 600.0
+    """Watchdog floor: a replica with work that finishes nothing for max(this, stall_factor x its measured
+    service time) is reported as stalled and replaced like a dead one (its requests re-issued)."""
+    stall_factor: float = 10.0
+    """Watchdog: the deadline in multiples of the longest recently measured request service time."""
     batch_branches: bool = False
     """A rank with several CFG branches runs them in one batched forward: faster, but not bit-exact
     with the single-process sampler (which runs one forward per branch)."""
@@ -108,6 +133,9 @@ class RolloutConfig:
         _need(self.cfg_parallel_size >= 1, f"{prefix}.cfg_parallel_size", self.cfg_parallel_size, "an integer >= 1")
         _need(self.micro_batch_size >= 1, f"{prefix}.micro_batch_size", self.micro_batch_size, "an integer >= 1")
         _need(self.max_restarts >= 0, f"{prefix}.max_restarts", self.max_restarts, "an integer >= 0")
+        _need(self.stall_timeout_s > 0, f"{prefix}.stall_timeout_s", self.stall_timeout_s, "seconds > 0")
+        _need(self.stall_factor >= 1, f"{prefix}.stall_factor", self.stall_factor, "a number >= 1")
+        _need(self.restart_window_s >= 0, f"{prefix}.restart_window_s", self.restart_window_s, "seconds >= 0 (0: the whole run)")
         _validate_resources(self, prefix)
 
 
@@ -136,7 +164,8 @@ class LearnerConfig:
     lora_init: str = "gaussian"
     """peft init_lora_weights: "gaussian" or "default" (B = 0 either way, so the adapter starts as identity)."""
     mixed_precision: str = "none"
-    """"none" or "bf16" (FSDP2 MixedPrecisionPolicy: bf16 params, fp32 reduce)."""
+    """"none"; "bf16" (FSDP2 MixedPrecisionPolicy: bf16 params, fp32 reduce); or "autocast" (torch.autocast
+    to bf16 around the forward: weights as model.dtype, LoRA adapters and their optimizer in fp32)."""
     activation_checkpointing: bool = False
     """Recompute each transformer block in the backward pass (memory for compute)."""
     shard: str = "auto"
@@ -155,16 +184,20 @@ class LearnerConfig:
     """Placement-group strategy of the learner ranks."""
     resources: dict[str, float] = field(default_factory=dict)
     """Custom Ray resources per learner rank (e.g. {"gpu_node": 1} to keep them on one node type)."""
+    stall_timeout_s: float = 1800.0
+    """Watchdog floor for a train step: one not done after max(this, rollout.stall_factor x the longest measured
+    step) stops the run loudly, naming the late ranks (continue from the last checkpoint with trainer.resume=auto)."""
 
     @property
     def sharded(self) -> bool:
         """Whether the learner applies FSDP2 (see `shard`)."""
-        return self.shard == "always" or self.world_size > 1 or self.mixed_precision != "none"
+        return self.shard == "always" or self.world_size > 1 or self.mixed_precision == "bf16"
 
     def validate(self, prefix: str = "learner") -> None:
         _need(self.world_size >= 1, f"{prefix}.world_size", self.world_size, "an integer >= 1")
         _need(self.lr > 0, f"{prefix}.lr", self.lr, "a float > 0")
         _need(self.weight_decay >= 0, f"{prefix}.weight_decay", self.weight_decay, "a float >= 0")
+        _need(self.stall_timeout_s > 0, f"{prefix}.stall_timeout_s", self.stall_timeout_s, "seconds > 0")
         _need(
             len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas),
             f"{prefix}.betas", self.betas, "two floats in [0, 1)",
@@ -178,7 +211,8 @@ class LearnerConfig:
             f"{prefix}.lora_targets", self.lora_targets, "null or a non-empty list of module names",
         )
         _need(self.lora_init in ("gaussian", "default"), f"{prefix}.lora_init", self.lora_init, "'gaussian' or 'default'")
-        _need(self.mixed_precision in ("none", "bf16"), f"{prefix}.mixed_precision", self.mixed_precision, "'none' or 'bf16'")
+        _need(self.mixed_precision in ("none", "bf16", "autocast"), f"{prefix}.mixed_precision", self.mixed_precision,
+              "'none', 'bf16' or 'autocast'")
         _need(self.shard in ("auto", "always"), f"{prefix}.shard", self.shard, "'auto' or 'always'")
         _validate_resources(self, prefix)
 
@@ -194,14 +228,20 @@ class AlgorithmConfig:
     """G: samples per prompt; advantages are normalised within a group."""
     prompts_per_step: int = 2
     """Prompts (groups) per optimizer step; batch size = prompts_per_step x group_size."""
-    global_std: bool = False
-    """Normalise advantages by the std over the whole batch instead of per group."""
+    stat_tracking: str = "prompt"
+    """Advantage groups: "prompt" (prompt text across the batch, flow_grpo's/DiffusionNFT's), "group" (rollout group) or "batch"."""
+    global_std: bool = True
+    """Normalise advantages by the std over the whole batch instead of per group (true in flow_grpo and DiffusionNFT)."""
+    adv_mode: str = "all"
+    """DiffusionNFT: advantages used, as its train.adv_mode: all, positive_only, negative_only, one_only or binary."""
     adv_clip_max: float = 5.0
     """Advantages are clipped to +-adv_clip_max."""
     clip_range: float = 1e-4
     """FlowGRPO: PPO ratio clip epsilon."""
     kl_beta: float = 0.0
     """Weight of the KL to the base model (adapters disabled); 0 turns it off."""
+    kl_type: str = "flow_grpo"
+    """FlowGRPO KL: "flow_grpo" (/ 2·std_dev_t², flow_grpo's) or "transition" (/ 2·(step std)², = flow_grpo's / (σ − σ'))."""
     nft_beta: float = 1.0
     """DiffusionNFT: mixing coefficient between the old and current velocity."""
     nft_timesteps: int | None = None
@@ -212,10 +252,21 @@ class AlgorithmConfig:
     """DiffusionNFT EMA: eta grows by this per step after ema_flat ..."""
     ema_uphold: float = 0.5
     """... up to this."""
+    timestep_fraction: float = 1.0
+    """FlowGRPO: trains the stochastic steps j < int(num_steps x timestep_fraction) (flow_grpo's train.timestep_fraction)."""
+    num_inner_epochs: int = 1
+    """Passes over each trained batch, each reshuffled (flow_grpo train.num_inner_epochs)."""
+    num_minibatches: int = 1
+    """Mini-batches per pass, one optimizer step each (flow_grpo: samples per epoch / train.batch_size x grad accumulation)."""
 
     @property
     def batch_size(self) -> int:
         return self.group_size * self.prompts_per_step
+
+    @property
+    def steps_per_batch(self) -> int:
+        """Optimizer steps per trained batch (one version)."""
+        return self.num_inner_epochs * self.num_minibatches
 
     @property
     def needs_ema_rollout(self) -> bool:
@@ -226,8 +277,15 @@ class AlgorithmConfig:
         _need(self.group_size >= 2, f"{prefix}.group_size", self.group_size, "an integer >= 2 (advantages compare group members)")
         _need(self.prompts_per_step >= 1, f"{prefix}.prompts_per_step", self.prompts_per_step, "an integer >= 1")
         _need(self.adv_clip_max > 0, f"{prefix}.adv_clip_max", self.adv_clip_max, "a float > 0")
+        _need(self.stat_tracking in STAT_TRACKING, f"{prefix}.stat_tracking", self.stat_tracking, f"one of {list(STAT_TRACKING)}")
+        _need(self.adv_mode in ADV_MODES, f"{prefix}.adv_mode", self.adv_mode, f"one of {list(ADV_MODES)}")
+        _need(
+            self.adv_mode == "all" or self.name == "diffusion_nft", f"{prefix}.adv_mode", self.adv_mode,
+            "'all' for algorithm.name=flow_grpo (adv_mode is DiffusionNFT's)",
+        )
         _need(self.clip_range > 0, f"{prefix}.clip_range", self.clip_range, "a float > 0")
         _need(self.kl_beta >= 0, f"{prefix}.kl_beta", self.kl_beta, "a float >= 0")
+        _need(self.kl_type in ("flow_grpo", "transition"), f"{prefix}.kl_type", self.kl_type, "'flow_grpo' or 'transition'")
         _need(self.nft_beta > 0, f"{prefix}.nft_beta", self.nft_beta, "a float > 0")
         _need(
             self.nft_timesteps is None or self.nft_timesteps >= 1,
@@ -236,6 +294,13 @@ class AlgorithmConfig:
         _need(self.ema_flat >= 0, f"{prefix}.ema_flat", self.ema_flat, "an integer >= 0")
         _need(self.ema_uprate >= 0, f"{prefix}.ema_uprate", self.ema_uprate, "a float >= 0")
         _need(0 <= self.ema_uphold < 1, f"{prefix}.ema_uphold", self.ema_uphold, "a float in [0, 1)")
+        _need(0 < self.timestep_fraction <= 1, f"{prefix}.timestep_fraction", self.timestep_fraction, "a float in (0, 1]")
+        _need(self.num_inner_epochs >= 1, f"{prefix}.num_inner_epochs", self.num_inner_epochs, "an integer >= 1")
+        _need(
+            self.num_minibatches >= 1 and self.batch_size % self.num_minibatches == 0,
+            f"{prefix}.num_minibatches", self.num_minibatches,
+            f"a divisor of the batch (group_size x prompts_per_step = {self.batch_size})",
+        )
 
 
 @dataclass
@@ -245,6 +310,8 @@ class RewardFnConfig:
     weight: float = 1.0
     kwargs: dict[str, Any] = field(default_factory=dict)
     """Keyword arguments of the reward (e.g. url for "http")."""
+    normalize: str = "none"
+    """Before the weighted sum: "none", "group" (standardised within each prompt's group) or "batch"."""
 
 
 @dataclass
@@ -265,18 +332,25 @@ class RewardConfig:
     """A reward call that raises is retried this many times, then the run stops (never silent zeros)."""
     max_restarts: int = 3
     """Times Ray restarts a reward worker whose process died (its calls meanwhile are retried elsewhere)."""
+    max_outage_s: float = 0.0
+    """Rewards that call a server (http, vlm_judge) retry with backoff this long before a call fails."""
 
     def validate(self, prefix: str = "reward") -> None:
         from rayflow.rewards import registered_rewards
+        from rayflow.rewards.validation import check_reward_kwargs
 
         _need(len(self.functions) >= 1, f"{prefix}.functions", self.functions, "at least one reward function")
         for i, fn in enumerate(self.functions):
             names = registered_rewards()
             _need(fn.name in names, f"{prefix}.functions[{i}].name", fn.name, f"one of {names}")
+            check_reward_kwargs(fn.name, fn.kwargs, f"{prefix}.functions[{i}].kwargs")
+            _need(fn.normalize in ("none", "group", "batch"), f"{prefix}.functions[{i}].normalize", fn.normalize,
+                  "'none', 'group' or 'batch'")
         _need(self.num_workers >= 1, f"{prefix}.num_workers", self.num_workers, "an integer >= 1")
         _need(self.batch_size >= 1, f"{prefix}.batch_size", self.batch_size, "an integer >= 1")
         _need(self.max_retries >= 0, f"{prefix}.max_retries", self.max_retries, "an integer >= 0")
         _need(self.max_restarts >= 0, f"{prefix}.max_restarts", self.max_restarts, "an integer >= 0")
+        _need(self.max_outage_s >= 0, f"{prefix}.max_outage_s", self.max_outage_s, "a number of seconds >= 0")
 
 
 @dataclass
@@ -322,12 +396,18 @@ class SyncConfig:
 
 @dataclass
 class DataConfig:
-    prompts: str = "recipes/prompts/colors.txt"
-    """Training prompts: a .txt (one per line) or .jsonl ({"prompt": ...} per line)."""
+    prompts: str = recipe("prompts/colors.txt")
+    """Training prompts: a .txt (one per line) or .jsonl ({"prompt": ...} per line). A relative path in a recipe
+    YAML is relative to the YAML's directory; on the command line, to the working directory."""
     eval_prompts: str | None = None
     """Evaluation prompts; null: the first 4 training prompts."""
     shuffle: bool = True
     """Shuffle the prompts every epoch (with trainer.seed)."""
+    max_prompt_chars: int = 4096
+    """A longer prompt line is an error naming file and line (a prompt beyond the text encoder's context only costs time)."""
+
+    def validate(self, prefix: str = "data") -> None:
+        _need(self.max_prompt_chars >= 1, f"{prefix}.max_prompt_chars", self.max_prompt_chars, "an integer >= 1")
 
 
 @dataclass
@@ -336,24 +416,50 @@ class TrainerConfig:
     """Optimizer steps."""
     seed: int = 0
     """The run seed: prompt order, sample seeds, LoRA init."""
-    output_dir: str = "outputs/run"
-    """Checkpoints go under <output_dir>/checkpoints; give an absolute path under `ray job submit`."""
-    logdir: str = "${trainer.output_dir}/tensorboard"
+    output_dir: str = "outputs"
+    """Runs go under <output_dir>/<run_name>; give an absolute path under `ray job submit`."""
+    run_name: str | None = None
+    """The run's directory under output_dir (checkpoints, TensorBoard, config.yaml); null: <recipe>-<date>-<time>,
+    a new run each time. Give the same run_name again to continue a run (trainer.resume=auto)."""
+    logdir: str = "${trainer.output_dir}/${trainer.run_name}/tensorboard"
     """TensorBoard event files."""
     save_every: int = 10
     """Checkpoint every this many steps (0: only at the end)."""
     keep_checkpoints: int = 2
-    """How many of the newest checkpoints to keep."""
+    """How many of the newest checkpoints to keep (and always the newest healthy one)."""
+    max_skipped_steps: int = 3
+    """Stop the run after this many optimizer steps in a row skipped for a non-finite gradient norm (0: never)."""
     eval_every: int = 10
     """Evaluate (ODE, fixed prompts and seeds, an image grid) every this many steps (0: never)."""
     resume: str = "auto"
-    """"auto" continues from the newest checkpoint in output_dir, "never" starts over, or a checkpoint path."""
+    """"auto" continues the run named run_name from its newest checkpoint, if it has one; "never" starts over
+    (and refuses a run directory that holds checkpoints); or the path of a checkpoint (or of a run's checkpoints)."""
+    memory_check: bool = True
+    """On GPU clusters, refuse at start a config whose memory plan (tools/plan.py) exceeds one GPU."""
+    gpu_memory_gib: float | None = None
+    """GPU memory the plan is checked against; null: the total memory of the cluster's first GPU."""
+
+    @property
+    def run_dir(self) -> str:
+        """<output_dir>/<run_name>: everything this run writes."""
+        return os.path.join(self.output_dir, self.run_name) if self.run_name else self.output_dir
 
     def validate(self, prefix: str = "trainer") -> None:
+        _need(
+            self.run_name is None or (self.run_name not in ("", ".", "..") and "/" not in self.run_name),
+            f"{prefix}.run_name", self.run_name, "null or a directory name (no '/')",
+        )
+        _need(
+            self.resume in ("auto", "never") or os.path.exists(self.resume),
+            f"{prefix}.resume", self.resume, "'auto', 'never', or an existing checkpoint directory",
+        )
         _need(self.total_steps >= 1, f"{prefix}.total_steps", self.total_steps, "an integer >= 1")
         _need(self.save_every >= 0, f"{prefix}.save_every", self.save_every, "an integer >= 0")
         _need(self.keep_checkpoints >= 1, f"{prefix}.keep_checkpoints", self.keep_checkpoints, "an integer >= 1")
+        _need(self.max_skipped_steps >= 0, f"{prefix}.max_skipped_steps", self.max_skipped_steps, "an integer >= 0 (0: never stop)")
         _need(self.eval_every >= 0, f"{prefix}.eval_every", self.eval_every, "an integer >= 0")
+        _need(self.gpu_memory_gib is None or self.gpu_memory_gib > 0, f"{prefix}.gpu_memory_gib", self.gpu_memory_gib,
+              "null or a float > 0")
 
 
 @dataclass
@@ -365,10 +471,20 @@ class LoggingConfig:
     progress_bar: bool = True
     """A progress bar on the driver (off: one log line per step)."""
     log_every: int = 1
-    """Write TensorBoard scalars every this many steps."""
+    """Write TensorBoard (and W&B) scalars every this many steps."""
+    wandb: bool = False
+    """Also log to Weights & Biases (pip install wandb; WANDB_MODE=offline writes under the run dir without an account)."""
+    wandb_project: str = "rayflow"
+    """W&B project; the run's name (trainer.run_name) is its W&B id, so a resumed run continues it."""
+    wandb_entity: str | None = None
+    """W&B entity (team or user); null: the account's default."""
 
     def validate(self, prefix: str = "logging") -> None:
+        import importlib.util
+
         _need(self.log_every >= 1, f"{prefix}.log_every", self.log_every, "an integer >= 1")
+        _need(not self.wandb or importlib.util.find_spec("wandb") is not None, f"{prefix}.wandb", self.wandb,
+              "false, unless the wandb package is installed (pip install wandb)")
 
 
 @dataclass
@@ -393,12 +509,23 @@ class RayflowConfig:
                 section.validate(prefix=_key(f.name))
         self._validate_size()
         self._validate_algorithm()
-        per_rank = self.algorithm.batch_size / self.learner.world_size
+        minibatch = self.algorithm.batch_size // self.algorithm.num_minibatches
+        if self.algorithm.num_minibatches > 1:
+            _need(
+                minibatch % self.learner.world_size == 0, "algorithm.num_minibatches", self.algorithm.num_minibatches,
+                f"a divisor of the batch whose mini-batches split evenly over the learner ranks "
+                f"({self.algorithm.batch_size} / num_minibatches a multiple of learner.world_size = {self.learner.world_size})",
+            )
         _need(
-            per_rank == int(per_rank) and int(per_rank) % self.learner.micro_batch_size == 0,
+            minibatch % self.learner.world_size == 0, "learner.world_size", self.learner.world_size,
+            f"a divisor of the batch (algorithm.group_size x prompts_per_step = {self.algorithm.batch_size})",
+        )
+        per_rank = minibatch // self.learner.world_size
+        _need(
+            per_rank % self.learner.micro_batch_size == 0,
             "learner.micro_batch_size", self.learner.micro_batch_size,
-            f"a divisor of the per-rank batch (algorithm.group_size x prompts_per_step / learner.world_size "
-            f"= {self.algorithm.batch_size} / {self.learner.world_size})",
+            f"a divisor of the per-rank mini-batch (algorithm.group_size x prompts_per_step / num_minibatches / learner.world_size "
+            f"= {self.algorithm.batch_size} / {self.algorithm.num_minibatches} / {self.learner.world_size})",
         )
 
     def _validate_size(self) -> None:
@@ -407,7 +534,9 @@ class RayflowConfig:
         # The model directory may exist only on the workers of a cluster; then its loader checks again.
         if self.model.path is not None and not os.path.isfile(os.path.join(self.model.path, "model_index.json")):
             return
-        pipeline = "QwenImagePipeline" if self.model.path is None else pipeline_class_of(self.model.path)
+        from rayflow.models.tiny import TINY_PIPELINES
+
+        pipeline = TINY_PIPELINES[self.model.tiny_arch] if self.model.path is None else pipeline_class_of(self.model.path)
         multiple = model_class(pipeline).size_multiple()
         for key in ("height", "width"):
             value = getattr(self.sampling, key)
@@ -417,12 +546,29 @@ class RayflowConfig:
         s = self.sampling
         if self.algorithm.name == "flow_grpo":
             _need(s.sde_type != "ode", "sampling.sde_type", s.sde_type, "'sde' or 'cps' for algorithm.name=flow_grpo (it trains on stochastic steps)")
-            trained = s.resolved_sde_steps()
+            if s.sde_window_size is None:
+                trained = s.resolved_sde_steps()
+            else:  # every step some window position may cover
+                lo, hi = window_bounds(s)
+                trained = list(range(lo, hi))
             _need(bool(trained), "sampling.sde_step_indices", s.sde_step_indices, "at least one stochastic step for flow_grpo")
+            last = int(s.num_steps * self.algorithm.timestep_fraction)
+            _need(
+                s.sde_window_size is None and any(j < last for j in trained) or s.sde_window_size is not None and hi - s.sde_window_size < last,
+                "algorithm.timestep_fraction", self.algorithm.timestep_fraction,
+                f"a fraction keeping at least one stochastic step (steps j < int(num_steps x fraction) are trained; "
+                f"every window position or the first stochastic step must lie below it; num_steps={s.num_steps})",
+            )
             needed = sorted({i for t in trained for i in (t, t + 1)} - set(s.resolved_return_steps()))
             _need(not needed, "sampling.return_step_indices", s.return_step_indices, f"null or a list that includes x_i and x_(i+1) of every stochastic step (missing {needed})")
         else:
             _need(s.sde_type == "ode", "sampling.sde_type", s.sde_type, "'ode' for algorithm.name=diffusion_nft (it rolls out deterministically)")
+            # FLUX's embedded guidance is an input of the one conditional forward the learner trains too: not CFG.
+            _need(
+                s.guidance_scale == 1.0 or self.cfg.policy == "embedded", "sampling.guidance_scale", s.guidance_scale,
+                "1.0 for algorithm.name=diffusion_nft (it trains the conditional velocity without CFG, so CFG "
+                "rollouts would come from another policy than the one trained; DiffusionNFT samples CFG-free)",
+            )
             _need(s.num_steps in s.resolved_return_steps(), "sampling.return_step_indices", s.return_step_indices, f"null or a list that includes the final latent {s.num_steps}")
 
 
@@ -522,12 +668,16 @@ def load_config(path: str | None = None, overrides: list[str] | None = None) -> 
         raise ConfigError("--config", path, f"a YAML mapping of sections ({' '.join(str(e).split())})") from None
     if not isinstance(base, DictConfig):
         raise ConfigError("--config", path, "a YAML mapping of sections, not a list")
+    base = OmegaConf.create(_relative_to(OmegaConf.to_container(base, resolve=False), os.path.dirname(os.path.abspath(path))) if path else {})
     try:
         data = OmegaConf.to_container(OmegaConf.merge(base, OmegaConf.from_dotlist(list(overrides or []))), resolve=False)
     except (OmegaConfBaseException, ValueError) as e:
         raise ConfigError("overrides", str(e).splitlines()[0], "key=value overrides") from None
     # Unknown keys and wrong types are reported as given, before the defaults are merged in.
     _build(RayflowConfig, _strip_interpolations(data), "")
+    if isinstance(data.get("trainer"), dict) and data["trainer"].get("run_name") is None:
+        data["trainer"].pop("run_name", None)
+    data.setdefault("trainer", {}).setdefault("run_name", default_run_name(path))
     try:
         # Interpolations such as ${trainer.output_dir} resolve against the defaults too.
         full = OmegaConf.merge(OmegaConf.create(to_dict(RayflowConfig())), OmegaConf.create(data))
@@ -535,6 +685,36 @@ def load_config(path: str | None = None, overrides: list[str] | None = None) -> 
     except OmegaConfBaseException as e:
         raise ConfigError(path or "overrides", str(e).splitlines()[0], "interpolations of existing keys") from None
     return from_dict(resolved)
+
+
+PATH_KEYS = (("model", "path"), ("data", "prompts"), ("data", "eval_prompts"), ("trainer", "output_dir"), ("trainer", "resume"))
+"""Keys that hold paths; a relative one in a recipe YAML is relative to the YAML's directory."""
+
+
+def _relative_to(data: dict, base_dir: str) -> dict:
+    """`data` (a recipe YAML) with its relative paths made absolute against `base_dir`: PATH_KEYS, and the
+    `path` kwarg of every reward function. Values that are not paths ("auto", interpolations) stay."""
+
+    def fix(section: dict, key: str) -> None:
+        value = section.get(key)
+        if isinstance(value, str) and value and "${" not in value and value not in ("auto", "never") \
+                and not os.path.isabs(os.path.expanduser(value)):
+            section[key] = os.path.normpath(os.path.join(base_dir, value))
+
+    for section, key in PATH_KEYS:
+        if isinstance(data.get(section), dict):
+            fix(data[section], key)
+    functions = data.get("reward", {}).get("functions") if isinstance(data.get("reward"), dict) else None
+    for fn in functions if isinstance(functions, list) else []:
+        if isinstance(fn, dict) and isinstance(fn.get("kwargs"), dict):
+            fix(fn["kwargs"], "path")
+    return data
+
+
+def default_run_name(config_path: str | None) -> str:
+    """<recipe>-<YYYYmmdd>-<HHMMSS>: a new directory per run, so a run never resumes another by accident."""
+    stem = os.path.splitext(os.path.basename(config_path))[0] if config_path else "run"
+    return f"{stem}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
 def _strip_interpolations(data: Any) -> Any:

@@ -5,8 +5,8 @@ and seeds → same rewards, losses and LoRA). One step reads top to bottom:
 
     groups → rollout (under the rollout adapter) → rewards → advantages → loss/backward → optimizer step → checkpoint
 
-It checkpoints every trainer.save_every steps (and at the end) under trainer.output_dir/checkpoints and,
-with trainer.resume=auto, continues from the newest one, bit-identically to a run never stopped.
+It checkpoints every trainer.save_every steps (and at the end) under <trainer.output_dir>/<trainer.run_name>/checkpoints
+and, with trainer.resume=auto and the same run_name, continues from the newest one, bit-identically to a run never stopped.
 
     python -m rayflow.reference --config recipes/flowgrpo_qwen_image.yaml trainer.total_steps=20
 """
@@ -14,25 +14,30 @@ with trainer.resume=auto, continues from the newest one, bit-identically to a ru
 from __future__ import annotations
 
 import argparse
+import logging
+import sys
 import time
 from dataclasses import dataclass, field
 
 import torch
 
 from rayflow.algorithms.advantages import Advantages, assign_advantages
-from rayflow.checkpoint import Checkpoint, checkpoint_root, is_save_step, load_checkpoint, resolve_resume, save_checkpoint
+from rayflow.checkpoint import Checkpoint, base_model_record, checkpoint_root, is_save_step, load_checkpoint, resolve_resume, save_checkpoint
 from rayflow.cfg.policy import CFGPolicy
 from rayflow.config import RayflowConfig, load_config
+from rayflow.runs import USER_ERRORS, RunComplete, preflight, write_run_config
 from rayflow.data.prompts import GroupSampler, load_prompts
 from rayflow.learner.lora import rollout_adapter_name, using_adapter
 from rayflow.learner.model import load_policy_model, policy_identity
-from rayflow.learner.objective import backward
-from rayflow.learner.optim import StepResult, build_optimizer, optimizer_step
+from rayflow.learner.minibatches import BatchResult, learner_batch, minibatch_plan, train_batch
+from rayflow.learner.optim import SkippedSteps, build_optimizer
 from rayflow.learner.state import capture, restore
 from rayflow.models import DiffusionModel
+from rayflow.rewards.normalize import training_rewards
 from rayflow.rewards.weighted import WeightedReward
 from rayflow.rng import get_rng_state, set_rng_state
 from rayflow.sampling.denoise import generate
+from rayflow.sampling.window import window_params
 from rayflow.types import Trajectory
 
 
@@ -61,8 +66,10 @@ class Run:
     sampler: GroupSampler
     identity: dict
     """policy_identity: what checkpoints of this run record and require."""
+    skips: SkippedSteps
+    """Skipped optimizer steps; stops the run at trainer.max_skipped_steps in a row."""
     step: int = 0
-    """Optimizer steps completed (= the policy version)."""
+    """Batches trained (= the policy version; algorithm.steps_per_batch optimizer steps each)."""
 
 
 def build_run(cfg: RayflowConfig) -> Run:
@@ -74,8 +81,9 @@ def build_run(cfg: RayflowConfig) -> Run:
         identity=policy_identity(cfg, model),
         optimizer=build_optimizer(model.transformer, cfg.learner),
         policy=cfg.cfg.make_policy(),
-        reward=WeightedReward(cfg.reward.functions),
-        sampler=GroupSampler(load_prompts(cfg.data.prompts), cfg.algorithm.group_size, cfg.trainer.seed, cfg.data.shuffle),
+        reward=WeightedReward(cfg.reward.functions, cfg.reward.max_outage_s),
+        sampler=GroupSampler(load_prompts(cfg.data.prompts, cfg.data.max_prompt_chars), cfg.algorithm.group_size, cfg.trainer.seed, cfg.data.shuffle),
+        skips=SkippedSteps(cfg.trainer.max_skipped_steps),
     )
 
 
@@ -83,28 +91,35 @@ def rollout(run: Run) -> tuple[list[Trajectory], Advantages]:
     """The next groups, sampled under the rollout adapter, scored, with advantages assigned."""
     cfg = run.cfg
     groups = [run.sampler.next_group() for _ in range(cfg.algorithm.prompts_per_step)]
-    requests = [r for g in groups for r in g.requests(cfg.sampling, cfg.rollout.micro_batch_size)]
+    sampling = window_params(cfg.sampling, cfg.trainer.seed, run.step)
+    requests = [r for g in groups for r in g.requests(sampling, cfg.rollout.micro_batch_size)]
     with using_adapter(run.model.transformer, rollout_adapter_name(cfg.algorithm.needs_ema_rollout)):
         trajectories = [t for r in requests for t in generate(run.model, r, run.policy, version=run.step)]
     run.reward.score(trajectories)
-    adv = assign_advantages(trajectories, global_std=cfg.algorithm.global_std, clip_max=cfg.algorithm.adv_clip_max)
+    totals, _ = training_rewards(trajectories, cfg.reward.functions)
+    adv = assign_advantages(trajectories, global_std=cfg.algorithm.global_std, clip_max=cfg.algorithm.adv_clip_max,
+                            stat_tracking=cfg.algorithm.stat_tracking, rewards=totals)
     return trajectories, adv
 
 
-def learn(run: Run, trajectories: list[Trajectory]) -> tuple[dict[str, float], StepResult]:
-    """Gradients of the whole batch, then one optimizer step (version + 1)."""
-    metrics = backward(run.cfg, run.model, run.policy, trajectories, version=run.step)
-    result = optimizer_step(run.model.transformer, run.optimizer, run.cfg.learner, run.cfg.algorithm, run.step)
+def learn(run: Run, trajectories: list[Trajectory]) -> tuple[dict[str, float], BatchResult]:
+    """The batch's optimizer steps (algorithm.num_inner_epochs x num_minibatches), then version + 1."""
+    algo = run.cfg.algorithm
+    trajectories, filtered = learner_batch(trajectories, run.cfg, run.step)
+    plan = minibatch_plan(len(trajectories), run.cfg.trainer.seed, run.step, algo.num_inner_epochs, algo.num_minibatches)
+    steps = [[trajectories[i] for i in indices] for indices in plan]
+    metrics, result = train_batch(run.cfg, run.model, run.optimizer, run.policy, steps, version=run.step)
     run.step += 1
-    return metrics, result
+    return {**metrics, "train/filtered_samples": float(filtered)}, result
 
 
 def save(run: Run) -> str:
     ckpt = Checkpoint(
         step=run.step, version=run.step, identity=run.identity, **capture(run.model.transformer, run.optimizer),
-        rng={"driver": get_rng_state()}, data=run.sampler.state_dict(),
+        rng={"driver": get_rng_state()}, data=run.sampler.state_dict(), counters=run.skips.counters(),
+        base_model=base_model_record(run.cfg.model),
     )
-    return save_checkpoint(checkpoint_root(run.cfg.trainer.output_dir), ckpt, run.cfg.trainer.keep_checkpoints)
+    return save_checkpoint(checkpoint_root(run.cfg.trainer.run_dir), ckpt, run.cfg.trainer.keep_checkpoints)
 
 
 def resume(run: Run, path: str) -> None:
@@ -113,13 +128,14 @@ def resume(run: Run, path: str) -> None:
     restore(run.model.transformer, run.optimizer, ckpt.adapters, ckpt.optimizer)
     run.sampler.load_state_dict(ckpt.data)
     set_rng_state(ckpt.rng["driver"])
+    run.skips.load(ckpt.counters)
     run.step = ckpt.step
 
 
 def train(cfg: RayflowConfig, log=print) -> tuple[DiffusionModel, list[StepLog]]:
     """Run (or continue) the configured training; returns the model and the log of the steps run here."""
     run = build_run(cfg)
-    resume_from = resolve_resume(cfg.trainer.resume, checkpoint_root(cfg.trainer.output_dir))
+    resume_from = resolve_resume(cfg.trainer.resume, checkpoint_root(cfg.trainer.run_dir))
     if resume_from is not None:
         resume(run, resume_from)
         log(f"resumed from {resume_from} (step {run.step})")
@@ -135,7 +151,7 @@ def train(cfg: RayflowConfig, log=print) -> tuple[DiffusionModel, list[StepLog]]
             reward_std=float(rewards.std(unbiased=False)),
             loss=metrics["loss/policy"] + cfg.algorithm.kl_beta * metrics["loss/kl"],
             grad_norm=result.grad_norm,
-            skipped=result.skipped,
+            skipped=result.skipped_steps > 0,
             zero_signal_groups=adv.zero_signal_groups,
             seconds=time.perf_counter() - start,
             metrics=metrics,
@@ -145,6 +161,7 @@ def train(cfg: RayflowConfig, log=print) -> tuple[DiffusionModel, list[StepLog]]
             f"step {entry.step:4d}  reward {entry.reward_mean:.4f} ± {entry.reward_std:.4f}  loss {entry.loss:+.5f}  "
             f"grad_norm {entry.grad_norm:.4f}{'  (skipped)' if entry.skipped else ''}  {entry.seconds:.2f}s"
         )
+        run.skips.observe(result.skipped_steps, entry.step, cfg.algorithm.steps_per_batch)
         if is_save_step(run.step, cfg.trainer.save_every, cfg.trainer.total_steps):
             log(f"saved {save(run)}")
     return run.model, history
@@ -155,7 +172,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--config", default=None, help="a recipe YAML")
     parser.add_argument("overrides", nargs="*", help="dotlist overrides, e.g. trainer.total_steps=3")
     args = parser.parse_args(argv)
-    cfg = load_config(args.config, args.overrides)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        cfg = load_config(args.config, args.overrides)
+        preflight(cfg)
+    except RunComplete as e:
+        print(e)
+        return
+    except USER_ERRORS as e:
+        sys.exit(f"error: {e}")
+    write_run_config(cfg)
     torch.set_num_threads(max(1, cfg.learner.threads_per_rank))
     train(cfg)
 

@@ -36,6 +36,12 @@ class SamplingParams:
     """The SDE noise level a."""
     sde_step_indices: list[int] | None = None
     """Steps that sample stochastically (others run ODE, log-prob 0). None: every step but the last; []: none."""
+    sde_window_size: int | None = None
+    """FlowGRPO-Fast: stochastic steps per window, placed per policy version (replaces sde_step_indices); None: no window."""
+    sde_window_range: list[int] | None = None
+    """[lo, hi]: the window [s, s + size) lies within steps lo..hi − 1; None: [0, num_steps]."""
+    sde_window_schedule: str = "random"
+    """Window start s: "fixed" (lo), "random" (uniform, drawn from run seed and version) or "sliding" (MixGRPO: +1 per version, wrapping)."""
     return_step_indices: list[int] | None = None
     """Latents x_i to capture, i in 0..T (T is the final latent). None: all."""
     shift: float | None = None
@@ -65,6 +71,17 @@ class SamplingParams:
                 "sde_step_indices",
                 f"null or distinct step indices in [0, {T - 1}] (num_steps={T})",
             )
+        if self.sde_window_size is not None:
+            need(self.sde_step_indices is None, "sde_step_indices", "null when sde_window_size is set (the window places the stochastic steps)")
+            need(1 <= self.sde_window_size <= T, "sde_window_size", f"null or an integer in [1, num_steps={T}]")
+            lo, hi = self.sde_window_range if self.sde_window_range is not None else (0, T)
+            need(
+                self.sde_window_range is None or (len(self.sde_window_range) == 2 and 0 <= lo and hi <= T
+                                                  and hi - lo >= self.sde_window_size),
+                "sde_window_range",
+                f"null or [lo, hi] with 0 <= lo, hi <= num_steps={T} and hi - lo >= sde_window_size={self.sde_window_size}",
+            )
+        need(self.sde_window_schedule in ("fixed", "random", "sliding"), "sde_window_schedule", "one of ['fixed', 'random', 'sliding']")
         if self.return_step_indices is not None:
             need(
                 all(0 <= i <= T for i in self.return_step_indices) and _unique(self.return_step_indices),
@@ -76,6 +93,8 @@ class SamplingParams:
         """The stochastic step indices: sde_step_indices, or every step but the last; none for "ode"."""
         if self.sde_type == "ode":
             return []
+        if self.sde_window_size is not None:
+            raise ValueError("sampling parameters with an SDE window: resolve it first (rayflow.sampling.window.window_params)")
         if self.sde_step_indices is None:
             return list(range(self.num_steps - 1))
         return sorted(self.sde_step_indices)

@@ -1,7 +1,13 @@
 import os
+import sys
 
 # Keep every Ray process on loopback (RAY-LOCAL.md); must be set before Ray starts.
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+# `pytest /path/to/rayflow` works from any directory: tests that spawn tools and recipes name their
+# working directory themselves; the rest run from the repository root, whatever the caller's is.
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+os.chdir(REPO_ROOT)
+sys.path.insert(0, REPO_ROOT)  # `tools` imports as it does under `python -m pytest` at the root
 
 import pytest
 import torch
@@ -9,10 +15,27 @@ import torch
 from rayflow.models.tiny import save_tiny_model
 
 
+def pytest_collection_modifyitems(config, items):
+    # A gpu test without CUDA is skipped with the reason, never run (and so never counted as passing).
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="gpu test: no CUDA device here (run `pytest -m gpu` on a GPU machine)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> str:
     """The tiny offline Qwen-Image (seed 0), built once per test session."""
     return save_tiny_model(str(tmp_path_factory.mktemp("models") / "tiny-qwen-image"), size="tiny", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_twin(tmp_path_factory):
+    """arch ("qwen_image", "sd3", "flux") -> the tiny offline twin of that family (seed 0), built once per session."""
+    root = tmp_path_factory.mktemp("twins")
+    return lambda arch: save_tiny_model(str(root / arch), arch=arch)
 
 
 @pytest.fixture(autouse=True)

@@ -1,10 +1,12 @@
 import math
+from dataclasses import dataclass
 
+import numpy as np
 import pytest
 import torch
 
-from rayflow.algorithms.advantages import grpo_advantages
-from rayflow.algorithms.diffusion_nft import diffusion_nft_loss, ema_decay, ema_update, optimality_probability
+from rayflow.algorithms.advantages import assign_advantages, grpo_advantages
+from rayflow.algorithms.diffusion_nft import diffusion_nft_loss, ema_decay, ema_step, ema_update, optimality_probability
 from rayflow.algorithms.flow_grpo import flow_grpo_loss
 
 EPS = 1e-4
@@ -164,3 +166,101 @@ def test_ema_update_in_place():
     assert torch.equal(old[0], torch.tensor([2.5, 5.0])) and torch.equal(old[1], torch.tensor([[1.0]]))
     ema_update(old, [torch.tensor([7.0, 8.0]), torch.tensor([[9.0]])], eta=0.0)  # η = 0 copies
     assert torch.equal(old[0], torch.tensor([7.0, 8.0])) and torch.equal(old[1], torch.tensor([[9.0]]))
+
+
+def diffusion_nft_return_decay(step, decay_type):
+    """scripts/train_nft_sd3.py's return_decay, written out."""
+    flat, uprate, uphold = {0: (0, 0.0, 0.0), 1: (0, 0.001, 0.5), 2: (75, 0.0075, 0.999)}[decay_type]
+    return 0.0 if step < flat else min((step - flat) * uprate, uphold)
+
+
+@pytest.mark.parametrize("decay_type", [1, 2])
+@pytest.mark.parametrize("steps_per_batch", [1, 2, 4])
+def test_nft_ema_schedule_is_indexed_and_timed_as_diffusion_nft(decay_type, steps_per_batch):
+    # The reference: per epoch, `global_step += 1` after each optimizer step, then once
+    # decay = return_decay(global_step) and old <- decay·old + (1 − decay)·current.
+    flat, uprate, uphold = {1: (0, 0.001, 0.5), 2: (75, 0.0075, 0.999)}[decay_type]
+    expected, global_step = [], 0
+    for _ in range(120):
+        global_step += steps_per_batch
+        expected.append(diffusion_nft_return_decay(global_step, decay_type))
+    got = [ema_decay(ema_step(v, steps_per_batch), flat, uprate, uphold) for v in range(120)]
+    print(f"decay_type {decay_type}, {steps_per_batch} steps/batch, eta of batches 0..5: {got[:6]}; "
+          f"first non-zero at batch {next(i for i, e in enumerate(got) if e > 0)}")
+    assert got == expected
+    assert got[0] == (uprate * steps_per_batch if flat == 0 else 0.0)  # the first batch already lags when flat = 0
+
+
+def per_prompt_stat_tracker(prompts, rewards, global_std):
+    """flow_grpo/stat_tracking.py PerPromptStatTracker.update (type "grpo", one batch), written out in float64."""
+    prompts, rewards = np.array(prompts), np.array(rewards, dtype=np.float64)
+    advantages = np.zeros_like(rewards)
+    for prompt in np.unique(prompts):
+        mine = rewards[prompts == prompt]
+        std = (np.std(rewards) if global_std else np.std(mine)) + 1e-4
+        advantages[prompts == prompt] = (mine - np.mean(mine)) / std
+    return advantages
+
+
+@dataclass
+class Scored:
+    prompt: str
+    group_id: int
+    reward: float
+    advantage: float | None = None
+
+
+@pytest.mark.parametrize("global_std", [True, False])
+def test_prompt_stat_tracking_is_flow_grpos_per_prompt_tracker(global_std):
+    # Two groups of prompt "a" (ids 0 and 2) in one batch share their statistics; "b" has its own.
+    prompts = ["a"] * 3 + ["b"] * 3 + ["a"] * 3
+    groups = [0, 0, 0, 1, 1, 1, 2, 2, 2]
+    rewards = [0.1, 0.5, 0.2, 0.9, 0.3, 0.4, 0.8, 0.7, 0.6]
+    batch = [Scored(p, g, r) for p, g, r in zip(prompts, groups, rewards)]
+    expected = per_prompt_stat_tracker(prompts, rewards, global_std)
+    assign_advantages(batch, global_std=global_std, clip_max=5.0, stat_tracking="prompt")
+    got = np.array([t.advantage for t in batch])
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
+    assign_advantages(batch, global_std=global_std, clip_max=5.0, stat_tracking="group")
+    assert np.abs(np.array([t.advantage for t in batch]) - expected).max() > 0.1  # groups 0 and 2 apart differ
+    assign_advantages(batch, global_std=global_std, clip_max=5.0, stat_tracking="batch")
+    r = np.array(rewards)
+    np.testing.assert_allclose([t.advantage for t in batch], (r - r.mean()) / (r.std() + 1e-4), rtol=1e-5, atol=1e-5)
+
+
+def diffusion_nft_r(advantages, m, adv_mode):
+    """scripts/train_nft_sd3.py: clamp, then adv_mode, then r = clamp((Â / m) / 2 + ½, 0, 1)."""
+    a = torch.clamp(advantages, -m, m)
+    if adv_mode == "positive_only":
+        a = torch.clamp(a, 0, m)
+    elif adv_mode == "negative_only":
+        a = torch.clamp(a, -m, 0)
+    elif adv_mode == "one_only":
+        a = torch.where(a > 0, torch.ones_like(a), torch.zeros_like(a))
+    elif adv_mode == "binary":
+        a = torch.sign(a)
+    return torch.clamp((a / m) / 2.0 + 0.5, 0, 1)
+
+
+@pytest.mark.parametrize("adv_mode", ["all", "positive_only", "negative_only", "one_only", "binary"])
+@pytest.mark.parametrize("m", [5.0, 0.5])
+def test_nft_adv_modes_are_diffusion_nfts(adv_mode, m):
+    advantages = torch.tensor([-7.0, -1.5, -0.2, 0.0, 0.3, 2.0, 9.0])
+    got = optimality_probability(advantages, m, adv_mode)
+    torch.testing.assert_close(got, diffusion_nft_r(advantages, m, adv_mode), rtol=0, atol=1e-7)
+    assert got.min() >= 0 and got.max() <= 1
+
+
+@pytest.mark.parametrize("advantages, unit, kept_nonzero, total", [
+    ([0.5, 0.0, -0.5, 0.0, 1.0, 0.0, 0.0, -1.0], 2, 4, 4),   # 4 with signal: already a multiple of 2
+    ([0.5, 0.0, -0.5, 0.0, 1.0, 0.0, 0.0, 0.0], 2, 3, 4),    # 3 -> topped up with one zero sample
+    ([0.5, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0], 4, 1, 4),     # 1 -> 4
+    ([0.0] * 8, 2, 0, 2),                                     # nothing to learn: one unit of zeros still trains
+])
+def test_flow_grpo_drops_zero_advantage_samples_up_to_a_multiple_of_the_minibatches(advantages, unit, kept_nonzero, total):
+    from rayflow.learner.minibatches import trained_subset
+
+    kept = trained_subset(advantages, unit, run_seed=0, version=3)
+    assert kept == sorted(set(kept)) and len(kept) == total and total % unit == 0
+    assert sum(advantages[i] != 0 for i in kept) == kept_nonzero == sum(a != 0 for a in advantages)
+    assert kept == trained_subset(advantages, unit, run_seed=0, version=3)  # a pure function of (seed, version)

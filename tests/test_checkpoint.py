@@ -71,7 +71,7 @@ def test_a_checkpoint_with_a_pickled_object_is_not_unpickled(tmp_path):
         load_checkpoint(path)
     assert not marker.exists()
     # The rest of a checkpoint is data formats only.
-    assert sorted(os.listdir(path)) == ["adapter_default.safetensors", "meta.json", "optimizer.pt", "rng.safetensors"]
+    assert sorted(os.listdir(path)) == ["adapter_default.safetensors", "manifest.json", "meta.json", "optimizer.pt", "rng.safetensors"]
 
 
 def test_optimizer_state_restores_by_name_and_keeps_this_runs_hyperparameters(tiny_model_dir, tmp_path):

@@ -24,7 +24,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from cluster_fake import FakeAutoscalingCluster, free_port
 from rayflow.config import load_config
-from rayflow.driver.launch import required_cpus
+from rayflow.distributed.resources import required_cpus
 
 REPO = Path(__file__).resolve().parents[1]
 CLUSTER = REPO / "cluster"
@@ -281,7 +281,7 @@ def test_autoscaler_adds_rollout_and_learner_nodes_and_the_submitted_recipe_comp
             sys.executable, "-m", "ray.scripts.scripts", "job", "submit", "--address", cluster.dashboard_url,
             "--working-dir", ".", "--runtime-env", "cluster/runtime_env.yaml", "--",
             sys.executable, "recipes/flowgrpo_qwen_image.py", f"model.path={tiny_model_dir}",
-            f"trainer.output_dir={out}", *SMALL_RUN, *placement,
+            f"trainer.output_dir={tmp_path}", "trainer.run_name=run", *SMALL_RUN, *placement,
         ]
         job = subprocess.run(submit, cwd=REPO, env=cluster.env, capture_output=True, text=True, timeout=300)
         assert job.returncode == 0 and "succeeded" in job.stdout, (

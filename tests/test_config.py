@@ -1,6 +1,9 @@
+import os
+import re
+
 import pytest
 
-from rayflow.config import RayflowConfig, from_dict, load_config, to_dict, to_yaml
+from rayflow.config import RayflowConfig, _relative_to, from_dict, load_config, to_dict, to_yaml
 from rayflow.errors import ConfigError
 
 
@@ -13,8 +16,12 @@ def config_error(overrides: list[str], path: str | None = None) -> ConfigError:
 def test_defaults_load_and_validate():
     cfg = load_config()
     expected = RayflowConfig()
-    expected.trainer.logdir = "outputs/run/tensorboard"  # the default interpolation, resolved
+    # A new run each time: <recipe or "run">-<date>-<time>, and the default logdir interpolation resolved.
+    assert re.fullmatch(r"run-\d{8}-\d{6}", cfg.trainer.run_name)
+    expected.trainer.run_name = cfg.trainer.run_name
+    expected.trainer.logdir = f"outputs/{cfg.trainer.run_name}/tensorboard"
     assert cfg == expected
+    assert cfg.trainer.run_dir == f"outputs/{cfg.trainer.run_name}"
     cfg.validate()
     assert cfg.algorithm.batch_size == 16 and not cfg.algorithm.needs_ema_rollout
 
@@ -28,8 +35,8 @@ def test_yaml_plus_overrides_merge_and_interpolate(tmp_path):
     )
     cfg = load_config(str(recipe), ["trainer.total_steps=3", "sampling.noise_level=0.5", "learner.lr=3e-4"])
     assert cfg.trainer.total_steps == 3  # the override wins over the YAML
-    assert cfg.trainer.output_dir == "/runs/a"
-    assert cfg.trainer.logdir == "/runs/a/tensorboard"
+    assert cfg.trainer.output_dir == "/runs/a" and cfg.trainer.run_name.startswith("recipe-")
+    assert cfg.trainer.logdir == f"/runs/a/{cfg.trainer.run_name}/tensorboard"
     assert (cfg.sampling.num_steps, cfg.sampling.sde_step_indices, cfg.sampling.noise_level) == (4, [0, 1], 0.5)
     assert cfg.algorithm.group_size == 4 and cfg.algorithm.batch_size == 8
     assert cfg.learner.lr == 3e-4 and isinstance(cfg.learner.lr, float)
@@ -57,6 +64,9 @@ def test_user_interpolation_resolves(tmp_path):
         (["reward.functions=[{name: color, kwargs: [1]}]"], "reward.functions[0].kwargs", [1], "a mapping"),
         (["rollout.cfg_parallel_size=0"], "rollout.cfg_parallel_size", 0, ">= 1"),
         (["rollout.max_restarts=-1"], "rollout.max_restarts", -1, ">= 0"),
+        (["rollout.restart_window_s=-5"], "rollout.restart_window_s", -5.0, "seconds >= 0"),
+        (["trainer.max_skipped_steps=-1"], "trainer.max_skipped_steps", -1, ">= 0"),
+        (["data.max_prompt_chars=0"], "data.max_prompt_chars", 0, ">= 1"),
         (["reward.max_restarts=-2"], "reward.max_restarts", -2, ">= 0"),
         (["sampling.num_steps=0"], "sampling.num_steps", 0, ">= 1"),
         (["sampling.height=60"], "sampling.height", 60, "multiple of 16"),
@@ -69,6 +79,7 @@ def test_user_interpolation_resolves(tmp_path):
         (["sampling.sde_step_indices=[1,1]"], "sampling.sde_step_indices", [1, 1], "distinct"),
         (["sampling.return_step_indices=[0,9]"], "sampling.return_step_indices", [0, 9], "[0, 8]"),
         (["algorithm.name=diffusion_nft"], "sampling.sde_type", "sde", "'ode' for algorithm.name=diffusion_nft"),
+        (["algorithm.name=diffusion_nft", "sampling.sde_type=ode"], "sampling.guidance_scale", 4.0, "1.0 for algorithm.name=diffusion_nft"),
         (["algorithm.name=ppo"], "algorithm.name", "ppo", "['flow_grpo', 'diffusion_nft']"),
         (["sampling.sde_type=ode"], "sampling.sde_type", "ode", "'sde' or 'cps' for algorithm.name=flow_grpo"),
         (
@@ -76,11 +87,27 @@ def test_user_interpolation_resolves(tmp_path):
             "sampling.return_step_indices", [2, 8], "missing [3]",
         ),
         (
-            ["algorithm.name=diffusion_nft", "sampling.sde_type=ode", "sampling.return_step_indices=[0]"],
+            ["algorithm.name=diffusion_nft", "sampling.sde_type=ode", "sampling.guidance_scale=1", "sampling.return_step_indices=[0]"],
             "sampling.return_step_indices", [0], "final latent 8",
         ),
-        (["learner.micro_batch_size=3"], "learner.micro_batch_size", 3, "= 16 / 1"),
-        (["learner.world_size=3", "learner.micro_batch_size=1"], "learner.micro_batch_size", 1, "= 16 / 3"),
+        (["learner.micro_batch_size=3"], "learner.micro_batch_size", 3, "= 16 / 1 / 1"),
+        (["learner.world_size=3", "learner.micro_batch_size=1"], "learner.world_size", 3, "a divisor of the batch"),
+        (["algorithm.num_minibatches=3"], "algorithm.num_minibatches", 3, "a divisor of the batch (group_size x prompts_per_step = 16)"),
+        (["algorithm.num_minibatches=0"], "algorithm.num_minibatches", 0, "a divisor of the batch"),
+        (["algorithm.num_minibatches=8", "learner.world_size=4", "learner.micro_batch_size=1"],
+         "algorithm.num_minibatches", 8, "a multiple of learner.world_size = 4"),
+        (["algorithm.num_minibatches=4", "learner.micro_batch_size=8"], "learner.micro_batch_size", 8, "= 16 / 4 / 1"),
+        (["algorithm.num_inner_epochs=0"], "algorithm.num_inner_epochs", 0, ">= 1"),
+        (["sampling.sde_window_size=9"], "sampling.sde_window_size", 9, "[1, num_steps=8]"),
+        (["sampling.sde_window_size=3", "sampling.sde_window_range=[2,4]"], "sampling.sde_window_range", [2, 4], "hi - lo >= sde_window_size=3"),
+        (["sampling.sde_window_size=2", "sampling.sde_window_range=[0,9]"], "sampling.sde_window_range", [0, 9], "hi <= num_steps=8"),
+        (["sampling.sde_window_size=2", "sampling.sde_step_indices=[1]"], "sampling.sde_step_indices", [1], "null when sde_window_size"),
+        (["sampling.sde_window_schedule=mix"], "sampling.sde_window_schedule", "mix", "'sliding'"),
+        (["algorithm.timestep_fraction=0.1"], "algorithm.timestep_fraction", 0.1, "int(num_steps x fraction)"),
+        (["sampling.sde_window_size=2", "algorithm.timestep_fraction=0.5"], "algorithm.timestep_fraction", 0.5, "every window position"),
+        (["algorithm.adv_mode=binary"], "algorithm.adv_mode", "binary", "'all' for algorithm.name=flow_grpo"),
+        (["algorithm.adv_mode=half"], "algorithm.adv_mode", "half", "'positive_only'"),
+        (["algorithm.stat_tracking=per_prompt"], "algorithm.stat_tracking", "per_prompt", "['prompt', 'group', 'batch']"),
         (["reward.functions=[{name: nope}]"], "reward.functions[0].name", "nope", "'color'"),
         (["async.over_stale=later"], "async.over_stale", "later", "'regenerate' or 'drop'"),
     ],
@@ -112,7 +139,7 @@ def test_yaml_that_is_not_a_mapping(tmp_path, text, allowed):
 
 
 def test_valid_diffusion_nft_config():
-    cfg = load_config(None, ["algorithm.name=diffusion_nft", "sampling.sde_type=ode"])
+    cfg = load_config(None, ["algorithm.name=diffusion_nft", "sampling.sde_type=ode", "sampling.guidance_scale=1.0"])
     assert cfg.algorithm.needs_ema_rollout and cfg.sampling.resolved_sde_steps() == []
 
 
@@ -148,3 +175,35 @@ def test_from_dict_converts_and_validates():
     assert cfg.trainer.seed == 7 and cfg.learner.lr == 1.0 and isinstance(cfg.learner.lr, float)
     with pytest.raises(ConfigError, match=r"sampling.num_steps: got 0"):
         from_dict({"sampling": {"num_steps": 0}})
+
+
+def test_paths_in_a_recipe_resolve_against_its_directory_and_overrides_against_the_working_directory(tmp_path, monkeypatch):
+    recipes = tmp_path / "recipes"
+    (recipes / "prompts").mkdir(parents=True)
+    (recipes / "prompts" / "p.txt").write_text("a red apple\n")
+    recipe = recipes / "r.yaml"
+    recipe.write_text("data:\n  prompts: prompts/p.txt\n  eval_prompts: /abs/eval.txt\n"
+                      "trainer:\n  output_dir: runs\n  resume: auto\n")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    cfg = load_config(str(recipe), ["trainer.run_name=x"])
+    assert cfg.data.prompts == str(recipes / "prompts" / "p.txt")
+    assert cfg.data.eval_prompts == "/abs/eval.txt"
+    # A reward's weights directory too (checked by the reward itself once resolved).
+    functions = _relative_to({"reward": {"functions": [{"name": "clip_score", "kwargs": {"path": "weights/clip"}}]}}, str(recipes))
+    assert functions["reward"]["functions"][0]["kwargs"]["path"] == str(recipes / "weights" / "clip")
+    assert cfg.trainer.run_dir == str(recipes / "runs" / "x") and cfg.trainer.resume == "auto"
+    # On the command line a relative path is the user's, relative to where they stand.
+    assert load_config(str(recipe), ["data.prompts=mine.txt"]).data.prompts == "mine.txt"
+    # The default prompt file is found wherever the command runs.
+    assert os.path.isfile(load_config().data.prompts)
+
+
+@pytest.mark.parametrize("overrides, key, allowed", [
+    (["trainer.run_name=a/b"], "trainer.run_name", "null or a directory name (no '/')"),
+    (["trainer.resume=Auto"], "trainer.resume", "'auto', 'never', or an existing checkpoint directory"),
+])
+def test_run_name_and_resume_are_checked_at_load(overrides, key, allowed):
+    err = config_error(overrides)
+    assert (err.key, err.allowed) == (key, allowed)

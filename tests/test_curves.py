@@ -10,6 +10,7 @@ import os
 import sys
 
 import pytest
+import torch
 
 from rayflow import reference
 from tiny_run import GRPO, NFT, small_cfg
@@ -25,20 +26,28 @@ def curve(recipe: str, model_dir: str, out_dir) -> dict[str, list[float]]:
             "grad_norm": [h.grad_norm for h in history]}
 
 
+def loss_noise(cfg) -> float:
+    """The rounding noise of a loss that is a mean of terms of size <= adv_clip_max: float32 epsilon times that
+    scale times the number of terms (samples x denoising steps). FlowGRPO's synchronous loss with one
+    mini-batch is exactly such noise: ratio == 1 and each group's advantages sum to zero."""
+    terms = cfg.algorithm.batch_size * cfg.sampling.num_steps
+    return torch.finfo(torch.float32).eps * cfg.algorithm.adv_clip_max * terms
+
+
 @pytest.mark.parametrize("recipe", [GRPO, NFT])
 def test_tiny_run_follows_its_stored_curve(tiny_model_dir, tmp_path, recipe):
     with open(CURVES) as f:
         stored = json.load(f)[os.path.basename(recipe)]
     got = curve(recipe, tiny_model_dir, tmp_path)
+    noise = loss_noise(small_cfg(recipe, tiny_model_dir, tmp_path))
     for key, values in stored.items():
-        # Tight, not exact: another CPU's kernels may round differently.
-        assert got[key] == pytest.approx(values, rel=1e-4, abs=1e-7), key
+        # Tight, not exact: another CPU's kernels may round differently. Rewards and gradient norms carry
+        # signal at their own scale (relative 1e-4); a loss is also allowed its rounding noise in absolute terms.
+        assert got[key] == pytest.approx(values, rel=1e-4, abs=noise if key == "loss" else 0), key
 
 
 if __name__ == "__main__" and "--write" in sys.argv:
     import tempfile
-
-    import torch
 
     from rayflow.models.tiny import save_tiny_model
 

@@ -24,6 +24,13 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROMPT, SEED, STEPS, SIZE = "a red apple", 7, 4, 32
 
 
+def load_generate_tool():
+    spec = importlib.util.spec_from_file_location("generate_tool", os.path.join(REPO, "tools", "generate.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def export_main(argv):
     spec = importlib.util.spec_from_file_location("export_lora_tool", os.path.join(REPO, "tools", "export_lora.py"))
     module = importlib.util.module_from_spec(spec)
@@ -84,7 +91,7 @@ def test_export_refuses_an_adapter_the_checkpoint_lacks(tiny_model_dir, tmp_path
     assert "has adapters ['default']" in capsys.readouterr().err
 
 
-def test_generate_with_lora_samples_under_the_exported_adapter(tiny_model_dir, tmp_path):
+def test_generate_with_lora_samples_under_the_exported_adapter(tiny_model_dir, tmp_path, capsys):
     model, ckpt = train_briefly(GRPO, tiny_model_dir, str(tmp_path / "run"))
     out, png, pt = str(tmp_path / "lora"), tmp_path / "x.png", tmp_path / "x.pt"
     export_main([os.path.dirname(ckpt), "--out", out])  # a run's checkpoints directory: its newest
@@ -96,3 +103,57 @@ def test_generate_with_lora_samples_under_the_exported_adapter(tiny_model_dir, t
     )
     expected, _ = rayflow_latents(model, "default")
     torch.testing.assert_close(torch.load(pt, weights_only=True), expected, rtol=0, atol=1e-5)
+
+    # The checkpoint itself (exported on the fly) gives the same latents; a path that is neither is refused.
+    generate_main = load_generate_tool().main
+    direct = tmp_path / "direct.pt"
+    generate_main(["--model", tiny_model_dir, "--prompt", PROMPT, "--negative-prompt", " ", "--seed", str(SEED),
+                   "--steps", str(STEPS), "--guidance", "4.0", "--height", str(SIZE), "--width", str(SIZE),
+                   "--lora", ckpt, "--out", str(png), "--save-latents", str(direct)])
+    torch.testing.assert_close(torch.load(direct, weights_only=True), expected, rtol=0, atol=1e-5)
+    for bad, message in ((tmp_path / "missing", "is not a directory"), (tmp_path, "holds neither a diffusers LoRA")):
+        with pytest.raises(SystemExit) as info:
+            generate_main(["--model", tiny_model_dir, "--prompt", PROMPT, "--out", str(png), "--lora", str(bad)])
+        assert message in str(info.value.code) + capsys.readouterr().err
+
+
+@pytest.mark.parametrize("family, pipeline_cls, policy, scale, pipe_kwargs", [
+    ("sd3", "StableDiffusion3Pipeline", "standard", 4.5, dict(guidance_scale=4.5, negative_prompt="")),
+    ("flux", "FluxPipeline", "embedded", 3.5, dict(guidance_scale=3.5)),
+])
+def test_exported_lora_of_each_family_loads_in_its_pipeline(tiny_twin, tmp_path, family, pipeline_cls, policy, scale,
+                                                            pipe_kwargs):
+    """SD3 and FLUX.1: the exported adapter, loaded by the family's own pipeline, samples what rayflow samples."""
+    import diffusers
+
+    from rayflow.paths import recipe as recipe_path
+
+    model_dir, run = tiny_twin(family), str(tmp_path / "run")
+    cfg = small_cfg(recipe_path(f"flowgrpo_{family}.yaml"), model_dir, run, "trainer.total_steps=1", "learner.lr=0.05",
+                    "learner.lora_alpha=16", "trainer.eval_every=0")
+    model, _ = reference.train(cfg, log=lambda msg: None)
+    out = str(tmp_path / "lora")
+    export_main([latest_checkpoint(os.path.join(run, "checkpoints")), "--out", out])
+
+    pipe = getattr(diffusers, pipeline_cls).from_pretrained(model_dir)
+    pipe.set_progress_bar_config(disable=True)
+
+    def pipe_latents():
+        return pipe(PROMPT, height=SIZE, width=SIZE, num_inference_steps=STEPS, output_type="latent",
+                    generator=torch.Generator("cpu").manual_seed(SEED), **pipe_kwargs).images
+
+    base = pipe_latents()
+    pipe.load_lora_weights(out)
+    lora = pipe_latents()
+    params = SamplingParams(height=SIZE, width=SIZE, num_steps=STEPS, guidance_scale=scale, negative_prompt="",
+                            sde_type="ode", return_step_indices=[STEPS])
+    with using_adapter(model.transformer, "default"):
+        (t,) = generate(model, RolloutRequest("x", [PROMPT], [0], [0], [SEED], params), make_policy(policy))
+    ours = t.latent(STEPS).unsqueeze(0)
+    torch.testing.assert_close(as_tokens(lora), ours, rtol=0, atol=1e-5)
+    assert (as_tokens(lora) - as_tokens(base)).abs().max() > 1e-3
+
+
+def as_tokens(latents: torch.Tensor) -> torch.Tensor:
+    """SD3's [B, C, h, w] pipeline latents in rayflow's token layout [B, h·w, C]; FLUX's are packed tokens already."""
+    return latents.flatten(2).transpose(1, 2) if latents.dim() == 4 else latents

@@ -37,12 +37,16 @@ def test_a_stopped_job_leaves_its_last_complete_checkpoint(tiny_model_dir, tmp_p
     with FakeAutoscalingCluster(head_cpus=6) as cluster:
         job(cluster, "submit", "--no-wait", "--submission-id", "rayflow-stop-test", "--working-dir", ".",
             "--runtime-env", "cluster/runtime_env.yaml", "--", "python", "recipes/flowgrpo_qwen_image.py",
-            f"model.path={tiny_model_dir}", f"trainer.output_dir={out}", "trainer.total_steps=1000",
+            f"model.path={tiny_model_dir}", f"trainer.output_dir={tmp_path}", "trainer.run_name=stopped", "trainer.total_steps=1000",
             "trainer.save_every=1", "trainer.keep_checkpoints=3", *SMALL)
         wait_for(lambda: len(list_checkpoints(root)) >= 2, 300, "two checkpoints")
         job(cluster, "stop", "rayflow-stop-test")
         wait_for(lambda: "was stopped" in job(cluster, "status", "rayflow-stop-test"), 120, "the job to stop")
+        logs = job(cluster, "logs", "rayflow-stop-test")
     steps = [load_checkpoint(path).step for path in list_checkpoints(root)]  # each one complete and readable
     assert len(steps) >= 2 and steps == sorted(steps) and max(steps) < 1000
     # At most an unfinished write under a temporary name; never a partial step_* directory.
     assert all(name.startswith(("step_", ".tmp-")) for name in os.listdir(root))
+    # The driver says where it stopped and how to continue, without a traceback of the interrupt.
+    assert "interrupted at step" in logs and "continue with the same command and trainer.run_name=stopped" in logs
+    assert "KeyboardInterrupt" not in logs

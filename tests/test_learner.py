@@ -27,6 +27,9 @@ STEPS = 3
 
 SHARD1 = "learner.shard=always"  # backend tests on a one-rank mesh check FSDP2 itself: shard that rank too
 
+SAMPLER_STATE = {"groups_drawn": 1, "seed": 0}
+"""A prompt sampler's position, as the driver stores it with every checkpoint."""
+
 
 @pytest.fixture(scope="module")
 def mesh1():
@@ -188,7 +191,7 @@ def test_world_size_2_and_1_end_where_the_reference_does(ray_session, mesh1, tin
                 assert m["loss/policy"] == pytest.approx(m_ref["loss/policy"], rel=1e-4, abs=1e-6)
                 # Clipping and the skip decision use the global norm, not a rank's share of it.
                 assert m["train/grad_norm"] == pytest.approx(res.grad_norm, rel=1e-5)
-        ckpt = group.checkpoint(STEPS, data={})
+        ckpt = group.checkpoint(STEPS, data=SAMPLER_STATE)
         assert ckpt.version == STEPS and sorted(ckpt.adapters) == lora.adapter_names(run.model.transformer)
         for name in ckpt.adapters:
             expected = adapter_state(run.model.transformer, name)
@@ -209,13 +212,13 @@ def test_world_size_2_resumes_bit_identically_and_reports_a_dead_rank(ray_sessio
     group = LearnerGroup(cfg, name="test-resume")
     try:
         group.get(group.train_step(grpo_batches[0]))
-        path = save_checkpoint(str(tmp_path / "ckpt"), group.checkpoint(1, data={}), keep=1)
+        path = save_checkpoint(str(tmp_path / "ckpt"), group.checkpoint(1, data=SAMPLER_STATE), keep=1)
         uninterrupted = [group.get(group.train_step(b))[0] for b in grpo_batches]
-        final = group.checkpoint(3, data={}).adapters["default"]
+        final = group.checkpoint(3, data=SAMPLER_STATE).adapters["default"]
         group.restore(load_checkpoint(path, group.identity))
         resumed = [group.get(group.train_step(b))[0] for b in grpo_batches]
         assert resumed == uninterrupted
-        again = group.checkpoint(3, data={}).adapters["default"]
+        again = group.checkpoint(3, data=SAMPLER_STATE).adapters["default"]
         assert all(torch.equal(again[k], final[k]) for k in final)
 
         ray.kill(group.workers[1])
@@ -223,3 +226,83 @@ def test_world_size_2_resumes_bit_identically_and_reports_a_dead_rank(ray_sessio
             group.get(group.train_step(grpo_batches[0]))
     finally:
         group.shutdown()
+
+
+def test_autocast_trains_fp32_lora_over_bf16_weights(mesh1, tiny_model_dir, tmp_path, grpo_batches):
+    """learner.mixed_precision=autocast: bf16 base weights, fp32 LoRA masters and AdamW state, bf16 matmuls."""
+    cfg = small_cfg(GRPO, tiny_model_dir, tmp_path, "model.dtype=bfloat16", "learner.mixed_precision=autocast")
+    assert not cfg.learner.sharded  # autocast needs no FSDP2 mixed-precision policy
+    backend = LearnerBackend(cfg, mesh1, CPU)
+    lora_params = lora.adapter_parameters(backend.transformer, "default")
+    assert {p.dtype for p in lora_params.values()} == {torch.float32}
+    assert {p.dtype for n, p in backend.transformer.named_parameters() if ".lora_" not in n} == {torch.bfloat16}
+    seen = []
+    backend.transformer.transformer_blocks[0].attn.to_q.base_layer.register_forward_hook(
+        lambda module, args, out: seen.append(out.dtype))
+    before = adapter_state(backend.transformer, "default")
+    metrics = backend.train_step(grpo_batches[0])
+    assert seen and set(seen) == {torch.bfloat16}
+    assert metrics["train/skipped"] == 0 and all(torch.isfinite(torch.tensor(v)) for v in metrics.values())
+    after = adapter_state(backend.transformer, "default")
+    assert all(t.dtype == torch.float32 for t in after.values()) and any(not torch.equal(before[k], after[k]) for k in before)
+    states = [s for state in backend.optimizer.state.values() for s in state.values() if torch.is_tensor(s) and s.ndim]
+    assert states and {s.dtype for s in states} == {torch.float32}
+
+
+def test_flow_grpo_kl_types_divide_by_std_dev_t_or_the_transition_variance(tiny_model_dir, tmp_path):
+    """flow_grpo (scripts/train_sd3.py): KL = mean((μ_θ − μ_ref)²) / (2·std_dev_t²), std_dev_t = a·sqrt(σ/(1 − σ̃)),
+    recomputed here from the step's means; "transition" divides by the step's variance std_dev_t²·(σ − σ')
+    instead. One trained step, so the two differ by exactly that factor."""
+    from rayflow.learner.objective import _conds, _guided_velocity, backward
+    from rayflow.sampling.flow_sde import flow_step
+
+    j = 1
+    cfg = small_cfg(GRPO, tiny_model_dir, tmp_path, "algorithm.kl_beta=0.01", f"sampling.sde_step_indices=[{j}]")
+    run = reference.build_run(cfg)
+    with torch.no_grad():  # move off the base model (LoRA B starts at 0: policy = reference)
+        g = torch.Generator().manual_seed(0)
+        for _, p in sorted(lora.adapter_parameters(run.model.transformer, "default").items()):
+            p.add_(0.05 * torch.randn(p.shape, generator=g))
+    batch, _ = reference.rollout(run)
+    kls = {}
+    for kl_type in ("flow_grpo", "transition"):
+        typed = dataclasses.replace(cfg, algorithm=dataclasses.replace(cfg.algorithm, kl_type=kl_type))
+        kls[kl_type] = backward(typed, run.model, run.policy, batch, version=0)["loss/kl"]
+        run.optimizer.zero_grad(set_to_none=True)
+
+    t, params = batch[0], batch[0].params
+    sigma, sigma_next, sigma_max = float(t.sigmas[j]), float(t.sigmas[j + 1]), float(t.sigmas[1])
+    std_dev_t = params.noise_level * (sigma / (1 - (sigma_max if sigma == 1 else sigma))) ** 0.5
+    x, x_next = (torch.stack([b.latent(i) for b in batch]) for i in (j, j + 1))
+    conds = _conds(batch, CPU)
+
+    def mean(v):
+        return flow_step(v, x, t.sigmas[j], t.sigmas[j + 1], sde_type="sde", noise_level=params.noise_level,
+                         prev_sample=x_next, sigma_max=t.sigmas[1])[2]
+
+    with torch.no_grad():
+        mu = mean(_guided_velocity(run.model, run.policy, x, t.timesteps[j], conds, params))
+        with lora.base_model(run.model.transformer):
+            mu_ref = mean(_guided_velocity(run.model, run.policy, x, t.timesteps[j], conds, params))
+    expected = (((mu - mu_ref) ** 2).mean(dim=tuple(range(1, mu.ndim))) / (2 * std_dev_t**2)).mean()
+    assert float(expected) > 0
+    assert kls["flow_grpo"] == pytest.approx(float(expected), rel=1e-4)
+    assert kls["transition"] == pytest.approx(kls["flow_grpo"] / (sigma - sigma_next), rel=1e-5)
+
+
+def test_nft_old_adapter_is_updated_once_per_batch_with_eta_after_the_batchs_steps(tiny_model_dir, tmp_path):
+    from rayflow.algorithms.diffusion_nft import ema_decay
+
+    cfg = small_cfg(NFT, tiny_model_dir, tmp_path, "algorithm.num_minibatches=2", "algorithm.ema_uprate=0.1",
+                    "algorithm.ema_flat=1", "algorithm.ema_uphold=0.9")
+    run = reference.build_run(cfg)
+    for version in range(2):
+        batch, _ = reference.rollout(run)
+        old_before = adapter_state(run.model.transformer, lora.EMA_ADAPTER)
+        _, result = reference.learn(run, batch)
+        eta = ema_decay(2 * (version + 1), flat=1, uprate=0.1, uphold=0.9)  # 2 optimizer steps per batch
+        assert result.ema_decay == pytest.approx(eta) and eta > 0
+        default = adapter_state(run.model.transformer, "default")
+        old = adapter_state(run.model.transformer, lora.EMA_ADAPTER)
+        for name, value in old.items():
+            torch.testing.assert_close(value, eta * old_before[name] + (1 - eta) * default[name], rtol=0, atol=1e-7)

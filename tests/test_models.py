@@ -63,10 +63,10 @@ def test_tokenizer_knows_chat_tokens_and_template(tiny_pipeline):
     assert embeds.shape[1] == len(full_ids) - drop
 
 
-def test_registry_lists_qwen_image_in_a_fresh_process():
+def test_registry_lists_every_family_in_a_fresh_process():
     code = "from rayflow.models import registered_pipeline_classes as r; print(r())"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.strip() == "['QwenImagePipeline']"
+    assert out.strip() == "['FluxPipeline', 'QwenImagePipeline', 'StableDiffusion3Pipeline']"
 
 
 def test_registry_resolves_and_rejects(tiny_model_dir, tmp_path):
@@ -77,10 +77,11 @@ def test_registry_resolves_and_rejects(tiny_model_dir, tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(ValueError, match="has no model_index.json"):
         load_model(str(tmp_path / "empty"))
-    (tmp_path / "flux").mkdir()
-    (tmp_path / "flux" / "model_index.json").write_text('{"_class_name": "FluxPipeline"}')
-    with pytest.raises(ValueError, match=r"'FluxPipeline' is not registered.*\['QwenImagePipeline'\]"):
-        load_model(str(tmp_path / "flux"))
+    (tmp_path / "sdxl").mkdir()
+    (tmp_path / "sdxl" / "model_index.json").write_text('{"_class_name": "StableDiffusionXLPipeline"}')
+    supported = r"\['FluxPipeline', 'QwenImagePipeline', 'StableDiffusion3Pipeline'\]"
+    with pytest.raises(ValueError, match=rf"'StableDiffusionXLPipeline' is not registered.*{supported}"):
+        load_model(str(tmp_path / "sdxl"))
     assert "QwenImagePipeline" in registered_pipeline_classes()
 
 

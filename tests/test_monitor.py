@@ -1,6 +1,12 @@
 """Monitor: TensorBoard scalars and images read back from the event files, Ray metrics, the progress bar."""
 
+import glob
 import io
+import json
+import os
+import re
+import time
+import urllib.request
 
 import numpy as np
 import pytest
@@ -9,7 +15,10 @@ from PIL import Image
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from rayflow.config import LoggingConfig
-from rayflow.logging.monitor import Monitor, image_grid
+from rayflow.logging.monitor import Monitor, exported_metric_names, image_grid
+from rayflow.paths import REPO_ROOT
+
+GRAFANA = os.path.join(REPO_ROOT, "cluster", "grafana", "rayflow.json")
 
 QUIET = dict(ray_metrics=False, progress_bar=False)
 
@@ -36,6 +45,18 @@ def test_scalars_are_written_with_exactly_the_given_tags_and_values(tmp_path):
         logged = [(e.step, e.value) for e in acc.Scalars(tag)]
         assert logged == [(step, pytest.approx(scalars_at(step)[tag])) for step in range(4)], tag
 
+
+def test_a_resumed_run_replaces_the_steps_it_trains_again(tmp_path):
+    first = Monitor(str(tmp_path), LoggingConfig(**QUIET), total_steps=6)
+    for step in range(1, 6):  # the stopped run logged steps 1..5; its last checkpoint is step 3
+        first.log(step, {"reward/mean": float(step)})
+    first.close()
+    resumed = Monitor(str(tmp_path), LoggingConfig(**QUIET), total_steps=6, start_step=3)
+    for step in range(4, 7):
+        resumed.log(step, {"reward/mean": 10.0 * step})
+    resumed.close()
+    logged = [(e.step, e.value) for e in events(tmp_path).Scalars("reward/mean")]
+    assert logged == [(1, 1.0), (2, 2.0), (3, 3.0), (4, 40.0), (5, 50.0), (6, 60.0)]
 
 def test_log_every_writes_only_every_nth_step(tmp_path):
     monitor = Monitor(str(tmp_path), LoggingConfig(log_every=3, **QUIET), total_steps=8)
@@ -76,7 +97,7 @@ def test_image_grid_layout():
     expected = expected.repeat_interleave(2, dim=0).repeat_interleave(3, dim=1)[..., None].expand(6, 6, 3).clone()
     expected[0, 0] = torch.tensor([200, 100, 50])
     torch.testing.assert_close(grid, expected)
-    assert image_grid(tiles[:3], columns=4).shape == (2, 12, 3)  # one partly filled row
+    assert image_grid(tiles[:3], columns=4).shape == (2, 9, 3)  # fewer images than columns: no black cells
 
 
 class FakeMetric:
@@ -113,13 +134,52 @@ def test_ray_metrics_get_latest_values_and_counter_increments(tmp_path, monkeypa
     assert made["rayflow_rollout_regenerated"].description == "rollout/regenerated"
 
 
-def test_ray_metrics_on_a_live_ray(ray_session, tmp_path):
+def scrape(port: int, names: set[str], timeout_s: float = 60) -> dict[str, float]:
+    """Values of `names` on a node's Prometheus endpoint, polled until all are there."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+        found = {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in body.splitlines()
+                 if line.split("{")[0] in names}
+        if set(found) == names or time.monotonic() > deadline:
+            return found
+        time.sleep(1)
+
+
+def test_ray_metrics_on_a_live_ray_are_scraped_under_the_documented_names(ray_session, tmp_path):
     monitor = Monitor(str(tmp_path), LoggingConfig(tensorboard=False, progress_bar=False), total_steps=3)
     assert set(monitor.gauges) >= {"reward/mean", "staleness/mean"} and "train/skipped_steps" in monitor.counters
     for step, total in enumerate([1, 1, 4]):
         monitor.log(step, {"reward/mean": 0.5, "staleness/max": 2, "train/skipped_steps": total})
     monitor.close()
     assert monitor._counted == {"train/skipped_steps": 4}
+    names = exported_metric_names()
+    assert (names["reward/mean"], names["train/skipped_steps"]) == ("ray_rayflow_reward_mean", "ray_rayflow_train_skipped_steps_total")
+    port = next(n["MetricsExportPort"] for n in ray_session.nodes() if n["Alive"])
+    wanted = {names["reward/mean"], names["staleness/max"], names["train/skipped_steps"]}
+    assert scrape(port, wanted) == {names["reward/mean"]: 0.5, names["staleness/max"]: 2.0, names["train/skipped_steps"]: 4.0}
+
+
+def test_the_grafana_dashboard_queries_only_exported_metrics():
+    with open(GRAFANA) as f:
+        dashboard = json.load(f)
+    queried = {m for panel in dashboard["panels"] for t in panel["targets"] for m in re.findall(r"ray_rayflow_\w+", t["expr"])}
+    assert queried and queried <= set(exported_metric_names().values())
+    assert {"ray_rayflow_reward_mean", "ray_rayflow_staleness_max"} <= queried
+
+
+def test_wandb_offline_logs_every_scalar_under_the_run_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monitor = Monitor(str(tmp_path / "tb"), LoggingConfig(wandb=True, **QUIET), total_steps=3,
+                      wandb_run={"name": "run-a", "dir": str(tmp_path / "run-a"), "config": {"algorithm": {"name": "flow_grpo"}}})
+    for step in range(1, 4):
+        monitor.log(step, {"reward/mean": 0.125 * step, "loss/policy": -0.5})
+    monitor.close()
+    (run_dir,) = glob.glob(str(tmp_path / "run-a" / "wandb" / "offline-run-*-run-a"))
+    (records,) = glob.glob(os.path.join(run_dir, "run-run-a.wandb"))
+    data = open(records, "rb").read()  # protobuf records: keys and JSON values are stored as text
+    assert b"reward/mean" in data and b"loss/policy" in data and b"0.375" in data and b"flow_grpo" in data
 
 
 def test_progress_bar_on_and_off(tmp_path, capsys):
@@ -132,6 +192,7 @@ def test_progress_bar_on_and_off(tmp_path, capsys):
 
     shown = Monitor(str(tmp_path / "b"), LoggingConfig(tensorboard=False, ray_metrics=False), total_steps=10,
                     start_step=4)
+    shown.bar.mininterval, shown.bar.miniters = 0, 1  # draw at every update, so every frame can be checked
     shown.log(4, {"reward/mean": 0.5})
     shown.log(5, {"reward/mean": 0.75, "staleness/mean": 1.5})
     assert (shown.bar.n, shown.bar.total) == (6, 10)  # resumed at step 4, two more steps
@@ -140,3 +201,6 @@ def test_progress_bar_on_and_off(tmp_path, capsys):
     shown.close()
     err = capsys.readouterr().err
     assert "rayflow" in err and "reward=0.7500" in err and "staleness=1.50" in err
+    # Each redraw shows its own step's reward: "5/10" is drawn with step 4's 0.5000, "6/10" with 0.7500.
+    frames = err.split("\r")
+    assert any("5/10" in f and "reward=0.5000" in f for f in frames) and not any("6/10" in f and "reward=0.5000" in f for f in frames)

@@ -57,6 +57,28 @@ def test_wrong_extension_and_missing_file(tmp_path):
         load_prompts(missing)
 
 
+def test_a_binary_file_names_file_and_line(tmp_path):
+    path = str(tmp_path / "p.txt")
+    with open(path, "wb") as f:
+        f.write(b"a red apple\nPK\x03\x04\xff\xfe\n")  # a zip archive renamed .txt
+    with pytest.raises(ValueError, match=re.escape(f"{path}:2: not UTF-8 text (byte 0xff at column 5)")):
+        load_prompts(path)
+    with open(path, "wb") as f:
+        f.write(b"a red apple\n\nab\x00cd\n")
+    with pytest.raises(ValueError, match=re.escape(f"{path}:3: a NUL byte at column 3 (a binary file?)")):
+        load_prompts(path)
+
+
+def test_a_prompt_longer_than_the_limit_names_file_line_and_length(tmp_path):
+    path = write(tmp_path, "p.jsonl", '{"prompt": "a red apple"}\n' + '{"prompt": "%s"}\n' % ("x" * 1_200_000))
+    with pytest.raises(ValueError, match=re.escape(f"{path}:2: a prompt of 1200000 characters; allowed: at most "
+                                                   f"data.max_prompt_chars=4096")):
+        load_prompts(path)
+    assert load_prompts(path, max_chars=1_200_000)[1] == "x" * 1_200_000
+    with pytest.raises(ValueError, match=":1: a prompt of 11 characters; allowed: at most data.max_prompt_chars=10"):
+        load_prompts(path, max_chars=10)
+
+
 # -- GroupSampler ---------------------------------------------------------------------------
 
 def draw(sampler: GroupSampler, n: int) -> list[PromptGroup]:

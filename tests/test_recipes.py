@@ -1,9 +1,13 @@
 """The recipes as users run them: a subprocess smoke run (its own local Ray), and bad input that fails
 before anything starts, with a message naming the key or the file and line."""
 
+import json
 import os
 import subprocess
 import sys
+import time
+
+import psutil
 
 from rayflow.checkpoint import checkpoint_root, latest_checkpoint, load_checkpoint
 
@@ -12,19 +16,49 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def run_recipe(recipe: str, *overrides: str, timeout: int = 600) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    return subprocess.run([sys.executable, f"recipes/{recipe}.py", *overrides], cwd=REPO, env=env,
+    return subprocess.run([sys.executable, os.path.join(REPO, "recipes", f"{recipe}.py"), *overrides], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=timeout)
 
 
-def test_nft_recipe_runs_end_to_end_on_a_local_ray(tiny_model_dir, tmp_path):
+def listening_addresses(pid: int, until: subprocess.Popen) -> set[str]:
+    """Every address a process tree listens on, polled until `until` exits."""
+    seen = set()
+    while until.poll() is None:
+        try:
+            procs = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
+        except psutil.NoSuchProcess:
+            break
+        for proc in procs:
+            try:
+                seen |= {c.laddr.ip for c in proc.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN}
+            except (psutil.NoSuchProcess, psutil.AccessDenied):
+                pass
+        time.sleep(0.2)
+    return seen
+
+
+def test_nft_recipe_runs_end_to_end_from_any_directory_on_loopback_only(tiny_model_dir, tmp_path):
+    """From outside the repository, with CFG-parallel ranks and two FSDP2 learner ranks: every rendezvous,
+    collective and Ray server the run starts listens on loopback only."""
     out = tmp_path / "nft"
-    result = run_recipe(
-        "diffusion_nft_qwen_image", f"model.path={tiny_model_dir}", f"trainer.output_dir={out}",
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    run = subprocess.Popen([
+        sys.executable, os.path.join(REPO, "recipes", "diffusion_nft_qwen_image.py"),
+        f"model.path={tiny_model_dir}", f"trainer.output_dir={tmp_path}", "trainer.run_name=nft",
         "trainer.total_steps=2", "trainer.eval_every=1", "algorithm.prompts_per_step=1", "algorithm.group_size=2",
-        "learner.micro_batch_size=2", "rollout.micro_batch_size=2", "logging.progress_bar=false",
-    )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    log = result.stdout + result.stderr
+        "learner.micro_batch_size=1", "learner.world_size=2", "rollout.cfg_parallel_size=2", "rollout.micro_batch_size=2",
+        "logging.progress_bar=false",
+    ], cwd=tmp_path, env=env, stdout=open(tmp_path / "run.log", "w"), stderr=subprocess.STDOUT)
+    try:
+        addresses = listening_addresses(run.pid, until=run)
+        run.wait(timeout=600)
+    finally:
+        run.kill()
+    log = (tmp_path / "run.log").read_text()
+    assert run.returncode == 0, log[-6000:]
+    assert addresses and addresses <= {"127.0.0.1", "::1", "::ffff:127.0.0.1"}, addresses
+    # The end-of-run summary says where everything is and how to continue.
+    assert "done: 2 steps" in log and f"run dir     {out}" in log and "trainer.run_name=nft trainer.total_steps=<more>" in log
     assert "step 1 " in log and "step 2 " in log and "dashboard at http://127.0.0.1" in log
     ckpt = load_checkpoint(latest_checkpoint(checkpoint_root(str(out))))
     assert ckpt.step == 2 and sorted(ckpt.adapters) == ["default", "old"]  # NFT's EMA adapter is kept too
@@ -43,3 +77,19 @@ def test_bad_config_and_prompt_files_fail_before_anything_starts(tmp_path):
     assert result.returncode != 0
     assert f"{prompts}:2: not valid JSON" in result.stderr
     assert "Started a local Ray" not in result.stderr
+
+
+def test_the_pipeline_benchmark_runs_from_outside_the_repository(tiny_model_dir, tmp_path):
+    """tools/bench.py finds its recipe through the package, not the working directory (one step each)."""
+    out = tmp_path / "bench.json"
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    result = subprocess.run(
+        [sys.executable, os.path.join(REPO, "tools", "bench.py"), "pipeline", "--steps", "1", "--warmup", "0", "--json", str(out),
+         f"model.path={tiny_model_dir}", "algorithm.prompts_per_step=1", "algorithm.group_size=2", "sampling.num_steps=2",
+         "learner.micro_batch_size=2", "rollout.micro_batch_size=2"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["setup"]["recipe"] == os.path.join(REPO, "recipes", "flowgrpo_qwen_image.yaml")
+    assert report["step_s"]["reference"] > 0 and report["step_s"]["max_staleness_0"] > 0

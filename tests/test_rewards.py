@@ -21,8 +21,8 @@ def noise(seed=0, size=64) -> torch.Tensor:
 def test_registry():
     assert {"color", "jpeg_compressibility"} <= set(registered_rewards())
     with pytest.raises(ConfigError) as info:
-        make_reward("aesthetic")
-    assert info.value.value == "aesthetic" and "'color'" in info.value.allowed
+        make_reward("hpsv2")
+    assert info.value.value == "hpsv2" and "'color'" in info.value.allowed
     with pytest.raises(ConfigError, match=r"reward.functions\[jpeg_compressibility\].kwargs: got \{'qual': 90\}"):
         make_reward("jpeg_compressibility", qual=90)
     with pytest.raises(ConfigError, match="reward 'color'"):

@@ -146,6 +146,9 @@ def test_a_push_that_binds_other_modules_stops_the_sync_naming_them(rollout, tin
             ray.get(sync.push(10, payload))
             with pytest.raises(Exception, match=expected_error):
                 sync.wait(10, timeout_s=60)
+            # The asynchronous driver's per-step check raises the cause too (it never waits for a version).
+            with pytest.raises(Exception, match=expected_error):
+                sync.lost_versions()
             with pytest.raises(Exception, match="earlier failure"):
                 ray.get(sync.push(11, full))
     finally:
@@ -213,3 +216,29 @@ def test_a_receiver_that_dies_is_left_out_and_the_newest_version_is_sent_again(r
     finally:
         sync.shutdown()
         pool.shutdown()
+
+
+@pytest.mark.parametrize("family, expected_targets", [
+    ("sd3", {"attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.add_q_proj", "attn.add_k_proj",
+             "attn.add_v_proj", "attn.to_add_out"}),
+    ("flux", {"to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"}),
+])
+def test_merged_mode_folds_every_target_of_each_family(tiny_twin, tmp_path, family, expected_targets):
+    """The folding actor's work for SD3 and FLUX.1: W + (alpha / r)·B@A for every adapted linear of the
+    family's targets (the transport after it is the family-independent one tested above)."""
+    from rayflow.paths import recipe as recipe_path
+    from rayflow.sync.fold import AdapterFolder
+
+    model_dir = tiny_twin(family)
+    cfg = small_cfg(recipe_path(f"flowgrpo_{family}.yaml"), model_dir, tmp_path, "sync.mode=merged")
+    spec = RolloutWorkerSpec.from_config(cfg)
+    assert set(load_model(model_dir).lora_target_modules) == expected_targets
+    adapter = adapter_like(spec, model_dir, 0.01)
+    torch.manual_seed(0)
+    adapter = {n: torch.randn_like(t) * 0.01 for n, t in adapter.items()}
+    folded = AdapterFolder(spec)(adapter)
+    expected = expected_rank_weights("merged", model_dir, adapter, spec.lora_alpha, spec.lora_rank)
+    assert folded.keys() == expected.keys()
+    assert all(any(name.endswith(f".{t}.weight") for name in folded) for t in expected_targets)
+    for name, weight in expected.items():
+        torch.testing.assert_close(folded[name], weight, rtol=0, atol=1e-6)

@@ -1,14 +1,19 @@
 """A recipe cut to the size the learner and checkpoint tests train at."""
 
-from rayflow.config import RayflowConfig, load_config
+import os
 
-GRPO, NFT = "recipes/flowgrpo_qwen_image.yaml", "recipes/diffusion_nft_qwen_image.yaml"
+from rayflow.config import RayflowConfig, load_config
+from rayflow.paths import recipe as recipe_path
+
+GRPO, NFT = recipe_path("flowgrpo_qwen_image.yaml"), recipe_path("diffusion_nft_qwen_image.yaml")
 
 
 def small_cfg(recipe: str, model_dir: str, out_dir, *overrides: str) -> RayflowConfig:
-    """4 samples (1 prompt x 4), 4 denoising steps at 32x32, learner micro-batches of 2."""
+    """4 samples (1 prompt x 4), 4 denoising steps at 32x32, learner micro-batches of 2. The run's directory
+    (trainer.run_dir) is `out_dir`."""
+    out_dir = os.path.abspath(str(out_dir))
     return load_config(recipe, [
-        f"model.path={model_dir}", f"trainer.output_dir={out_dir}", "algorithm.prompts_per_step=1",
+        f"model.path={model_dir}", f"trainer.output_dir={os.path.dirname(out_dir)}", f"trainer.run_name={os.path.basename(out_dir)}", "algorithm.prompts_per_step=1",
         "algorithm.group_size=4", "sampling.num_steps=4", "learner.micro_batch_size=2",
         "rollout.micro_batch_size=4", *overrides,
     ])

@@ -1,8 +1,9 @@
 """rayflow benchmarks: ratios measured side by side in one run, written as JSON.
 
-    python tools/bench.py rollout --json bench_rollout.json [--size small --height 192 --width 192 --steps 20 --batch 4]
+    python tools/bench.py rollout --json bench_rollout.json [--arch qwen_image|sd3 --size small --height 192 --width 192 --steps 20 --batch 4]
     python tools/bench.py sync --json bench_sync.json [--lora-rank 128 --bucket-mb 64 --repeats 10]
     python tools/bench.py pipeline --json bench_pipeline.json [--recipe recipes/flowgrpo_qwen_image.yaml --steps 20]
+    python tools/bench.py gpu --json bench_gpu.json [--depth N] | gpu --device cpu --tiny (smoke test); see tools/gpu_bench.py
 
 sync: a learner's rollout adapter (the "small" tiny model, LoRA rank 128) pushed through the
 WeightSyncActor to two W = 1 rollout replicas, in lora and in merged mode, against one raw
@@ -40,10 +41,15 @@ import time
 
 import torch
 
-from rayflow.cfg.policy import TrueCFG
+from rayflow.cfg.policy import make_policy
 from rayflow.config import ModelConfig, RolloutConfig
-from rayflow.models.tiny import resolve_model_path
+from rayflow.models import model_class, pipeline_class_of
+from rayflow.models.tiny import ARCHS, resolve_model_path
+from rayflow.paths import recipe
 from rayflow.types import RolloutRequest, SamplingParams
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the sibling gpu_bench.py, however bench.py is run
+import gpu_bench  # noqa: E402
 
 LATENCY_GOAL, LATENCY_LIMIT, THROUGHPUT_GOAL = 1.6, 2.0, 0.9
 SYNC_OVER_RAW_GOAL = 1.5
@@ -103,12 +109,18 @@ def measure_round(one_a, one_b, two, requests: Requests, args: argparse.Namespac
 
 
 def bench_rollout(args: argparse.Namespace) -> dict:
-    path = resolve_model_path(args.model, args.cache_dir, size=args.size)
+    size = args.size or ("tiny" if args.arch == "flux" else "small")
+    path = resolve_model_path(args.model, args.cache_dir, size=size, arch=args.arch)
+    pipeline = pipeline_class_of(path)
+    policy = make_policy(model_class(pipeline).default_cfg_policy)
+    if len(policy.conditioning_prompts(["x"], " ", 4.0)) < 2:
+        raise SystemExit(f"--arch {args.arch}: {pipeline}'s CFG policy {policy.name!r} has one branch; "
+                         "CFG parallelism has nothing to split (use replicas)")
     load_before = os.getloadavg()[0]  # other processes on the machine skew every figure: record them
     ray = start_local_ray(num_cpus=4)  # logical: two W = 1 replicas and one W = 2 replica exist at once
     from rayflow.rollout import RolloutReplica, RolloutWorkerSpec  # imports ray: after its environment is set
 
-    spec = RolloutWorkerSpec(model=ModelConfig(path=path), policy=TrueCFG(), threads=1)
+    spec = RolloutWorkerSpec(model=ModelConfig(path=path), policy=policy, threads=1)
     batched = dataclasses.replace(spec, batch_branches=True)
     one_a = RolloutReplica(batched, RolloutConfig(cfg_parallel_size=1), name="bench-w1-a")
     one_b = RolloutReplica(batched, RolloutConfig(cfg_parallel_size=1), name="bench-w1-b")
@@ -133,8 +145,9 @@ def bench_rollout(args: argparse.Namespace) -> dict:
         "benchmark": "rollout",
         "command": " ".join(["python", *sys.argv]),
         "setup": {
-            "model": f"tiny Qwen-Image '{args.size}'", "height": args.height, "width": args.width,
-            "steps": args.steps, "samples_per_request": args.batch, "cfg_branches": 2, "cfg_policy": "true_cfg",
+            "model": args.model or f"tiny {args.arch} '{size}'", "pipeline": pipeline, "height": args.height,
+            "width": args.width, "steps": args.steps, "samples_per_request": args.batch, "cfg_branches": 2,
+            "cfg_policy": policy.name,
             "sde_type": "sde", "threads_per_rank": 1, "repeats": args.repeats,
             "throughput_requests_per_round": args.throughput_requests, "cpus": os.cpu_count(),
             "load_average_before": load_before, "torch": torch.__version__, "ray": ray.__version__,
@@ -160,7 +173,7 @@ def bench_rollout(args: argparse.Namespace) -> dict:
 
 def bench_sync(args: argparse.Namespace) -> dict:
     """Weight sync of a learner's rollout adapter to every rank of two W = 1 rollout replicas."""
-    path = resolve_model_path(args.model, args.cache_dir, size=args.size)
+    path = resolve_model_path(args.model, args.cache_dir, size=args.size or "small")
     load_before = os.getloadavg()[0]
     ray = start_local_ray(num_cpus=6)
     from rayflow import reference  # imports ray: after its environment is set
@@ -169,7 +182,7 @@ def bench_sync(args: argparse.Namespace) -> dict:
     from rayflow.rollout import RolloutReplica, RolloutWorkerSpec
     from rayflow.sync.weight_sync import WeightSync
 
-    cfg = load_config("recipes/flowgrpo_qwen_image.yaml", [
+    cfg = load_config(recipe("flowgrpo_qwen_image.yaml"), [
         f"model.path={path}", f"learner.lora_rank={args.lora_rank}", f"learner.lora_alpha={args.lora_rank}",
         "algorithm.prompts_per_step=1", "algorithm.group_size=2", "learner.micro_batch_size=2",
         "rollout.micro_batch_size=2", "sampling.num_steps=2", f"sync.bucket_mb={args.bucket_mb}", "trainer.output_dir=/tmp/rayflow-bench",
@@ -199,7 +212,7 @@ def bench_sync(args: argparse.Namespace) -> dict:
         "benchmark": "sync",
         "command": " ".join(["python", *sys.argv]),
         "setup": {
-            "model": f"tiny Qwen-Image '{args.size}'", "lora_rank": args.lora_rank, "bucket_mb": args.bucket_mb,
+            "model": "tiny Qwen-Image '" + (args.size or 'small') + "'", "lora_rank": args.lora_rank, "bucket_mb": args.bucket_mb,
             "receivers": "2 rollout ranks (two W = 1 replicas) + the sync actor, gloo on loopback",
             "repeats": args.repeats, "cpus": os.cpu_count(), "load_average_before": load_before,
             "torch": torch.__version__, "ray": ray.__version__,
@@ -282,7 +295,7 @@ def bench_pipeline(args: argparse.Namespace) -> dict:
     mode against the single-process reference trainer."""
     load_before = os.getloadavg()[0]
     from rayflow.config import load_config
-    from rayflow.driver.launch import required_cpus
+    from rayflow.distributed.resources import required_cpus
 
     overrides = [f"trainer.total_steps={args.steps}", "trainer.eval_every=0", "trainer.save_every=0",
                  "logging.progress_bar=false", "logging.tensorboard=false", *args.overrides]
@@ -340,7 +353,7 @@ def _subcommand(sub, name: str, help: str, model: bool) -> argparse.ArgumentPars
     parser.add_argument("--json", default=None, help="write the results here (also printed)")
     if model:
         parser.add_argument("--model", default=None, help="a pipeline directory; default: the tiny offline model of --size")
-        parser.add_argument("--size", default="small", help="tiny model size when --model is not given")
+        parser.add_argument("--size", default=None, help="tiny model size when --model is not given (default: small)")
         parser.add_argument("--cache-dir", default="~/.cache/rayflow")
     return parser
 
@@ -349,6 +362,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="benchmark", required=True)
     rollout = _subcommand(sub, "rollout", "CFG-parallel rollout: latency, throughput, all_gather share", model=True)
+    rollout.add_argument("--arch", default="qwen_image", choices=ARCHS,
+                         help="family of the tiny model when --model is not given (its own CFG policy is used)")
     rollout.add_argument("--height", type=int, default=192)
     rollout.add_argument("--width", type=int, default=192)
     rollout.add_argument("--steps", type=int, default=20)
@@ -360,14 +375,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     sync.add_argument("--bucket-mb", type=float, default=64.0)
     sync.add_argument("--repeats", type=int, default=5)
     pipeline = _subcommand(sub, "pipeline", "step time: max_staleness 0 vs 1, and against the reference trainer", model=False)
-    pipeline.add_argument("--recipe", default="recipes/flowgrpo_qwen_image.yaml")
+    pipeline.add_argument("--recipe", default=recipe("flowgrpo_qwen_image.yaml"), help="a recipe YAML (default: the repository's FlowGRPO recipe)")
     pipeline.add_argument("--steps", type=int, default=20)
     pipeline.add_argument("--warmup", type=int, default=4, help="first steps left out of the medians")
     pipeline.add_argument("overrides", nargs="*", help="extra dotlist overrides for the recipe")
+    gpu_bench.add_arguments(_subcommand(sub, "gpu", "one GPU: rollout vs diffusers, learner vs bare, bf16 log-prob drift, memory vs plan",
+                              model=False))
     return parser.parse_args(argv)
 
 
-BENCHMARKS = {"rollout": bench_rollout, "sync": bench_sync, "pipeline": bench_pipeline}
+BENCHMARKS = {"rollout": bench_rollout, "sync": bench_sync, "pipeline": bench_pipeline, "gpu": gpu_bench.run}
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -10,9 +10,11 @@ from __future__ import annotations
 import ast
 import dataclasses
 import inspect
+import os
 import typing
 
 from rayflow.config import RayflowConfig, _key
+from rayflow.paths import REPO_ROOT
 
 
 def field_docs(cls: type) -> dict[str, str]:
@@ -40,6 +42,8 @@ def _default(f: dataclasses.Field) -> str:
         return "required"
     if dataclasses.is_dataclass(value):
         value = {k: v for k, v in dataclasses.asdict(value).items()}
+    if isinstance(value, str) and value.startswith(REPO_ROOT + os.sep):
+        value = "<repo>/" + os.path.relpath(value, REPO_ROOT)  # the same on every machine
     return "`null`" if value is None else f"`{value!r}`".replace("|", "\\|")
 
 

@@ -3,8 +3,9 @@
     python tools/export_lora.py CKPT --out DIR [--adapter default|old]
 
 CKPT is a checkpoint directory (outputs/<run>/checkpoints/step_00000100) or a run's checkpoints
-directory (its newest is taken). DIR then loads with
-`QwenImagePipeline.from_pretrained(BASE).load_lora_weights(DIR)` and with `tools/generate.py --lora DIR`.
+directory (its newest is taken). DIR then loads with the model family's own pipeline,
+`<Pipeline>.from_pretrained(BASE).load_lora_weights(DIR)` (QwenImagePipeline, StableDiffusion3Pipeline,
+FluxPipeline), and with `tools/generate.py --lora DIR`.
 """
 
 from __future__ import annotations

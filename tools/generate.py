@@ -1,11 +1,13 @@
 """Generate one image with the deterministic (ODE) sampler and the model's CFG.
 
     python tools/generate.py --model DIR --prompt "a red apple" --seed 0 --steps 8 --guidance 4 \\
-        --height 64 --width 64 --out img.png [--negative-prompt " "] [--save-latents x.pt] [--lora DIR] \\
+        --height 64 --width 64 --out img.png [--negative-prompt " "] [--save-latents x.pt] [--lora DIR [--adapter NAME]] \\
         [--cfg-parallel-size W]
 
-With Qwen-Image's true CFG the latents equal what `QwenImagePipeline.from_pretrained(DIR)` returns
-for the same prompt, negative prompt, seed, steps, true_cfg_scale and size.
+The CFG policy defaults to the model family's own (Qwen-Image: true_cfg, SD3: standard, FLUX.1:
+embedded), and then the latents equal what the family's diffusers pipeline (`QwenImagePipeline`,
+`StableDiffusion3Pipeline`, `FluxPipeline`.from_pretrained(DIR)) returns for the same prompt, negative
+prompt, seed, steps, guidance (true_cfg_scale / guidance_scale) and size.
 
 With --cfg-parallel-size W > 1 the CFG branches run on the W ranks of a RolloutReplica on a local
 Ray (started here unless this process is already connected to one); image and latents are the
@@ -16,14 +18,20 @@ from __future__ import annotations
 
 import argparse
 import os
+import tempfile
 
 import torch
 from PIL import Image
 
 from rayflow.cfg.policy import POLICIES, CFGPolicy, make_policy
-from rayflow.models import load_model
+from rayflow.checkpoint import export_lora, find_checkpoint, latest_checkpoint
+from rayflow.models import load_model, model_class, pipeline_class_of
 from rayflow.sampling.denoise import generate
 from rayflow.types import RolloutRequest, SamplingParams
+
+
+LORA_WEIGHTS = "pytorch_lora_weights.safetensors"
+"""What diffusers' save_lora_weights writes."""
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -36,8 +44,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--guidance", type=float, default=4.0, help="CFG scale; 1 disables CFG")
     parser.add_argument("--height", type=int, default=64)
     parser.add_argument("--width", type=int, default=64)
-    parser.add_argument("--cfg-policy", default="true_cfg", choices=sorted(POLICIES))
-    parser.add_argument("--lora", default=None, help="a diffusers-format LoRA directory to load first")
+    parser.add_argument("--cfg-policy", default=None, choices=sorted(POLICIES), help="default: the model family's own")
+    parser.add_argument("--lora", default=None,
+                        help="a LoRA to load first: a diffusers-format LoRA directory, a rayflow checkpoint, or a run's checkpoints directory (its newest)")
+    parser.add_argument("--adapter", default="default", help="with a checkpoint as --lora: which adapter (default, or old for DiffusionNFT's EMA)")
     parser.add_argument("--out", required=True, help="output image (.png)")
     parser.add_argument("--save-latents", default=None, help="also save the final latents [1, N, C] (torch.save)")
     parser.add_argument("--cfg-parallel-size", type=int, default=1, help="W CFG-parallel ranks on a local Ray (1: in process)")
@@ -46,7 +56,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--cfg-parallel-size must be >= 1")
     if args.cfg_parallel_size > 1 and args.lora:
         parser.error("--lora is not supported with --cfg-parallel-size > 1 yet (the ranks sample under their own LoRA slot)")
+    if args.lora and not os.path.isdir(args.lora):
+        parser.error(f"--lora: {args.lora!r} is not a directory (a diffusers LoRA directory or a rayflow checkpoint)")
     return args
+
+
+def diffusers_lora_dir(path: str, adapter: str, scratch: str) -> str:
+    """`path` if it is a diffusers-format LoRA; a checkpoint (or a run's checkpoints directory) is exported
+    into `scratch` first. Anything else is refused, naming what was looked for."""
+    if os.path.isfile(os.path.join(path, LORA_WEIGHTS)):
+        return path
+    if os.path.isfile(os.path.join(path, "meta.json")) or latest_checkpoint(path) is not None:
+        return export_lora(find_checkpoint(path), scratch, adapter)
+    raise SystemExit(f"error: --lora: {path!r} holds neither a diffusers LoRA ({LORA_WEIGHTS}) nor a rayflow checkpoint (meta.json)")
 
 
 def generate_on_ray(model_path: str, request: RolloutRequest, policy: CFGPolicy, world_size: int):
@@ -82,13 +104,14 @@ def main(argv: list[str] | None = None) -> None:
     )
     params.validate()
     request = RolloutRequest("generate", [args.prompt], [0], [0], [args.seed], params)
-    policy = make_policy(args.cfg_policy)
+    policy = make_policy(args.cfg_policy or model_class(pipeline_class_of(args.model)).default_cfg_policy)
     if args.cfg_parallel_size > 1:
         (trajectory,) = generate_on_ray(args.model, request, policy, args.cfg_parallel_size)
     else:
         model = load_model(args.model)
-        if args.lora:
-            model.load_lora(args.lora)
+        with tempfile.TemporaryDirectory() as scratch:
+            if args.lora:
+                model.load_lora(diffusers_lora_dir(args.lora, args.adapter, scratch))
         (trajectory,) = generate(model, request, policy)
     Image.fromarray(trajectory.image.numpy()).save(args.out)
     if args.save_latents:

@@ -1,4 +1,5 @@
-"""GRPO advantages: rewards normalised within each prompt's group."""
+"""GRPO advantages: rewards normalised within each prompt's group (by prompt text across the batch,
+by rollout group, or over the whole batch)."""
 
 from __future__ import annotations
 
@@ -48,11 +49,32 @@ def grpo_advantages(
     return Advantages(values=advantages, num_groups=n, zero_signal_groups=int(flat.sum()))
 
 
-def assign_advantages(trajectories: list, *, global_std: bool, clip_max: float) -> Advantages:
-    """Compute GRPO advantages of scored trajectories (grouped by group_id) and store them on each."""
-    rewards = torch.tensor([t.reward for t in trajectories], dtype=torch.float32)
-    groups = torch.tensor([t.group_id for t in trajectories])
-    adv = grpo_advantages(rewards, groups, global_std=global_std, clip_max=clip_max)
+STAT_TRACKING = ("prompt", "group", "batch")
+
+
+def stat_groups(trajectories: list, stat_tracking: str) -> torch.Tensor:
+    """[B] integer group of each trajectory for the advantage statistics:
+    "prompt": by prompt text, so two groups of one prompt in a batch share a mean and std (flow_grpo's and
+    DiffusionNFT's PerPromptStatTracker, which groups the decoded prompts of the whole batch);
+    "group": by rollout group (G samples of one draw of a prompt); "batch": the whole batch as one group
+    (flow_grpo without per_prompt_stat_tracking)."""
+    if stat_tracking == "prompt":
+        index: dict[str, int] = {}
+        return torch.tensor([index.setdefault(t.prompt, len(index)) for t in trajectories])
+    if stat_tracking == "group":
+        return torch.tensor([t.group_id for t in trajectories])
+    if stat_tracking == "batch":
+        return torch.zeros(len(trajectories), dtype=torch.int64)
+    raise ValueError(f"stat_tracking: got {stat_tracking!r}; allowed: {list(STAT_TRACKING)}")
+
+
+def assign_advantages(trajectories: list, *, global_std: bool, clip_max: float, stat_tracking: str = "group",
+                      rewards: torch.Tensor | None = None) -> Advantages:
+    """Compute GRPO advantages of scored trajectories (grouped as `stat_tracking` says) and store them on each.
+    `rewards`: [B] the rewards to use (e.g. per-component normalised totals); default each t.reward."""
+    if rewards is None:
+        rewards = torch.tensor([t.reward for t in trajectories], dtype=torch.float32)
+    adv = grpo_advantages(rewards, stat_groups(trajectories, stat_tracking), global_std=global_std, clip_max=clip_max)
     for t, a in zip(trajectories, adv.values.tolist()):
         t.advantage = a
     return adv

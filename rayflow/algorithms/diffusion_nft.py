@@ -8,9 +8,26 @@ from dataclasses import dataclass
 import torch
 
 
-def optimality_probability(advantages: torch.Tensor, adv_clip_max: float) -> torch.Tensor:
-    """r in [0, 1] from advantages [B]: clip(A, ±m) / (2m) + ½."""
-    return advantages.clamp(-adv_clip_max, adv_clip_max) / (2 * adv_clip_max) + 0.5
+ADV_MODES = ("all", "positive_only", "negative_only", "one_only", "binary")
+
+
+def optimality_probability(advantages: torch.Tensor, adv_clip_max: float, adv_mode: str = "all") -> torch.Tensor:
+    """r in [0, 1] from advantages [B]: Â / (2m) + ½ with Â = clip(A, ±m) then, by DiffusionNFT's
+    train.adv_mode: "all" Â; "positive_only" max(Â, 0); "negative_only" min(Â, 0); "one_only"
+    1 where Â > 0 else 0; "binary" sign(Â)."""
+    m = adv_clip_max
+    a = advantages.clamp(-m, m)
+    if adv_mode == "positive_only":
+        a = a.clamp(0, m)
+    elif adv_mode == "negative_only":
+        a = a.clamp(-m, 0)
+    elif adv_mode == "one_only":
+        a = (a > 0).to(a.dtype)
+    elif adv_mode == "binary":
+        a = torch.sign(a)
+    elif adv_mode != "all":
+        raise ValueError(f"adv_mode: got {adv_mode!r}; allowed: {list(ADV_MODES)}")
+    return (a / (2 * m) + 0.5).clamp(0, 1)  # one_only/binary exceed 1 when m < 1; DiffusionNFT clamps too
 
 
 def noised(x0: torch.Tensor, noise: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
@@ -80,10 +97,18 @@ def diffusion_nft_loss(
 
 def ema_decay(step: int, flat: int, uprate: float, uphold: float) -> float:
     """η of the "old" adapter's EMA after `step` optimizer steps: 0 until `flat`, then growing by
-    `uprate` per step up to `uphold`. η = 0 makes old a copy of the current policy."""
+    `uprate` per step up to `uphold` (DiffusionNFT's return_decay; its decay_type 1 is (0, 0.001, 0.5),
+    2 is (75, 0.0075, 0.999)). η = 0 makes old a copy of the current policy."""
     if step < flat:
         return 0.0
     return min((step - flat) * uprate, uphold)
+
+
+def ema_step(version: int, steps_per_batch: int) -> int:
+    """The step η is evaluated at when batch `version` (0-based) has been trained: the optimizer steps
+    applied so far, this batch's included — DiffusionNFT's global_step at its once-per-epoch
+    return_decay call, which follows the epoch's `global_step += 1`s."""
+    return (version + 1) * steps_per_batch
 
 
 @torch.no_grad()

@@ -40,7 +40,8 @@ def flow_grpo_loss(
         advantages: [B].
         clip_range: ε of the ratio clip.
         mean, ref_mean: [B, ...] transition means under the current policy and the reference (base)
-            model, for the KL term; std: the transition std (broadcastable).
+            model, for the KL term; std: the std the KL divides by (broadcastable; the objective picks
+            flow_grpo's std_dev_t or the transition std, algorithm.kl_type).
         kl_beta: weight of KL = mean((μ_θ − μ_ref)²) / (2·std²), per sample then over the batch.
 
     Returns the mean over samples; average over trained steps outside.

@@ -52,6 +52,11 @@ class CFGPolicy:
             texts["negative"] = [negative_prompt] * len(prompts)
         return texts
 
+    def conditional_kwargs(self, scale: float) -> dict[str, Any]:
+        """predict_velocity arguments of the conditional branch besides its conditioning (none here);
+        DiffusionNFT, which trains the conditional velocity alone, passes them too."""
+        return {}
+
     def build(self, conds: dict[str, PromptEmbeds], scale: float) -> list[CFGBranch]:
         branches = [CFGBranch("conditional", True, {"cond": conds["positive"]})]
         if self.uses_guidance(scale):
@@ -76,6 +81,23 @@ class NoCFG(CFGPolicy):
 
     def uses_guidance(self, scale: float) -> bool:
         return False
+
+
+@dataclass(frozen=True)
+class EmbeddedGuidance(CFGPolicy):
+    """One branch that hands the scale to the transformer's guidance embedding (guidance-distilled
+    FLUX.1-dev: FluxPipeline's `guidance_scale`). One branch, so CFG parallelism has nothing to split."""
+
+    name: ClassVar[str] = "embedded"
+
+    def uses_guidance(self, scale: float) -> bool:
+        return False
+
+    def conditional_kwargs(self, scale: float) -> dict[str, Any]:
+        return {"guidance": scale}
+
+    def build(self, conds: dict[str, PromptEmbeds], scale: float) -> list[CFGBranch]:
+        return [CFGBranch("conditional", True, {"cond": conds["positive"], **self.conditional_kwargs(scale)})]
 
 
 @dataclass(frozen=True)
@@ -127,7 +149,7 @@ class DualNegativeCFG(CFGPolicy):
         return u + scale * (p - u) - self.avoid_scale * (q - u)
 
 
-POLICIES: dict[str, type[CFGPolicy]] = {cls.name: cls for cls in (CFGPolicy, NoCFG, TrueCFG, DualNegativeCFG)}
+POLICIES: dict[str, type[CFGPolicy]] = {cls.name: cls for cls in (CFGPolicy, NoCFG, EmbeddedGuidance, TrueCFG, DualNegativeCFG)}
 
 
 def make_policy(name: str, parallel_arithmetic: bool = False, **kwargs: Any) -> CFGPolicy:

@@ -11,18 +11,24 @@ from rayflow.errors import ConfigError
 from rayflow.types import RolloutRequest, SamplingParams
 
 
-def load_prompts(path: str) -> list[str]:
+def load_prompts(path: str, max_chars: int = 4096) -> list[str]:
     """Prompts from a .txt (one per line; blank lines and # comments skipped) or a .jsonl file
-    ({"prompt": "..."} per line). Errors name the file and line."""
+    ({"prompt": "..."} per line), each at most `max_chars` characters (data.max_prompt_chars).
+    Errors name the file and line."""
+    return [text for _, text in prompt_lines(path, max_chars)]
+
+
+def prompt_lines(path: str, max_chars: int = 4096) -> list[tuple[int, str]]:
+    """(line number, prompt) of each prompt in the file, as load_prompts reads them."""
     if not os.path.isfile(path):
         raise ConfigError("data.prompts", path, "an existing .txt or .jsonl file")
     ext = os.path.splitext(path)[1]
     if ext not in (".txt", ".jsonl"):
         raise ConfigError("data.prompts", path, "a .txt (one prompt per line) or .jsonl ({\"prompt\": ...} per line) file")
     prompts = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            text = line.strip()
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            text = _decode_line(raw, path, lineno).strip()
             if not text or (ext == ".txt" and text.startswith("#")):
                 continue
             if ext == ".jsonl":
@@ -33,10 +39,26 @@ def load_prompts(path: str) -> list[str]:
                 if not isinstance(record, dict) or not isinstance(record.get("prompt"), str) or not record["prompt"].strip():
                     raise ValueError(f'{path}:{lineno}: expected {{"prompt": "<non-empty text>"}}, got {text[:80]!r}')
                 text = record["prompt"].strip()
-            prompts.append(text)
+            if len(text) > max_chars:
+                # A prompt far beyond the text encoder's context only slows every step that draws it.
+                raise ValueError(f"{path}:{lineno}: a prompt of {len(text)} characters; allowed: at most "
+                                 f"data.max_prompt_chars={max_chars} (starts {text[:60]!r})")
+            prompts.append((lineno, text))
     if not prompts:
         raise ValueError(f"{path}: no prompts (the file is empty or only blank lines / comments)")
     return prompts
+
+
+def _decode_line(raw: bytes, path: str, lineno: int) -> str:
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}:{lineno}: not UTF-8 text (byte 0x{raw[e.start]:02x} at column {e.start + 1}); "
+                         f"a prompt file is text, one prompt per line") from None
+    if "\x00" in text:
+        raise ValueError(f"{path}:{lineno}: a NUL byte at column {text.index(chr(0)) + 1} (a binary file?); "
+                         f"a prompt file is text, one prompt per line")
+    return text
 
 
 @dataclass(frozen=True)

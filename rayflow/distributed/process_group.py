@@ -8,8 +8,9 @@
   carved out of a global default group, so groups of different membership coexist.
 - Every collective has a timeout; a timed-out or broken collective raises CollectiveError naming
   the group, this rank and the node, instead of hanging.
-- Collective traffic binds to the network interface that holds the node's Ray address (loopback
-  on a laptop run), never to whatever the hostname resolves to.
+- Collective traffic and the rank-0 store bind to the network interface that holds the node's Ray
+  address (loopback on a laptop run), never to every interface or to whatever the hostname resolves
+  to: torch's TCPStore listens on all interfaces unless handed a socket bound by us.
 """
 
 from __future__ import annotations
@@ -71,9 +72,21 @@ class Rendezvous:
         address = node_ip()
         return Rendezvous(address, free_port(address))
 
-    @property
-    def init_method(self) -> str:
-        return f"tcp://{self.address}:{self.port}"
+
+def open_store(rendezvous: Rendezvous, rank: int, size: int, timeout: datetime.timedelta) -> tuple[dist.TCPStore, socket.socket | None]:
+    """The group's TCP store: rank 0 hosts it on a socket bound to the rendezvous address only (keep the
+    returned socket alive as long as the store); the other ranks connect to it."""
+    listener = None
+    if rank == 0:
+        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind((rendezvous.address, rendezvous.port))
+        listener.listen()
+    store = dist.TCPStore(
+        rendezvous.address, rendezvous.port, size, is_master=(rank == 0), timeout=timeout, wait_for_workers=False,
+        **({"master_listen_fd": listener.fileno()} if listener is not None else {}),
+    )
+    return store, listener
 
 
 class CollectiveError(RuntimeError):
@@ -92,10 +105,7 @@ class CollectiveGroup:
         self.address = node_ip()
         bind_collectives_to(self.address)
         timeout = datetime.timedelta(seconds=timeout_s)
-        self._store = dist.TCPStore(
-            rendezvous.address, rendezvous.port, size, is_master=(rank == 0), timeout=timeout,
-            wait_for_workers=False,
-        )
+        self._store, self._listener = open_store(rendezvous, rank, size, timeout)
         store = dist.PrefixStore(f"rayflow/{name}", self._store)
         if self.backend == "gloo":
             options = dist.ProcessGroupGloo._Options()
@@ -142,13 +152,20 @@ class CollectiveGroup:
             except RuntimeError:
                 pass
         self._store = None
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
 
 
 def init_default_group(rendezvous: Rendezvous, rank: int, size: int, device: torch.device | str,
                        timeout_s: float = 300.0) -> None:
     """The process's default group (what FSDP2's device mesh uses), on the node's interface."""
+    global _default_store
     bind_collectives_to(node_ip())
-    dist.init_process_group(
-        device_backend(device), init_method=rendezvous.init_method, rank=rank, world_size=size,
-        timeout=datetime.timedelta(seconds=timeout_s),
-    )
+    timeout = datetime.timedelta(seconds=timeout_s)
+    _default_store = open_store(rendezvous, rank, size, timeout)
+    dist.init_process_group(device_backend(device), store=_default_store[0], rank=rank, world_size=size, timeout=timeout)
+
+
+_default_store: tuple[dist.TCPStore, socket.socket | None] | None = None
+"""The default group's store and listening socket, alive as long as the process."""

@@ -21,7 +21,7 @@ EVAL_GROUP_ID = -1
 class Evaluator:
     def __init__(self, cfg: RayflowConfig, train_prompts: list[str], rollout: RolloutPool, rewards: RewardPool,
                  num_prompts: int = 4):
-        prompts = load_prompts(cfg.data.eval_prompts) if cfg.data.eval_prompts else train_prompts[:num_prompts]
+        prompts = load_prompts(cfg.data.eval_prompts, cfg.data.max_prompt_chars) if cfg.data.eval_prompts else train_prompts[:num_prompts]
         T = cfg.sampling.num_steps
         params = dataclasses.replace(cfg.sampling, sde_type="ode", sde_step_indices=None, return_step_indices=[T])
         # One request per prompt, seed = its index: the same images every evaluation but for the weights.

@@ -1,5 +1,7 @@
-"""Starting a run: config first, then Ray (joining RAY_ADDRESS, or a local loopback instance), then the
-Trainer; every actor is shut down however the run ends (Ctrl-C and `ray job stop` included).
+"""Starting a run: everything that can be checked without Ray first (config, prompts, model directory,
+resume target), then Ray (joining RAY_ADDRESS, or a local loopback instance) and a check that the
+cluster can hold the run, then the Trainer; every actor is shut down however the run ends (Ctrl-C and
+`ray job stop` included), and the run ends with a summary of where its outputs are.
 
 Nothing here imports Ray at module level: on a local run the loopback setting must be in the
 environment before Ray is imported.
@@ -11,18 +13,17 @@ import argparse
 import logging
 import os
 import signal
+import socket
 import sys
+import time
 
+from rayflow.checkpoint import checkpoint_root, latest_checkpoint
 from rayflow.config import RayflowConfig, load_config
-from rayflow.data.prompts import load_prompts
+from rayflow.distributed.resources import check_cluster_fits, required_cpus
 from rayflow.errors import ConfigError
+from rayflow.runs import USER_ERRORS, RunComplete, preflight, write_run_config
 
-
-def required_cpus(cfg: RayflowConfig) -> float:
-    """Logical CPUs the run's placement groups reserve."""
-    r, lr, rw, s = cfg.rollout, cfg.learner, cfg.reward, cfg.sync
-    return (r.num_replicas * r.cfg_parallel_size * r.cpus_per_rank + lr.world_size * lr.cpus_per_rank
-            + rw.num_workers * rw.cpus_per_worker + s.cpus)
+log = logging.getLogger("rayflow")
 
 
 def start_ray(cfg: RayflowConfig) -> bool:
@@ -32,7 +33,7 @@ def start_ray(cfg: RayflowConfig) -> bool:
         import ray
 
         if not os.path.isabs(cfg.trainer.output_dir):
-            logging.getLogger("rayflow").warning(
+            log.warning(
                 "trainer.output_dir=%r is relative: under `ray job submit` it lands in the job's temporary copy of "
                 "the working dir, which Ray deletes (and resume=auto then finds nothing); give an absolute path",
                 cfg.trainer.output_dir)
@@ -44,9 +45,23 @@ def start_ray(cfg: RayflowConfig) -> bool:
 
     # Logical CPUs: enough for every bundle even on a 2-core machine (each rank runs one torch thread).
     cpus = max(os.cpu_count() or 1, int(required_cpus(cfg) + 0.999))
-    context = ray.init(address="local", num_cpus=cpus, include_dashboard=True, dashboard_host="127.0.0.1")
-    logging.getLogger("rayflow").info("local Ray with %d logical CPUs; dashboard at http://%s", cpus, context.dashboard_url)
+    context = ray.init(address="local", num_cpus=cpus, include_dashboard=True, dashboard_host="127.0.0.1",
+                       dashboard_port=dashboard_port())
+    log.info("local Ray with %d logical CPUs; dashboard at http://%s (its API wants the token in ~/.ray/auth_token)",
+             cpus, context.dashboard_url)
     return True
+
+
+def dashboard_port(preferred: int = 8265) -> int:
+    """Ray's usual dashboard port, or a free one when another run on this machine holds it (Ray would
+    otherwise fail to start)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind(("127.0.0.1", preferred))
+            return preferred
+        except OSError:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
 
 
 def _stop_on_sigterm() -> None:
@@ -59,6 +74,33 @@ def _stop_on_sigterm() -> None:
     signal.signal(signal.SIGTERM, handler)
 
 
+def root_cause(error: BaseException) -> BaseException:
+    """The exception at the bottom of a chain of RayTaskErrors and `raise ... from` wrappers."""
+    from ray.exceptions import RayTaskError
+
+    seen = set()
+    while id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, RayTaskError) and getattr(error, "cause", None) is not None:
+            error = error.cause
+        elif error.__cause__ is not None:
+            error = error.__cause__
+        else:
+            break
+    return error
+
+
+def describe_failure(error: BaseException) -> str:
+    """One line: the root cause first, then the wrapper that reported it when that says something more."""
+    cause = root_cause(error)
+    first = (str(cause).strip().splitlines() or [""])[0]
+    line = first if isinstance(cause, ConfigError) else f"{type(cause).__name__}: {first}"
+    if cause is not error:
+        outer = (str(error).strip().splitlines() or [""])[0]
+        line += f" (reported as {type(error).__name__}: {outer[:200]})"
+    return line
+
+
 def run_recipe(default_config: str, argv: list[str] | None = None) -> list[dict[str, float]]:
     parser = argparse.ArgumentParser(description=f"Train with {os.path.basename(default_config)} (dotlist overrides after it).")
     parser.add_argument("--config", default=default_config, help=f"a recipe YAML (default {default_config})")
@@ -66,21 +108,38 @@ def run_recipe(default_config: str, argv: list[str] | None = None) -> list[dict[
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
-        # Bad input fails here, before anything starts, with one message naming the key or file and line.
+        # Bad input fails here, before Ray starts, with one message naming the key or file and line.
         cfg = load_config(args.config, args.overrides)
-        prompts = load_prompts(cfg.data.prompts)
-        if cfg.data.eval_prompts:
-            load_prompts(cfg.data.eval_prompts)
-    except (ConfigError, ValueError) as e:
+        prompts = preflight(cfg)
+    except RunComplete as e:
+        log.info("%s", e)
+        return []
+    except USER_ERRORS as e:
         sys.exit(f"error: {e}")
+    write_run_config(cfg)
     started = start_ray(cfg)
     _stop_on_sigterm()
     from rayflow.driver.trainer import Trainer  # imports Ray
+    from rayflow.planning.device_check import check_before_start
 
     trainer = None
+    start = time.perf_counter()
     try:
+        check_cluster_fits(cfg)
+        # The devices' features and, on GPU clusters, the memory plan: before any actor starts.
+        check_before_start(cfg)
         trainer = Trainer(cfg, prompts)
-        return trainer.run()
+        history = trainer.run()
+        log.info("%s", summary(cfg, history, time.perf_counter() - start))
+        return history
+    except KeyboardInterrupt:
+        step = trainer.version if trainer is not None else 0
+        sys.exit(f"interrupted at step {step}; {_where(cfg)}")
+    except Exception as e:
+        if isinstance(root_cause(e), USER_ERRORS):
+            sys.exit(f"error: {describe_failure(e)}")
+        log.exception("the run failed")
+        sys.exit(f"error: {describe_failure(e)}; {_where(cfg)}")
     finally:
         if trainer is not None:
             trainer.shutdown()
@@ -88,3 +147,24 @@ def run_recipe(default_config: str, argv: list[str] | None = None) -> list[dict[
             import ray
 
             ray.shutdown()
+
+
+def _where(cfg: RayflowConfig) -> str:
+    """The newest checkpoint and how to continue from it."""
+    newest = latest_checkpoint(checkpoint_root(cfg.trainer.run_dir))
+    if newest is None:
+        return f"no checkpoint was written (run dir {cfg.trainer.run_dir})"
+    return f"last checkpoint {newest}; continue with the same command and trainer.run_name={cfg.trainer.run_name}"
+
+
+def summary(cfg: RayflowConfig, history: list[dict[str, float]], seconds: float) -> str:
+    """Where the run's outputs are and how it ended."""
+    tail = history[-10:]
+    reward = sum(h["reward/mean"] for h in tail) / len(tail) if tail else float("nan")
+    return (
+        f"done: {len(history)} steps in {seconds:.0f}s; reward {reward:.4f} (mean of the last {len(tail)} steps)\n"
+        f"  run dir     {os.path.abspath(cfg.trainer.run_dir)}\n"
+        f"  checkpoint  {latest_checkpoint(checkpoint_root(cfg.trainer.run_dir))}\n"
+        f"  tensorboard tensorboard --logdir {cfg.trainer.logdir}\n"
+        f"  continue    the same command with trainer.run_name={cfg.trainer.run_name} trainer.total_steps=<more>"
+    )

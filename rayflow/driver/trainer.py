@@ -5,7 +5,7 @@ One pass of the loop (every call returns futures; the loop only waits for "somet
     admit     new prompt groups while the StalenessQueue allows (max_staleness bounds it)
     rollout   finished requests → rewards (by reference: trajectories never pass through the driver)
     reward    scored trajectories → the queue; complete, fresh groups form a batch
-    train     batch → advantages → learners (one optimizer step, version + 1)
+    train     batch → advantages → learners (algorithm.num_inner_epochs x num_minibatches optimizer steps, version + 1)
     sync      learner rank 0 pushes the rollout adapter; the WeightSyncActor broadcasts it
     log       TensorBoard / Ray metrics / progress bar; eval and checkpoint on their schedule
 
@@ -24,17 +24,22 @@ import ray
 import torch
 
 from rayflow.algorithms.advantages import assign_advantages
-from rayflow.checkpoint import checkpoint_root, is_save_step, load_checkpoint, resolve_resume, save_checkpoint
-from rayflow.config import RayflowConfig
+from rayflow.checkpoint import base_model_record, checkpoint_root, is_save_step, load_checkpoint, resolve_resume, save_checkpoint
+from rayflow.config import RayflowConfig, to_dict
 from rayflow.data.prompts import GroupSampler, PromptGroup, load_prompts
 from rayflow.driver.evaluation import Evaluator
 from rayflow.driver.queue import StalenessQueue
-from rayflow.learner.worker import LearnerGroup
+from rayflow.driver.watchdog import Watchdog
+from rayflow.learner.minibatches import learner_batch
+from rayflow.learner.optim import SkippedSteps
+from rayflow.learner.worker import LearnerGroup, LearnerStalled
 from rayflow.logging.monitor import Monitor
+from rayflow.rewards.normalize import training_rewards
 from rayflow.rewards.worker import RewardPool
 from rayflow.rollout.pool import RolloutPool
 from rayflow.rollout.rank import RolloutWorkerSpec
 from rayflow.rollout.replica import ReplicaError, RolloutFuture, RolloutReplica
+from rayflow.sampling.window import window_params
 from rayflow.sync.actor import ReceiversLost
 from rayflow.sync.weight_sync import WeightSync
 from rayflow.types import RolloutRequest, TrajectoryRef
@@ -46,7 +51,7 @@ class Trainer:
     def __init__(self, cfg: RayflowConfig, prompts: list[str] | None = None):
         """`prompts`: the training prompts if already loaded (else read from data.prompts, before any actor starts)."""
         self.cfg = cfg
-        prompts = prompts if prompts is not None else load_prompts(cfg.data.prompts)
+        prompts = prompts if prompts is not None else load_prompts(cfg.data.prompts, cfg.data.max_prompt_chars)
         self.sampler = GroupSampler(prompts, cfg.algorithm.group_size, cfg.trainer.seed, cfg.data.shuffle)
         self.queue = StalenessQueue(
             cfg.algorithm.batch_size, cfg.algorithm.group_size, cfg.async_.max_staleness, cfg.async_.over_stale
@@ -55,11 +60,20 @@ class Trainer:
         self.synced = 0
         """The newest version staged on every rollout rank (waited for in synchronous mode)."""
         self.zero_signal_groups = 0
+        self.skips = SkippedSteps(cfg.trainer.max_skipped_steps)
+        self.filtered_samples = 0
+        """Zero-advantage samples of the last batch left out of training (FlowGRPO)."""
+        self.normalized_means: dict[str, float] = {}
+        """Batch mean of each reward component after its normalisation (logged as reward/<name>/normalized)."""
         self.history: list[dict[str, float]] = []
         self.rollouts: list[RolloutFuture] = []
         self.waiting: list[RolloutRequest] = []
         """Requests with no live replica to serve them while replacements start."""
         self.dead_replicas: list[RolloutReplica] = []
+        self.watchdog = Watchdog(cfg.rollout.stall_timeout_s, cfg.rollout.stall_factor)
+        """Deadlines for the rollout replicas' requests (a stopped rank neither answers nor dies)."""
+        self.learner_watchdog = Watchdog(cfg.learner.stall_timeout_s, cfg.rollout.stall_factor)
+        """The deadline of a train step."""
         self.components: list = []  # shut down in reverse order
         try:
             spec = RolloutWorkerSpec.from_config(cfg)
@@ -69,7 +83,9 @@ class Trainer:
             self.sync = self._own(WeightSync(cfg.sync, spec, self.rollout.replicas, cfg.rollout.collective_timeout_s))
             self.evaluator = Evaluator(cfg, prompts, self.rollout, self.rewards)
             self._resume()
-            self.monitor = self._own(Monitor(cfg.trainer.logdir, cfg.logging, cfg.trainer.total_steps, self.version))
+            wandb_run = {"name": cfg.trainer.run_name, "dir": cfg.trainer.run_dir, "config": to_dict(cfg)}
+            self.monitor = self._own(Monitor(cfg.trainer.logdir, cfg.logging, cfg.trainer.total_steps, self.version,
+                                             wandb_run=wandb_run))
         except BaseException:
             self.shutdown()
             raise
@@ -92,9 +108,13 @@ class Trainer:
                 batch, resubmit = self.queue.take_batch(self.version)
                 self._submit(resubmit)
                 if batch is not None:
-                    adv = assign_advantages(batch, global_std=cfg.algorithm.global_std, clip_max=cfg.algorithm.adv_clip_max)
+                    totals, self.normalized_means = training_rewards(batch, cfg.reward.functions)
+                    adv = assign_advantages(batch, global_std=cfg.algorithm.global_std, clip_max=cfg.algorithm.adv_clip_max,
+                                            stat_tracking=cfg.algorithm.stat_tracking, rewards=totals)
                     self.zero_signal_groups = adv.zero_signal_groups
-                    training = self.learners.train_step(batch)
+                    trained, self.filtered_samples = learner_batch(batch, cfg, self.version)
+                    training = self.learners.train_step(trained)
+                    self.learner_watchdog.busy("learners")
             clock.tick(rollout_busy=bool(self.rollouts), learner_busy=training is not None)
             ray.wait(self._pending_refs(training), num_returns=1, timeout=1.0)
             self._collect_rollouts()
@@ -103,8 +123,21 @@ class Trainer:
             if training is not None and _ready(training):
                 metrics = self.learners.get(training)[0]
                 training = None
+                self.learner_watchdog.progressed("learners", still_busy=False)
                 self._step_done(metrics, batch, clock)
+            elif training is not None and self.learner_watchdog.overdue():
+                self._learner_stalled(training)
         return self.history
+
+    def _learner_stalled(self, training: list[ray.ObjectRef]) -> None:
+        """A stalled learner rank holds the whole optimizer state: the run stops loudly (the last checkpoint is
+        intact; the same command continues from it) rather than waiting on it."""
+        (_, silent_s), = self.learner_watchdog.overdue()
+        raise LearnerStalled(
+            f"train step {self.version} not done after {silent_s:.0f}s (deadline {self.learner_watchdog.deadline_s():.0f}s, "
+            f"learner.stall_timeout_s={self.cfg.learner.stall_timeout_s}): {', '.join(self.learners.late_ranks(training))} "
+            f"neither finished nor died; stopping. Continue from the last checkpoint with trainer.resume=auto"
+        )
 
     def _admit(self) -> None:
         if self.cfg.async_.max_staleness == 0 and self.synced < self.version:
@@ -116,13 +149,15 @@ class Trainer:
         for group in groups:
             if new:
                 self.queue.submitted(group)
-            for request in group.requests(self.cfg.sampling, self.cfg.rollout.micro_batch_size):
+            sampling = window_params(self.cfg.sampling, self.cfg.trainer.seed, self.version)
+            for request in group.requests(sampling, self.cfg.rollout.micro_batch_size):
                 self._send(request)
 
     def _send(self, request: RolloutRequest) -> None:
         """To the least-loaded live replica; held back while every replica is dead and replacements start."""
         try:
             self.rollouts.append(self.rollout.submit(request))
+            self.watchdog.busy(self.rollouts[-1].replica)
         except ReplicaError:
             if not self.rollout.starting:
                 raise
@@ -133,6 +168,7 @@ class Trainer:
         if replica in self.dead_replicas:
             return
         self.dead_replicas.append(replica)
+        self.watchdog.forget(replica)
         if self.rollout.replace(replica):
             log.warning("rollout replica %r died; starting its replacement", replica.name)
         else:
@@ -159,7 +195,7 @@ class Trainer:
             self._replica_died(replica)
 
     def _collect_rollouts(self) -> None:
-        still, pending = [], self.rollouts
+        still, pending, finished_on = [], self.rollouts, []
         self.rollouts = []  # _send adds resubmitted requests here
         for future in pending:
             if not future.done():
@@ -173,7 +209,27 @@ class Trainer:
                 self._send(future.request)
                 continue
             self.rewards.submit_rollout(future.ref, future.request)
+            finished_on.append(future.replica)
         self.rollouts = still + self.rollouts
+        for replica in set(finished_on):
+            self.watchdog.progressed(replica, still_busy=any(f.replica is replica for f in self.rollouts))
+        self._replace_stalled()
+
+    def _replace_stalled(self) -> None:
+        """A replica past the watchdog's deadline is reported (ranks, nodes, requests) and replaced like a dead
+        one; its requests fail when its ranks are killed and are re-issued by _collect_rollouts."""
+        for replica, silent_s in self.watchdog.overdue():
+            futures = [f for f in self.rollouts if f.replica is replica]
+            late = replica.late_ranks(futures[0]) if futures else []
+            message = (
+                f"rollout replica {replica.name!r} stalled: {', '.join(late) or 'its ranks'} finished nothing for "
+                f"{silent_s:.0f}s (deadline {self.watchdog.deadline_s():.0f}s, rollout.stall_timeout_s="
+                f"{self.cfg.rollout.stall_timeout_s}) while sampling requests {[f.request.request_id for f in futures]}; "
+                f"replacing it and re-issuing them"
+            )
+            log.error("%s", message)
+            replica.mark_stalled(message)
+            self._replica_died(replica)
 
     def _pending_refs(self, training: list[ray.ObjectRef] | None) -> list[ray.ObjectRef]:
         return [f.refs[0] for f in self.rollouts] + self.rewards.refs + (training or [])
@@ -195,12 +251,15 @@ class Trainer:
             "reward/mean": float(rewards.mean()),
             "reward/std": float(rewards.std(unbiased=False)),
             **{f"reward/{name}": float(torch.tensor([t.rewards[name] for t in batch]).mean()) for name in batch[0].rewards},
+            **self.normalized_means,
             "loss/policy": metrics["loss/policy"],
             "loss/kl": metrics["loss/kl"],
             "train/clip_frac": metrics.get("train/clip_frac", 0.0),
+            "train/approx_kl": metrics.get("train/approx_kl", 0.0),
             "train/grad_norm": metrics["train/grad_norm"],
             "train/skipped_steps": metrics["train/skipped_steps"],
             "train/zero_signal_groups": self.zero_signal_groups,
+            "train/filtered_samples": self.filtered_samples,
             "staleness/mean": q.staleness_mean,
             "staleness/max": q.staleness_max,
             "rollout/partial_ratio": q.partial_ratio,
@@ -214,6 +273,7 @@ class Trainer:
         }
         self.history.append(scalars)
         self.monitor.log(self.version, scalars)
+        self.skips.observe(int(metrics["train/skipped_steps"]) - self.skips.total, self.version - 1, cfg.algorithm.steps_per_batch)
         if not cfg.logging.progress_bar:
             log.info("step %d  reward %.4f  loss %+.5f  staleness %.2f  %.2fs", self.version, scalars["reward/mean"],
                      scalars["loss/policy"], scalars["staleness/mean"], scalars["perf/step_s"])
@@ -236,15 +296,18 @@ class Trainer:
         pending = sorted(self.queue.groups)
         data = {**self.sampler.state_dict(), "pending_groups": pending}
         ckpt = self.learners.checkpoint(self.version, data)
-        path = save_checkpoint(checkpoint_root(self.cfg.trainer.output_dir), ckpt, self.cfg.trainer.keep_checkpoints)
+        ckpt.base_model = base_model_record(self.cfg.model)
+        ckpt.counters["consecutive_skipped"] = self.skips.in_a_row
+        path = save_checkpoint(checkpoint_root(self.cfg.trainer.run_dir), ckpt, self.cfg.trainer.keep_checkpoints)
         log.info("saved %s", path)
 
     def _resume(self) -> None:
-        path = resolve_resume(self.cfg.trainer.resume, checkpoint_root(self.cfg.trainer.output_dir))
+        path = resolve_resume(self.cfg.trainer.resume, checkpoint_root(self.cfg.trainer.run_dir))
         if path is None:
             return
         ckpt = load_checkpoint(path, self.learners.identity)
         self.learners.restore(ckpt)
+        self.skips.load(ckpt.counters)
         self.sampler.load_state_dict(ckpt.data)
         self.version = ckpt.version
         # Admission counts every sample trained on so far (accepted + running <= (max_staleness + v + 1)·B).

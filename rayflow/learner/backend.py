@@ -2,8 +2,7 @@
 AdamW optimizer, the policy version — and the operations on it.
 
 A plain class: the LearnerWorker actor holds one and forwards calls; tests drive it in-process.
-It runs the same code as the reference trainer (`load_policy_model`, `objective.backward`,
-`optim.optimizer_step`), so with the same trajectories any world size reaches the reference's LoRA.
+It runs the same code as the reference trainer (`load_policy_model`, `minibatches.train_batch`), so with the same trajectories any world size reaches the reference's LoRA.
 
 Collectives: `train_step`, `rollout_weights`, `state_dict` and the constructor communicate over
 the mesh; every rank calls them in the same order with shards of the same size.
@@ -16,17 +15,19 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from rayflow.config import RayflowConfig
-from rayflow.learner.lora import adapter_parameters, rollout_adapter_name
+from rayflow.learner.lora import adapter_parameters, adapters_to_fp32, rollout_adapter_name
 from rayflow.learner.model import load_policy_model, policy_identity
-from rayflow.learner.objective import backward
-from rayflow.learner.optim import build_optimizer, optimizer_step
+from rayflow.learner.minibatches import minibatch_plan, train_batch
+from rayflow.learner.optim import build_optimizer
 from rayflow.learner.parallelize import (
     apply_activation_checkpointing,
+    autocast,
     apply_fsdp,
     mixed_precision_policy,
     reshard,
 )
 from rayflow.learner.state import adapter_state, capture, gathered, restore
+from rayflow.models.speed import apply_speed_options
 from rayflow.rng import get_rng_state, set_rng_state
 from rayflow.sync.buckets import WirePush, to_wire
 from rayflow.types import Trajectory
@@ -48,13 +49,17 @@ class LearnerBackend:
         transformer = self.model.transformer
         if cfg.learner.activation_checkpointing:
             apply_activation_checkpointing(transformer)
+        if cfg.learner.mixed_precision == "autocast":
+            adapters_to_fp32(transformer)
+        apply_speed_options(transformer, cfg.model.attention_backend, cfg.model.compile)
         if cfg.learner.sharded:
             apply_fsdp(transformer, mesh, mixed_precision_policy(cfg.learner.mixed_precision), cfg.learner.reshard_after_forward)
         # After sharding, so the optimizer owns the DTensor shards.
         self.optimizer = build_optimizer(transformer, cfg.learner)
         self.policy = cfg.cfg.make_policy()
         self.version = 0
-        """Optimizer steps applied (skipped ones included: they still advance the EMA schedule)."""
+        """Batches trained (algorithm.steps_per_batch optimizer steps each; skipped ones included: they
+        still advance the EMA schedule)."""
         self.skipped_steps = 0
 
     @property
@@ -67,19 +72,30 @@ class LearnerBackend:
         evaluation swaps and weight sync ask."""
         return rollout_adapter_name(self.cfg.algorithm.needs_ema_rollout)
 
-    def train_step(self, shard: list[Trajectory]) -> dict[str, float]:
-        """Forward/backward over this rank's shard, then one optimizer step; version += 1.
+    def rank_steps(self, batch_size: int) -> list[list[int]]:
+        """Indices into the batch this rank trains on at each optimizer step of the current version:
+        its contiguous slice of every planned mini-batch (rayflow.learner.minibatches.minibatch_plan)."""
+        algo, ranks = self.cfg.algorithm, self.mesh.size()
+        plan = minibatch_plan(batch_size, self.cfg.trainer.seed, self.version, algo.num_inner_epochs, algo.num_minibatches)
+        n = batch_size // algo.num_minibatches // ranks
+        rank = self.mesh.get_rank()
+        return [indices[rank * n : (rank + 1) * n] for indices in plan]
 
-        Returns the step's metrics, equal on every rank: losses are means over all ranks' samples."""
-        metrics = backward(self.cfg, self.model, self.policy, shard, self.version)
-        reshard(self.transformer)
-        result = optimizer_step(self.transformer, self.optimizer, self.cfg.learner, self.cfg.algorithm, self.version)
+    def train_step(self, batch: list[Trajectory | None]) -> dict[str, float]:
+        """One trained batch (the whole batch, in order; entries this rank does not train on, see
+        `rank_steps`, may be None): per planned mini-batch forward/backward over this rank's slice, then
+        an optimizer step; version += 1.
+
+        Returns the batch's metrics, equal on every rank: losses are means over all ranks' samples."""
+        steps = [[batch[i] for i in indices] for indices in self.rank_steps(len(batch))]
+        with autocast(self.cfg.learner.mixed_precision, self.model.device):
+            metrics, result = train_batch(self.cfg, self.model, self.optimizer, self.policy, steps, self.version)
         self.version += 1
-        self.skipped_steps += int(result.skipped)
+        self.skipped_steps += result.skipped_steps
         return {
             **self._mean_over_ranks(metrics),
             "train/grad_norm": result.grad_norm,
-            "train/skipped": float(result.skipped),
+            "train/skipped": float(result.skipped_steps),
             "train/skipped_steps": float(self.skipped_steps),
             "train/ema_decay": result.ema_decay,
             "train/version": float(self.version),

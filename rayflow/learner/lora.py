@@ -157,3 +157,11 @@ def target_weight_names(transformer: nn.Module, targets: list[str] | tuple[str, 
         for name, module in transformer.named_modules()
         if isinstance(module, nn.Linear) and any(name == t or name.endswith("." + t) for t in targets)
     }
+
+
+def adapters_to_fp32(transformer: nn.Module) -> None:
+    """Every LoRA parameter in fp32 (the master weights) over lower-precision base weights: bf16 adapters
+    lose updates smaller than 2^-8 of their value, which is most of them at RL learning rates."""
+    for name, p in transformer.named_parameters():
+        if ".lora_A." in name or ".lora_B." in name:
+            p.data = p.data.float()

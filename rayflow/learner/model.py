@@ -28,7 +28,8 @@ def load_policy_model(cfg: RayflowConfig, device: str | torch.device | None = No
 
     Reads cfg.model, cfg.learner (LoRA), cfg.algorithm (EMA or not) and cfg.trainer.seed."""
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    path = resolve_model_path(cfg.model.path, cfg.model.cache_dir, cfg.model.tiny_size, cfg.model.tiny_seed)
+    path = resolve_model_path(cfg.model.path, cfg.model.cache_dir, cfg.model.tiny_size, cfg.model.tiny_seed,
+                              cfg.model.tiny_arch)
     model = load_model(path, device=device, dtype=getattr(torch, cfg.model.dtype), transformer_only=transformer_only)
     # Same weights on every process for the same seed (the LoRA A matrices are random).
     torch.manual_seed(cfg.trainer.seed)

@@ -18,12 +18,20 @@ from rayflow.cfg.policy import CFGPolicy
 from rayflow.config import AlgorithmConfig, RayflowConfig
 from rayflow.learner.lora import EMA_ADAPTER, base_model, using_adapter
 from rayflow.models.base import DiffusionModel, PromptEmbeds
-from rayflow.sampling.flow_sde import flow_step
+from rayflow.sampling.flow_sde import flow_step, sde_std_dev
 from rayflow.types import Trajectory
 
 
 def micro_batches(trajectories: list[Trajectory], size: int) -> list[list[Trajectory]]:
-    return [trajectories[i : i + size] for i in range(0, len(trajectories), size)]
+    """Consecutive runs of at most `size`, cut where the sampling parameters change (rollouts of
+    different versions may have different SDE windows, so different trained steps)."""
+    out: list[list[Trajectory]] = []
+    for t in trajectories:
+        if out and len(out[-1]) < size and out[-1][0].params == t.params:
+            out[-1].append(t)
+        else:
+            out.append([t])
+    return out
 
 
 def _stack_latent(trajs: list[Trajectory], index: int, device: torch.device) -> torch.Tensor:
@@ -73,6 +81,16 @@ def _guided_velocity(model: DiffusionModel, policy: CFGPolicy, x: torch.Tensor, 
     return policy.combine(preds, params.guidance_scale)
 
 
+def _kl_std(kl_type: str, params, transition_std: torch.Tensor, sigma: torch.Tensor, sigma_max: torch.Tensor,
+            device: torch.device) -> torch.Tensor:
+    """The std FlowGRPO's KL divides by. "transition": the step's own std (s·sqrt(−dt) for SDE).
+    "flow_grpo": flow_grpo's `std_dev_t`, which for the SDE is s = a·sqrt(σ/(1 − σ̃)) without sqrt(−dt)
+    (scripts/train_sd3.py); for CPS, std_dev_t is the step's std s = σ'·sin(aπ/2), so both agree."""
+    if kl_type == "transition" or params.sde_type != "sde":
+        return transition_std
+    return sde_std_dev(torch.as_tensor(sigma, dtype=torch.float32, device=device), params.noise_level, sigma_max)
+
+
 def flow_grpo_backward(
     model: DiffusionModel,
     policy: CFGPolicy,
@@ -86,7 +104,8 @@ def flow_grpo_backward(
     for mb in micro_batches(shard, micro_batch_size):
         _check_same_params(mb)
         params = mb[0].params
-        trained = params.resolved_sde_steps()
+        last = int(params.num_steps * algo.timestep_fraction)  # flow_grpo: range(int(num_steps x fraction))
+        trained = [j for j in params.resolved_sde_steps() if j < last]
         sigmas, timesteps = mb[0].sigmas, mb[0].timesteps
         conds = _conds(mb, device)
         advantages = _advantages(mb, device)
@@ -104,7 +123,8 @@ def flow_grpo_backward(
                     _, _, ref_mean, _ = flow_step(v_ref, x, sigmas[j], sigmas[j + 1], **step)
             out = flow_grpo_loss(
                 log_prob, old_log_probs[:, j], advantages, algo.clip_range,
-                mean=mean, ref_mean=ref_mean, std=std, kl_beta=algo.kl_beta,
+                mean=mean, ref_mean=ref_mean, std=_kl_std(algo.kl_type, params, std, sigmas[j], sigmas[1], device),
+                kl_beta=algo.kl_beta,
             )
             (out.loss * scale).backward()
             metrics.add(scale, **{"loss/policy": out.policy, "loss/kl": out.kl,
@@ -128,6 +148,7 @@ def nft_noise_and_steps(trajectory: Trajectory, run_seed: int, version: int, num
 
 def diffusion_nft_backward(
     model: DiffusionModel,
+    policy: CFGPolicy,
     shard: list[Trajectory],
     algo: AlgorithmConfig,
     micro_batch_size: int,
@@ -135,7 +156,8 @@ def diffusion_nft_backward(
     version: int,
 ) -> dict[str, float]:
     """Accumulate DiffusionNFT gradients of the shard (conditional velocity, no CFG: NFT trains the
-    policy itself); returns loss/policy and loss/kl."""
+    policy itself; the policy only adds its conditional branch's arguments, such as an embedded
+    guidance); returns loss/policy and loss/kl."""
     metrics = _Metrics()
     device = model.device
     for mb in micro_batches(shard, micro_batch_size):
@@ -144,7 +166,7 @@ def diffusion_nft_backward(
         T = params.num_steps
         positive = _conds(mb, device)["positive"]
         x0 = _stack_latent(mb, T, device)
-        r = optimality_probability(_advantages(mb, device), algo.adv_clip_max)
+        r = optimality_probability(_advantages(mb, device), algo.adv_clip_max, algo.adv_mode)
         draws = [nft_noise_and_steps(t, run_seed, version, algo.nft_timesteps) for t in mb]
         k = len(draws[0][0])
         scale = len(mb) / len(shard) / k
@@ -155,7 +177,8 @@ def diffusion_nft_backward(
             x_t = noised(x0, torch.stack([noise[slot] for _, noise in draws]).to(device), sigma)
 
             def velocity() -> torch.Tensor:
-                return model.predict_velocity(x_t, timestep, positive, height=params.height, width=params.width)
+                return model.predict_velocity(x_t, timestep, positive, height=params.height, width=params.width,
+                                              **policy.conditional_kwargs(params.guidance_scale))
 
             with torch.no_grad(), using_adapter(model.transformer, EMA_ADAPTER):
                 v_old = velocity()
@@ -178,4 +201,5 @@ def backward(cfg: RayflowConfig, model: DiffusionModel, policy: CFGPolicy, shard
     over the shard's samples x trained steps); `version` is the policy version being trained."""
     if cfg.algorithm.name == "flow_grpo":
         return flow_grpo_backward(model, policy, shard, cfg.algorithm, cfg.learner.micro_batch_size)
-    return diffusion_nft_backward(model, shard, cfg.algorithm, cfg.learner.micro_batch_size, cfg.trainer.seed, version)
+    return diffusion_nft_backward(model, policy, shard, cfg.algorithm, cfg.learner.micro_batch_size, cfg.trainer.seed,
+                                  version)

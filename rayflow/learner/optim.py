@@ -1,5 +1,5 @@
-"""The optimizer step shared by the reference trainer and the FSDP2 learner:
-clip grad norm → step (skipped when the norm is not finite) → EMA of "old" → version + 1."""
+"""The optimizer step shared by the reference trainer and the FSDP2 learner (clip grad norm → step,
+skipped when the norm is not finite), and DiffusionNFT's EMA of "old", once per trained batch."""
 
 from __future__ import annotations
 
@@ -41,17 +41,14 @@ def global_grad_norm(grads: list[torch.Tensor]) -> torch.Tensor:
 class StepResult:
     grad_norm: float
     skipped: bool
-    ema_decay: float
 
 
 def optimizer_step(
     transformer: nn.Module,
     optimizer: torch.optim.Optimizer,
     learner: LearnerConfig,
-    algo: AlgorithmConfig,
-    step: int,
 ) -> StepResult:
-    """Apply the accumulated gradients of optimizer step `step` (0-based) and update the EMA adapter."""
+    """Apply the accumulated gradients: clip to learner.max_grad_norm, step (skipped when the norm is not finite)."""
     params = [p for group in optimizer.param_groups for p in group["params"]]
     grad_norm = global_grad_norm([p.grad for p in params if p.grad is not None])
     torch.nn.utils.clip_grads_with_norm_(params, learner.max_grad_norm, grad_norm, foreach=False)
@@ -60,10 +57,51 @@ def optimizer_step(
     if not skipped:
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    eta = 0.0
-    if algo.needs_ema_rollout:
-        eta = ema_decay(step, algo.ema_flat, algo.ema_uprate, algo.ema_uphold)
-        current = adapter_parameters(transformer, TRAINED_ADAPTER)
-        old = adapter_parameters(transformer, EMA_ADAPTER)
-        ema_update([old[n] for n in sorted(old)], [current[n] for n in sorted(old)], eta)
-    return StepResult(grad_norm=norm, skipped=skipped, ema_decay=eta)
+    return StepResult(grad_norm=norm, skipped=skipped)
+
+
+def update_rollout_ema(transformer: nn.Module, algo: AlgorithmConfig, optimizer_steps: int) -> float:
+    """DiffusionNFT's "old" ← η·old + (1 − η)·default with η = ema_decay(optimizer_steps), called once
+    per trained batch with diffusion_nft.ema_step (as scripts/train_nft_sd3.py, once per epoch). Returns η."""
+    eta = ema_decay(optimizer_steps, algo.ema_flat, algo.ema_uprate, algo.ema_uphold)
+    current = adapter_parameters(transformer, TRAINED_ADAPTER)
+    old = adapter_parameters(transformer, EMA_ADAPTER)
+    ema_update([old[n] for n in sorted(old)], [current[n] for n in sorted(old)], eta)
+    return eta
+
+
+class TooManySkippedSteps(RuntimeError):
+    """trainer.max_skipped_steps optimizer steps in a row had a non-finite gradient norm."""
+
+
+class SkippedSteps:
+    """Counts skipped optimizer steps (all, and in a row) and stops the run when `max_in_a_row` are
+    skipped consecutively (0: never): a run whose every step is skipped trains nothing and must not
+    go on writing checkpoints as if it did."""
+
+    def __init__(self, max_in_a_row: int):
+        self.max_in_a_row = max_in_a_row
+        self.total = 0
+        self.in_a_row = 0
+
+    def observe(self, skipped: int, step: int, steps: int = 1) -> None:
+        """Record trained batch `step` of `steps` optimizer steps, `skipped` of them skipped; raise
+        TooManySkippedSteps once max_in_a_row are skipped in a row (a batch that skipped only some of its
+        steps ends the run of skips)."""
+        skipped = int(skipped)
+        self.total += skipped
+        self.in_a_row = self.in_a_row + skipped if skipped == steps else 0
+        if self.max_in_a_row and self.in_a_row >= self.max_in_a_row:
+            raise TooManySkippedSteps(
+                f"steps {step - self.in_a_row + 1}..{step}: {self.in_a_row} optimizer steps in a row skipped for a "
+                f"non-finite gradient norm (trainer.max_skipped_steps={self.max_in_a_row}); the loss or rewards are NaN/Inf. "
+                f"The last healthy checkpoint is kept; check the reward functions and the learning rate"
+            )
+
+    def counters(self) -> dict[str, int]:
+        """For the checkpoint: the total, and the run of skips that ends at the checkpoint."""
+        return {"skipped_steps": self.total, "consecutive_skipped": self.in_a_row}
+
+    def load(self, counters: dict[str, int]) -> None:
+        self.total = counters.get("skipped_steps", 0)
+        self.in_a_row = counters.get("consecutive_skipped", 0)

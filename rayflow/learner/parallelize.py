@@ -8,6 +8,7 @@ LoRA, optimizers or Ray. The mesh is built once by the caller (`build_mesh`).
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 
 import torch
@@ -23,11 +24,20 @@ def build_mesh(device: torch.device, world_size: int) -> DeviceMesh:
 
 def mixed_precision_policy(mode: str) -> MixedPrecisionPolicy | None:
     """learner.mixed_precision → FSDP2 policy: "bf16" computes in bf16 and reduces gradients in fp32."""
-    if mode == "none":
+    if mode in ("none", "autocast"):
         return None
     if mode == "bf16":
         return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    raise ValueError(f"learner.mixed_precision: {mode!r}; allowed: 'none' or 'bf16'")
+    raise ValueError(f"learner.mixed_precision: {mode!r}; allowed: 'none', 'bf16' or 'autocast'")
+
+
+def autocast(mode: str, device: torch.device) -> contextlib.AbstractContextManager:
+    """learner.mixed_precision="autocast": matmuls of the forward in bf16 under torch.autocast, while the
+    parameters keep their dtype (LoRA adapters and their AdamW state stay fp32: the master weights).
+    Any other mode: no autocast."""
+    if mode != "autocast":
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
 
 
 def transformer_blocks(transformer: nn.Module) -> nn.ModuleList:

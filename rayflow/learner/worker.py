@@ -34,6 +34,10 @@ class LearnerError(RuntimeError):
     """A learner rank died or failed; the message names the rank and its node."""
 
 
+class LearnerStalled(LearnerError):
+    """A train step missed the watchdog's deadline: a rank neither finished nor died."""
+
+
 class LearnerWorker:
     """One learner rank: owns its device, the default process group and a LearnerBackend."""
 
@@ -56,8 +60,11 @@ class LearnerWorker:
         self.backend = LearnerBackend(self.cfg, build_mesh(device, self.cfg.learner.world_size), device)
         return self.backend.identity
 
-    def train_step(self, shard: list[Trajectory] | list[tuple[ray.ObjectRef, int, float]]) -> dict[str, float]:
-        return self.backend.train_step(fetch_shard(shard))
+    def train_step(self, batch: list[Trajectory] | list[tuple[ray.ObjectRef, int, float]]) -> dict[str, float]:
+        """Train the whole batch; only the entries this rank's mini-batch slices need are fetched."""
+        needed = sorted({i for step in self.backend.rank_steps(len(batch)) for i in step})
+        fetched = dict(zip(needed, fetch_shard([batch[i] for i in needed])))
+        return self.backend.train_step([fetched.get(i) for i in range(len(batch))])
 
     def rollout_weights(self) -> tuple[int, dict[str, torch.Tensor] | None]:
         return self.backend.rollout_weights()
@@ -86,17 +93,15 @@ class LearnerWorker:
         self.backend.load_state_dict({**state, "rng": rng})
 
 
-def shard_batch(batch: list[Trajectory] | list[TrajectoryRef], world_size: int) -> list[list]:
-    """Contiguous equal shards, one per rank. Trajectories travel without their decoded images (learners
-    never read them); TrajectoryRefs travel as (ref, index, advantage), for the rank to fetch."""
+def light_batch(batch: list[Trajectory] | list[TrajectoryRef], world_size: int) -> list:
+    """The batch as every rank receives it: Trajectories without their decoded images (learners never
+    read them), TrajectoryRefs as (ref, index, advantage) for each rank to fetch the entries it trains on."""
     if len(batch) % world_size:
         raise ValueError(f"a batch of {len(batch)} trajectories does not split into {world_size} equal learner shards")
-    n = len(batch) // world_size
-    light = [
+    return [
         (t.ref, t.index, t.advantage) if isinstance(t, TrajectoryRef) else dataclasses.replace(t, image=None)
         for t in batch
     ]
-    return [light[r * n : (r + 1) * n] for r in range(world_size)]
 
 
 def fetch_shard(shard: list[Trajectory] | list[tuple[ray.ObjectRef, int, float]]) -> list[Trajectory]:
@@ -135,9 +140,11 @@ class LearnerGroup:
             raise
 
     def train_step(self, batch: list[Trajectory] | list[TrajectoryRef]) -> list[ray.ObjectRef]:
-        """One optimizer step over `batch` (sliced per rank; TrajectoryRefs are fetched by the ranks, never
-        by the driver); refs to each rank's (equal) metrics."""
-        return [w.train_step.remote(ray.put(shard)) for w, shard in zip(self.workers, shard_batch(batch, self.world_size))]
+        """Train one batch: algorithm.steps_per_batch optimizer steps, each rank on its slice of every
+        mini-batch (TrajectoryRefs are fetched by the ranks, never by the driver); refs to each rank's
+        (equal) metrics."""
+        light = ray.put(light_batch(batch, self.world_size))
+        return [w.train_step.remote(light) for w in self.workers]
 
     def push_weights(self, sync_actor) -> list[ray.ObjectRef]:
         """Refs to each rank's push timings; rank 0 hands the rollout adapter to `sync_actor`
@@ -185,6 +192,12 @@ class LearnerGroup:
                     f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
                 ) from e
         return ray.get(refs)
+
+    def late_ranks(self, refs: list[ray.ObjectRef]) -> list[str]:
+        """The ranks whose per-rank `refs` are not done yet, with their nodes."""
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+        return [f"learner rank {rank}/{self.world_size} on {_node_label(self.placed.node_of_rank(rank))}"
+                for rank, ref in enumerate(refs) if ref not in ready]
 
     def shutdown(self) -> None:
         """End the actors and release the placement group. Killing (not asking) the ranks: a rank whose

@@ -1,5 +1,6 @@
 """What a run shows while it trains: TensorBoard scalars and image grids under trainer.logdir, the key
-figures as Ray metrics (so the Ray dashboard's Metrics view has them), and a progress bar.
+figures as Ray metrics (so the Ray dashboard's Metrics view and cluster/grafana/rayflow.json have them),
+optionally Weights & Biases, and a progress bar.
 
 Tags are stable: dashboards and the README's table rely on them.
 """
@@ -7,6 +8,7 @@ Tags are stable: dashboards and the README's table rely on them.
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 
@@ -18,9 +20,11 @@ SCALAR_TAGS = (
     "loss/policy",
     "loss/kl",
     "train/clip_frac",
+    "train/approx_kl",
     "train/grad_norm",
     "train/skipped_steps",
     "train/zero_signal_groups",
+    "train/filtered_samples",
     "staleness/mean",
     "staleness/max",
     "rollout/partial_ratio",
@@ -47,8 +51,15 @@ def _metric_name(tag: str) -> str:
     return "rayflow_" + tag.replace("/", "_").replace("#", "_")
 
 
+def exported_metric_names() -> dict[str, str]:
+    """Tag → the name Prometheus scrapes: Ray prefixes every application metric with "ray_", and
+    OpenTelemetry suffixes counters with "_total"."""
+    return {**{t: f"ray_{_metric_name(t)}" for t in _GAUGES}, **{t: f"ray_{_metric_name(t)}_total" for t in _COUNTERS}}
+
+
 def image_grid(images: list[torch.Tensor], columns: int = 4) -> torch.Tensor:
-    """[H, W, 3] uint8 images (same size) -> one [rows·H, columns·W, 3] grid, row-major."""
+    """[H, W, 3] uint8 images (same size) -> one [rows·H, min(columns, len)·W, 3] grid, row-major."""
+    columns = min(columns, len(images))  # two images make a 1x2 grid, not half of a black 1x4 one
     h, w, c = images[0].shape
     rows = math.ceil(len(images) / columns)
     grid = torch.zeros(rows * h, columns * w, c, dtype=torch.uint8)
@@ -61,13 +72,27 @@ def image_grid(images: list[torch.Tensor], columns: int = 4) -> torch.Tensor:
 class Monitor:
     """Writes one step's figures everywhere they are watched."""
 
-    def __init__(self, logdir: str, cfg: LoggingConfig, total_steps: int, start_step: int = 0, use_ray: bool = True):
+    def __init__(self, logdir: str, cfg: LoggingConfig, total_steps: int, start_step: int = 0, use_ray: bool = True,
+                 wandb_run: dict | None = None):
+        """`wandb_run`: wandb.init's name, dir and config (used when cfg.wandb)."""
         self.cfg = cfg
         self.writer = None
         if cfg.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.writer = SummaryWriter(logdir)
+            # A resumed run trains again the steps after its checkpoint that the stopped run had logged:
+            # TensorBoard drops those (step > start_step) instead of showing them twice.
+            self.writer = SummaryWriter(logdir, purge_step=start_step + 1 if start_step else None)
+        self.wandb = None
+        if cfg.wandb:
+            import wandb
+
+            run = dict(wandb_run or {})
+            if run.get("dir"):
+                os.makedirs(run["dir"], exist_ok=True)
+            # The run's name is its id, so a resumed run continues the same W&B run.
+            self.wandb = wandb.init(project=cfg.wandb_project, entity=cfg.wandb_entity, id=run.get("name"),
+                                    resume="allow", **run)
         self.gauges, self.counters, self._counted = {}, {}, {}
         if cfg.ray_metrics and use_ray:
             from ray.util.metrics import Counter, Gauge
@@ -78,13 +103,21 @@ class Monitor:
         if cfg.progress_bar:
             from tqdm import tqdm
 
+            from tqdm.contrib.logging import logging_redirect_tqdm
+
             self.bar = tqdm(total=total_steps, initial=start_step, desc="rayflow", dynamic_ncols=True)
+            # Log lines are written above the bar instead of into it.
+            self._redirect = logging_redirect_tqdm()
+            self._redirect.__enter__()
 
     def log(self, step: int, scalars: dict[str, float], advance: bool = True) -> None:
         """Write one step's scalars; `advance` moves the progress bar (once per training step)."""
-        if self.writer is not None and step % self.cfg.log_every == 0:
-            for tag, value in scalars.items():
-                self.writer.add_scalar(tag, value, step)
+        if step % self.cfg.log_every == 0:
+            if self.writer is not None:
+                for tag, value in scalars.items():
+                    self.writer.add_scalar(tag, value, step)
+            if self.wandb is not None:
+                self.wandb.log(scalars, step=step)
         for tag, gauge in self.gauges.items():
             if tag in scalars:
                 gauge.set(scalars[tag])
@@ -94,20 +127,28 @@ class Monitor:
                 counter.inc(scalars[tag] - self._counted.get(tag, 0))
                 self._counted[tag] = scalars[tag]
         if self.bar is not None and advance:
-            self.bar.update(1)
+            # Postfix first: update() redraws, and must show this step's figures, not the previous ones.
             self.bar.set_postfix(
                 reward=f"{scalars.get('reward/mean', float('nan')):.4f}",
                 staleness=f"{scalars.get('staleness/mean', 0.0):.2f}",
                 refresh=False,
             )
+            self.bar.update(1)
 
     def log_images(self, step: int, tag: str, grid: torch.Tensor) -> None:
         """grid [H, W, 3] uint8."""
         if self.writer is not None:
             self.writer.add_image(tag, grid.numpy(), step, dataformats="HWC")
+        if self.wandb is not None:
+            import wandb
+
+            self.wandb.log({tag: wandb.Image(grid.numpy())}, step=step)
 
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
+        if self.wandb is not None:
+            self.wandb.finish()
         if self.bar is not None:
+            self._redirect.__exit__(None, None, None)
             self.bar.close()

@@ -75,6 +75,8 @@ class DiffusionModel(ABC):
     """The diffusers pipeline class name this model loads (the registry key)."""
     lora_target_modules: ClassVar[tuple[str, ...]]
     """Default LoRA targets: the attention projections of every transformer block."""
+    default_cfg_policy: ClassVar[str]
+    """The CFG policy (cfg/policy.py) that reproduces the family's own pipeline."""
 
     transformer: nn.Module
     device: torch.device
@@ -124,6 +126,11 @@ class DiffusionModel(ABC):
     def load_lora(self, path: str) -> None:
         """Load a diffusers-format LoRA directory into the transformer (as the pipeline's load_lora_weights)."""
 
+    def planning_conditioning(self, batch: int, tokens: int) -> PromptEmbeds:
+        """Conditioning of `tokens` text tokens per sample on the model's device (meta for the memory
+        planner, rayflow.planning), shaped as encode_prompt returns it."""
+        raise NotImplementedError(f"{type(self).__name__} does not give the memory planner its conditioning shape")
+
     def check_size(self, height: int, width: int) -> None:
         m = self.size_multiple()
         for key, value in (("height", height), ("width", width)):
@@ -165,5 +172,20 @@ def load_model(path: str, device: torch.device | str = "cpu", dtype: torch.dtype
     return model_class(pipeline_class_of(path)).load(path, device=device, dtype=dtype, transformer_only=transformer_only)
 
 
+def load_pipeline(path: str, device: torch.device | str, dtype: torch.dtype, skip: tuple[str, ...] = ()):
+    """The diffusers pipeline at `path` on `device` in `dtype`, components in `skip` left out (None).
+
+    A random-init directory (tools/make_tiny_model.py --size full --random-init --weights-at-load)
+    has no weights: they are built on `device` directly (rayflow.models.random_init)."""
+    import diffusers
+
+    from rayflow.models.random_init import load_random_init_pipeline, random_init_spec
+
+    if random_init_spec(path) is not None:
+        return load_random_init_pipeline(path, device, dtype, skip=skip)
+    pipeline_cls = getattr(diffusers, pipeline_class_of(path))
+    return pipeline_cls.from_pretrained(path, dtype=dtype, **{name: None for name in skip}).to(device)
+
+
 def _import_builtin_models() -> None:
-    from rayflow.models import qwen_image  # noqa: F401  (registers itself)
+    from rayflow.models import flux, qwen_image, sd3  # noqa: F401  (each registers itself)

@@ -12,12 +12,13 @@ import math
 import numpy as np
 import torch
 
-from rayflow.models.base import DiffusionModel, PromptEmbeds, Schedule, register_model
+from rayflow.models.base import DiffusionModel, PromptEmbeds, Schedule, load_pipeline, register_model
 
 
 @register_model
 class QwenImageModel(DiffusionModel):
     pipeline_class = "QwenImagePipeline"
+    default_cfg_policy = "true_cfg"
     lora_target_modules = (
         "to_q",
         "to_k",
@@ -39,17 +40,15 @@ class QwenImageModel(DiffusionModel):
     def load(cls, path: str, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
              transformer_only: bool = False) -> "QwenImageModel":
         import transformers
-        from diffusers import QwenImagePipeline
         from diffusers.utils import logging as diffusers_logging
 
         # Loading bars from every rank of every actor would bury the run's own progress bar.
         diffusers_logging.disable_progress_bar()
         transformers.utils.logging.disable_progress_bar()
-        skipped = dict(text_encoder=None, vae=None, tokenizer=None) if transformer_only else {}
-        pipe = QwenImagePipeline.from_pretrained(path, dtype=dtype, **skipped)
-        pipe.set_progress_bar_config(disable=True)
+        skipped = ("text_encoder", "vae", "tokenizer") if transformer_only else ()
         device = torch.device(device)
-        pipe.to(device)
+        pipe = load_pipeline(path, device, dtype, skip=skipped)
+        pipe.set_progress_bar_config(disable=True)
         for module in (pipe.transformer, pipe.vae, pipe.text_encoder):
             if module is not None:
                 module.requires_grad_(False).eval()
@@ -123,6 +122,10 @@ class QwenImageModel(DiffusionModel):
             attention_kwargs={},
             return_dict=False,
         )[0]
+
+    def planning_conditioning(self, batch: int, tokens: int) -> PromptEmbeds:
+        dim = self.transformer.config.joint_attention_dim
+        return PromptEmbeds(torch.empty(batch, tokens, dim, device=self.device, dtype=self.dtype), None)
 
     def load_lora(self, path: str) -> None:
         self.pipe.load_lora_weights(path)

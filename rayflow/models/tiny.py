@@ -29,7 +29,7 @@ SPECIAL_TOKENS = [
 ]
 
 COLOURS = ["red", "green", "blue", "yellow", "purple", "orange", "white", "black", "cyan", "magenta"]
-_OBJECTS = ["apple", "car", "house", "cat", "dog", "flower", "ball", "tree", "bird", "boat", "cup", "sky"]
+OBJECTS = ["apple", "car", "house", "cat", "dog", "flower", "ball", "tree", "bird", "boat", "cup", "sky"]
 
 # The system prefix of QwenImagePipeline.prompt_template_encode; the pipeline drops its first
 # 34 tokens, so the tokenizer must make it exactly 34 tokens (as Qwen's own tokenizer does),
@@ -67,7 +67,7 @@ SPECS = {
 def _corpus() -> list[str]:
     lines = [_TEMPLATE_PREFIX + "a photo<|im_end|>\n<|im_start|>assistant\n"] * 50
     for colour in COLOURS:
-        for obj in _OBJECTS:
+        for obj in OBJECTS:
             lines.append(f"a {colour} {obj}, a photo of a {obj} that is {colour}. a {colour} {obj} on a {colour} background")
     lines += [" ".join(str(i) for i in range(100))]
     return lines
@@ -200,7 +200,36 @@ def build_tiny_qwen_image(spec: TinyQwenImageSpec, seed: int):
     )
 
 
-def save_tiny_model(out: str, size: str = "tiny", seed: int = 0) -> str:
+TINY_PIPELINES = {"qwen_image": "QwenImagePipeline", "sd3": "StableDiffusion3Pipeline", "flux": "FluxPipeline"}
+"""The families `save_tiny_model` builds (`--arch` of tools/make_tiny_model.py) and their pipeline classes."""
+ARCHS = tuple(TINY_PIPELINES)
+
+
+def tiny_sizes(arch: str) -> list[str]:
+    """The sizes the tiny twin of `arch` comes in (flux: "tiny" only)."""
+    from rayflow.models.tiny_sd3 import SD3_SPECS
+
+    return {"qwen_image": sorted(SPECS), "sd3": sorted(SD3_SPECS)}.get(arch, ["tiny"])
+
+
+def build_tiny_pipeline(arch: str, size: str, seed: int):
+    """The tiny pipeline of one family and its spec (as a dict)."""
+    if size not in tiny_sizes(arch):
+        raise ValueError(f"size: got {size!r} for arch {arch!r}; allowed: one of {tiny_sizes(arch)}")
+    if arch == "qwen_image":
+        return build_tiny_qwen_image(SPECS[size], seed), asdict(SPECS[size])
+    if arch == "sd3":
+        from rayflow.models.tiny_sd3 import SD3_SPECS, build_tiny_sd3
+
+        return build_tiny_sd3(SD3_SPECS[size], seed), asdict(SD3_SPECS[size])
+    if arch == "flux":
+        from rayflow.models.tiny_flux import TinyFluxSpec, build_tiny_flux
+
+        return build_tiny_flux(TinyFluxSpec(), seed), asdict(TinyFluxSpec())
+    raise ValueError(f"arch: got {arch!r}; allowed: one of {list(ARCHS)}")
+
+
+def save_tiny_model(out: str, size: str = "tiny", seed: int = 0, arch: str = "qwen_image") -> str:
     """Build the tiny pipeline and save it to `out` atomically (a temporary directory, then rename).
 
     If `out` already holds a model (another process won the race), that one is kept: the same
@@ -212,9 +241,10 @@ def save_tiny_model(out: str, size: str = "tiny", seed: int = 0) -> str:
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=".tiny-", dir=parent)
     try:
-        build_tiny_qwen_image(SPECS[size], seed).save_pretrained(tmp)
+        pipe, spec = build_tiny_pipeline(arch, size, seed)
+        pipe.save_pretrained(tmp)
         with open(os.path.join(tmp, "rayflow_tiny.json"), "w") as f:
-            json.dump({"size": size, "seed": seed, "spec": asdict(SPECS[size])}, f, indent=2)
+            json.dump({"arch": arch, "size": size, "seed": seed, "spec": spec}, f, indent=2)
         try:
             os.rename(tmp, out)
         except OSError:
@@ -225,9 +255,9 @@ def save_tiny_model(out: str, size: str = "tiny", seed: int = 0) -> str:
     return out
 
 
-def resolve_model_path(path: str | None, cache_dir: str, size: str = "tiny", seed: int = 0) -> str:
-    """`path` itself, or the cached tiny offline Qwen-Image (built on first use) when it is None."""
+def resolve_model_path(path: str | None, cache_dir: str, size: str = "tiny", seed: int = 0, arch: str = "qwen_image") -> str:
+    """`path` itself, or the cached tiny offline twin of `arch` (built on first use) when it is None."""
     if path is not None:
         return path
-    out = os.path.join(os.path.expanduser(cache_dir), f"tiny-qwen-image-{size}-seed{seed}")
-    return save_tiny_model(out, size=size, seed=seed)
+    out = os.path.join(os.path.expanduser(cache_dir), f"tiny-{arch.replace('_', '-')}-{size}-seed{seed}")
+    return save_tiny_model(out, size=size, seed=seed, arch=arch)

@@ -5,6 +5,6 @@ A reward is built by `make_reward(name, **kwargs)` and called as
 """
 
 from rayflow.rewards.registry import make_reward, register_reward, registered_rewards
-from rayflow.rewards import builtin, http  # noqa: F401  (registers the built-in rewards)
+from rayflow.rewards import builtin, clip, http, ocr, vlm_judge  # noqa: F401  (registers the built-in rewards)
 
 __all__ = ["make_reward", "register_reward", "registered_rewards"]

@@ -7,23 +7,20 @@ Protocol (one POST per reward call, JSON both ways):
               "metadata": [{"prompt_id": 0, "group_id": 3, "seed": 42}, ...]}
     response {"rewards": [0.71, ...]}                       one float per image
 
-The server may also answer {"error": "..."} with a non-2xx status; that message is raised.
+The server may also answer {"error": "..."} with a non-2xx status; that message is raised. Deadlines
+and retries: rayflow/rewards/http_client.py.
 """
 
 from __future__ import annotations
 
 import base64
-import http.client
 import io
-import json
-import urllib.error
-import urllib.parse
-import urllib.request
 
 import torch
 from PIL import Image
 
 from rayflow.errors import ConfigError
+from rayflow.rewards.http_client import JsonClient, check_url
 from rayflow.rewards.registry import register_reward
 
 
@@ -42,49 +39,29 @@ def decode_jpeg(text: str) -> torch.Tensor:
     return torch.from_numpy(np.asarray(image).copy())
 
 
-def _error_detail(body: bytes) -> str:
-    """The server's {"error": "..."} message, or the start of its body when it sent something else."""
-    text = body.decode(errors="replace")
-    try:
-        reply = json.loads(text)
-    except json.JSONDecodeError:
-        return text[:500]
-    return str(reply["error"])[:500] if isinstance(reply, dict) and "error" in reply else text[:500]
-
-
 @register_reward("http")
 class HttpReward:
-    def __init__(self, url: str, timeout_s: float = 60.0, jpeg_quality: int = 95):
-        if urllib.parse.urlparse(url).scheme not in ("http", "https"):
-            raise ConfigError("reward.functions[http].kwargs.url", url, "an http:// or https:// URL")
+    def __init__(self, url: str, timeout_s: float = 60.0, jpeg_quality: int = 95, max_outage_s: float = 0.0):
+        """timeout_s: deadline of one request; max_outage_s: retry budget (set from reward.max_outage_s)."""
+        self.check_kwargs({"url": url, "timeout_s": timeout_s, "max_outage_s": max_outage_s})
+        self.client = JsonClient(url, timeout_s=timeout_s, max_outage_s=max_outage_s, name="http")
         self.url = url
-        self.timeout_s = timeout_s
         self.jpeg_quality = jpeg_quality
 
+    @staticmethod
+    def check_kwargs(kwargs: dict, key: str = "reward.functions[http].kwargs") -> None:
+        check_url(kwargs.get("url"), f"{key}.url")
+        for name in ("timeout_s", "max_outage_s"):
+            value = kwargs.get(name, 1.0)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not (value > 0 or name == "max_outage_s" and value == 0):
+                raise ConfigError(f"{key}.{name}", value, "a number of seconds > 0" + (" (or 0)" if name == "max_outage_s" else ""))
+
     def __call__(self, images: torch.Tensor, prompts: list[str], metadata: list[dict] | None = None) -> torch.Tensor:
-        body = {
+        reply = self.client.post({
             "images": [encode_jpeg(im, self.jpeg_quality) for im in images],
             "prompts": list(prompts),
             "metadata": metadata or [{} for _ in prompts],
-        }
-        request = urllib.request.Request(
-            self.url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}, method="POST"
-        )
-        try:
-            with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
-                raw = response.read()
-        except urllib.error.HTTPError as e:
-            raise RuntimeError(f"http reward {self.url}: HTTP {e.code}: {_error_detail(e.read())}") from None
-        except (TimeoutError, urllib.error.URLError) as e:
-            if isinstance(e, TimeoutError) or isinstance(getattr(e, "reason", None), TimeoutError):
-                raise RuntimeError(f"http reward {self.url}: no reply within timeout_s={self.timeout_s}s") from None
-            raise RuntimeError(f"http reward {self.url}: unreachable ({e})") from None
-        except (OSError, http.client.HTTPException) as e:  # e.g. the server closed the connection without a reply
-            raise RuntimeError(f"http reward {self.url}: the connection failed ({e!r})") from None
-        try:
-            reply = json.loads(raw)
-        except ValueError as e:  # json.JSONDecodeError, or bytes that are not text
-            raise RuntimeError(f"http reward {self.url}: the response is not JSON ({e})") from None
+        })
         rewards = reply.get("rewards") if isinstance(reply, dict) else None
         numbers = isinstance(rewards, list) and all(
             isinstance(r, (int, float)) and not isinstance(r, bool) for r in rewards
@@ -93,4 +70,18 @@ class HttpReward:
             raise RuntimeError(
                 f"http reward {self.url}: expected {{\"rewards\": [{len(prompts)} numbers]}}, got {str(reply)[:200]}"
             )
-        return torch.tensor(rewards, dtype=torch.float32)
+        return as_float32(rewards, f"http reward {self.url}")
+
+
+def as_float32(values: list, source: str) -> torch.Tensor:
+    """Numbers from a server as float32; one out of float range (e.g. a huge integer) is a clear error."""
+    out = []
+    for i, v in enumerate(values):
+        try:
+            f = float(v)
+        except OverflowError:
+            f = float("inf")
+        if abs(f) > torch.finfo(torch.float32).max:
+            raise RuntimeError(f"{source}: value {i} ({str(v)[:40]}) is outside float32 range")
+        out.append(f)
+    return torch.tensor(out, dtype=torch.float32)

@@ -30,9 +30,14 @@ def registered_rewards() -> list[str]:
     return sorted(_REWARDS)
 
 
-def make_reward(name: str, **kwargs: Any) -> RewardFn:
+def reward_factory(name: str) -> Callable[..., RewardFn]:
     if name not in _REWARDS:
         raise ConfigError("reward.functions[].name", name, f"one of {registered_rewards()}")
+    return _REWARDS[name]
+
+
+def make_reward(name: str, **kwargs: Any) -> RewardFn:
+    reward_factory(name)
     try:
         return _REWARDS[name](**kwargs)
     except TypeError as e:

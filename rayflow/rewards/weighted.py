@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 
 from rayflow.config import RewardFnConfig
-from rayflow.rewards.registry import make_reward
+from rayflow.rewards.normalize import component_names
+from rayflow.rewards.registry import make_reward, reward_factory
 from rayflow.types import Trajectory
 
 
@@ -20,11 +23,13 @@ class WeightedReward:
     """reward = Σ weight_i · reward_i(images, prompts, metadata). Components are named by their reward
     name (with #k appended when a reward appears more than once)."""
 
-    def __init__(self, functions: list[RewardFnConfig]):
-        self.components: list[tuple[str, float, object]] = []
-        for i, fn in enumerate(functions):
-            name = fn.name if sum(f.name == fn.name for f in functions) == 1 else f"{fn.name}#{i}"
-            self.components.append((name, fn.weight, make_reward(fn.name, **fn.kwargs)))
+    def __init__(self, functions: list[RewardFnConfig], max_outage_s: float = 0.0):
+        """max_outage_s: reward.max_outage_s, given to the rewards that take it (those calling a server)
+        unless their kwargs set it."""
+        self.components: list[tuple[str, float, object]] = [
+            (name, fn.weight, make_reward(fn.name, **with_outage_budget(fn, max_outage_s)))
+            for name, fn in zip(component_names(functions), functions)
+        ]
 
     def __call__(self, images: torch.Tensor, prompts: list[str], metadata: list[dict] | None = None
                  ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -34,6 +39,9 @@ class WeightedReward:
             values = torch.as_tensor(fn(images, prompts, metadata), dtype=torch.float32)
             if values.shape != (len(prompts),):
                 raise ValueError(f"reward {name!r} returned shape {tuple(values.shape)} for {len(prompts)} images")
+            if not torch.isfinite(values).all():
+                raise ValueError(f"reward {name!r} returned non-finite values {values.tolist()} for prompts "
+                                 f"{sorted(set(prompts))[:3]}; a reward must be a finite number for every image")
             parts[name] = values
         total = torch.zeros(len(prompts), dtype=torch.float32)
         for name, weight, _ in self.components:
@@ -43,6 +51,13 @@ class WeightedReward:
     def score(self, trajectories: list[Trajectory]) -> None:
         """Fill in .reward and .rewards of each trajectory from its image and prompt."""
         assign_rewards(trajectories, *self(*reward_inputs(trajectories)))
+
+
+def with_outage_budget(fn: RewardFnConfig, max_outage_s: float) -> dict:
+    """The reward's kwargs, with max_outage_s added where its factory takes it and the kwargs do not set it."""
+    if "max_outage_s" in fn.kwargs or "max_outage_s" not in inspect.signature(reward_factory(fn.name)).parameters:
+        return fn.kwargs
+    return {**fn.kwargs, "max_outage_s": max_outage_s}
 
 
 def assign_rewards(trajectories: list[Trajectory], total: torch.Tensor, parts: dict[str, torch.Tensor]) -> None:

@@ -30,9 +30,9 @@ class RewardError(RuntimeError):
 class RewardWorker:
     """Holds the run's reward functions (which may load models) and scores batches of images."""
 
-    def __init__(self, functions: list[RewardFnConfig], batch_size: int, threads: int = 1):
+    def __init__(self, functions: list[RewardFnConfig], batch_size: int, max_outage_s: float = 0.0, threads: int = 1):
         torch.set_num_threads(threads)
-        self.reward = WeightedReward(functions)
+        self.reward = WeightedReward(functions, max_outage_s)
         self.batch_size = batch_size
 
     def score(self, trajectories: list[Trajectory]) -> list[tuple[float, dict[str, float], list[int]]]:
@@ -94,7 +94,7 @@ class RewardPool:
                 # Scoring is idempotent: Ray re-runs a call that a restart interrupted, on the restarted worker.
                 max_restarts=cfg.max_restarts, max_task_retries=cfg.max_restarts,
                 scheduling_strategy=self.placed.strategy_for_rank(i),
-            ).remote(cfg.functions, cfg.batch_size)
+            ).remote(cfg.functions, cfg.batch_size, cfg.max_outage_s)
             for i in range(cfg.num_workers)
         ]
         self._turn = 0  # round robin position
@@ -169,8 +169,9 @@ class RewardPool:
                         f"reward failed {call.attempt + 1} times on {call.describe()}; stopping the run. "
                         f"Last error:\n{e}"
                     ) from None
-                log.warning("reward call on %s failed (attempt %d of %d, worker %d); retrying on another worker:\n%s",
-                            call.describe(), call.attempt + 1, self.cfg.max_retries + 1, call.worker, e)
+                where = "on another worker" if len(self.workers) - len(self.dead) > 1 else "on the same worker"
+                log.warning("reward call on %s failed (attempt %d of %d, worker %d); retrying %s:\n%s",
+                            call.describe(), call.attempt + 1, self.cfg.max_retries + 1, call.worker, where, e)
                 still.append(self._send(call.payload, call.request, call.attempt + 1, avoid=call.worker))
         return scored, still
 

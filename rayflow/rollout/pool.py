@@ -5,7 +5,8 @@ rollout.micro_batch_size)`); each request goes to the live replica with the fewe
 flight. Every request carries its own seeds and each sample draws from its own generators, so a
 request's trajectories do not depend on which replica served it.
 
-A replica that died is replaced (`rollout.max_restarts` times per replica): `replace` frees its
+A replica that died is replaced (`rollout.max_restarts` times per replica within any
+`rollout.restart_window_s` seconds, RestartBudget): `replace` frees its
 placement group and starts a new one under the same name without waiting for it to load;
 `promote_ready` puts a replacement into service once all its ranks joined, after a caller's hook
 (the weight sync's late-join) has run, so it never serves a request under stale weights.
@@ -22,6 +23,7 @@ import torch
 from rayflow.cfg.policy import CFGPolicy
 from rayflow.config import RolloutConfig
 from rayflow.rollout.rank import RolloutWorkerSpec
+from rayflow.rollout.restart_budget import RestartBudget
 from rayflow.rollout.replica import ReplicaError, RolloutFuture, RolloutReplica
 from rayflow.types import RolloutRequest, Trajectory
 
@@ -30,8 +32,9 @@ log = logging.getLogger("rayflow")
 
 class RolloutPool:
     def __init__(self, replicas: list[RolloutReplica], start_replica: Callable[[str], RolloutReplica] | None = None,
-                 max_restarts: int = 0):
-        """`start_replica(name)` starts a replacement replica (without waiting for it); None: no restarts."""
+                 max_restarts: int = 0, restart_window_s: float = 0.0):
+        """`start_replica(name)` starts a replacement replica (without waiting for it); None: no restarts.
+        Each replica may be replaced `max_restarts` times within any `restart_window_s` seconds (0: in all)."""
         if not replicas:
             raise ValueError("a RolloutPool needs at least one replica")
         self.replicas = replicas
@@ -39,6 +42,8 @@ class RolloutPool:
         self._start_replica = start_replica
         self.max_restarts = max_restarts if start_replica is not None else 0
         self.restarts = [0] * len(replicas)
+        """Replacements started per replica, over the whole run."""
+        self.budgets = [RestartBudget(self.max_restarts, restart_window_s) for _ in replicas]
         self.starting: dict[int, RolloutReplica] = {}
         """Replacements still loading, by the index of the replica they replace."""
 
@@ -51,7 +56,7 @@ class RolloutPool:
         replicas = [start(f"{name}-{i}") for i in range(rollout.num_replicas)]
         for replica in replicas:
             replica.wait_ready()
-        return cls(replicas, start, rollout.max_restarts)
+        return cls(replicas, start, rollout.max_restarts, rollout.restart_window_s)
 
     # -- replacing dead replicas ---------------------------------------------------------------------
     def replace(self, replica: RolloutReplica) -> bool:
@@ -60,7 +65,7 @@ class RolloutPool:
         return self._restart(self.replicas.index(replica))
 
     def _restart(self, index: int) -> bool:
-        if index in self.starting or self.restarts[index] >= self.max_restarts:
+        if index in self.starting or not self.budgets[index].take():
             return False
         self.restarts[index] += 1
         self.starting[index] = self._start_replica(self.replicas[index].name)

@@ -27,6 +27,7 @@ from rayflow.cfg.policy import CFGPolicy, TrueCFG
 from rayflow.config import ModelConfig, RayflowConfig
 from rayflow.learner.lora import TRAINED_ADAPTER, adapter_parameters, add_lora, target_weight_names
 from rayflow.models import load_model
+from rayflow.models.speed import apply_speed_options
 from rayflow.models.tiny import resolve_model_path
 from rayflow.distributed.process_group import CollectiveGroup
 from rayflow.rollout.weights import KEEP_STAGED, StagedWeights, check_adapter, load_weights
@@ -120,7 +121,7 @@ class RolloutRank:
         transformers_logging.disable_progress_bar()
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         m = spec.model
-        path = resolve_model_path(m.path, m.cache_dir, m.tiny_size, m.tiny_seed)
+        path = resolve_model_path(m.path, m.cache_dir, m.tiny_size, m.tiny_seed, m.tiny_arch)
         self.model = load_model(path, device=self.device, dtype=getattr(torch, m.dtype))
         targets = spec.lora_targets or self.model.lora_target_modules
         if spec.sync_mode == "lora":
@@ -131,6 +132,7 @@ class RolloutRank:
             # A LoRA starts as the identity (B = 0), so the base weights are version 0's merged weights.
             params = dict(self.model.transformer.named_parameters())
             self._synced = {name: params[name] for name in target_weight_names(self.model.transformer, targets)}
+        apply_speed_options(self.model.transformer, m.attention_backend, m.compile)
         self.version = 0
         self.staged = StagedWeights()
         self.receive_buffers = ReceiveBuffers(slots=KEEP_STAGED + 1)

@@ -128,7 +128,18 @@ class RolloutReplica:
                 self._collect([w.progress.remote() for w in self.workers], "a liveness check", timeout)
             except ReplicaError:
                 pass
+            except TimeoutError as e:  # a stopped process neither answers nor dies
+                self.mark_stalled(f"{e}: stalled")
         return self.alive
+
+    def mark_stalled(self, message: str) -> None:
+        """Take the replica out of service: a rank stopped answering (the driver's watchdog or a liveness check)."""
+        self._dead = self._dead or message
+
+    def late_ranks(self, future: "RolloutFuture") -> list[str]:
+        """The ranks that have not finished `future`, described with their nodes."""
+        ready, _ = ray.wait(future.refs, num_returns=len(future.refs), timeout=0)
+        return [self.describe_rank(rank) for rank, ref in enumerate(future.refs) if ref not in ready]
 
     def describe_rank(self, rank: int) -> str:
         address, node_id = self.nodes[rank]

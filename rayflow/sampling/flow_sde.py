@@ -42,6 +42,15 @@ def _mean_over_sample(x: torch.Tensor) -> torch.Tensor:
     return x.mean(dim=tuple(range(1, x.ndim)))
 
 
+def sde_std_dev(sigma: torch.Tensor, noise_level: float, sigma_max: float | torch.Tensor | None) -> torch.Tensor:
+    """Flow-GRPO's s = a·sqrt(σ / (1 − σ̃)), σ̃ = σ_max where σ = 1 (σ/(1−σ) is infinite there), else σ:
+    the SDE's diffusion coefficient, flow_grpo's `std_dev_t` (the step's std is s·sqrt(−dt))."""
+    if sigma_max is None and bool((sigma == 1).any()):
+        raise ValueError("flow_step: sigma == 1 needs sigma_max (the schedule's sigmas[1]) for sde_type='sde'")
+    sigma_tilde = sigma if sigma_max is None else torch.where(sigma == 1, _per_sample(sigma_max, sigma), sigma)
+    return noise_level * torch.sqrt(sigma / (1 - sigma_tilde))
+
+
 def flow_step(
     model_output: torch.Tensor,
     sample: torch.Tensor,
@@ -87,10 +96,7 @@ def flow_step(
 
     v = model_output.to(torch.float32)
     if sde_type == "sde":
-        if sigma_max is None and bool((sigma_t == 1).any()):
-            raise ValueError("flow_step: sigma == 1 needs sigma_max (the schedule's sigmas[1]) for sde_type='sde'")
-        sigma_tilde = sigma_t if sigma_max is None else torch.where(sigma_t == 1, _per_sample(sigma_max, x), sigma_t)
-        s = noise_level * torch.sqrt(sigma_t / (1 - sigma_tilde))
+        s = sde_std_dev(sigma_t, noise_level, sigma_max)
         mean = x * (1 + s**2 / (2 * sigma_t) * dt) + v * (1 + s**2 * (1 - sigma_t) / (2 * sigma_t)) * dt
         std = s * torch.sqrt(-dt)
     elif sde_type == "cps":

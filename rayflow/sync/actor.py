@@ -153,8 +153,13 @@ class WeightSyncActor:
         raise RuntimeError(f"weight sync failed: {self.error}") from self.error
 
     def lost_versions(self) -> list[int]:
-        """Versions whose broadcast met a dead receiver since the last group generation."""
+        """Versions whose broadcast met a dead receiver since the last group generation. Raises the sync's
+        failure if it stopped: the asynchronous driver, which does not wait for each version, calls this
+        once per step, so a failed broadcast stops the run within a step instead of leaving rollouts on
+        old weights forever."""
         with self._done:
+            if self.error is not None:
+                raise RuntimeError(f"weight sync failed: {self.error}") from self.error
             return sorted(self.lost)
 
     def _broadcast_loop(self) -> None:

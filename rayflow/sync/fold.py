@@ -19,7 +19,7 @@ class AdapterFolder:
     def __init__(self, spec: RolloutWorkerSpec):
         m = spec.model
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        path = resolve_model_path(m.path, m.cache_dir, m.tiny_size, m.tiny_seed)
+        path = resolve_model_path(m.path, m.cache_dir, m.tiny_size, m.tiny_seed, m.tiny_arch)
         self.model = load_model(path, device=device, dtype=getattr(torch, m.dtype), transformer_only=True)
         add_lora(
             self.model.transformer,

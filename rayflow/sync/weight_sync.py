@@ -57,7 +57,7 @@ class WeightSync:
         return ray.get(self.actor.wait.remote(version, timeout_s))
 
     def lost_versions(self) -> list[int]:
-        """Versions whose broadcast met a dead receiver since the last `connect`."""
+        """Versions whose broadcast met a dead receiver since the last `connect`; raises the sync's failure."""
         return ray.get(self.actor.lost_versions.remote())
 
     def attach(self, replica: RolloutReplica, replicas: list[RolloutReplica]) -> None:

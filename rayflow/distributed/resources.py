@@ -1,0 +1,98 @@
+"""What a run asks of the cluster, checked before any placement group is created.
+
+A placement group that can never be placed waits forever (or until `place`'s timeout) with an
+internal dump of bundles; this check says instead, in one message, what each role needs, what the
+cluster has now and what its autoscaler can add, and which keys to change.
+"""
+
+from __future__ import annotations
+
+import json
+
+from rayflow.config import RayflowConfig
+from rayflow.errors import ConfigError
+
+
+def role_demand(cfg: RayflowConfig, cluster_has_gpus: bool) -> dict[str, dict[str, float]]:
+    """Role → {resource: total amount} the run's placement groups reserve (gpus null → 1 on a GPU cluster)."""
+
+    def gpus(value: float | None) -> float:
+        return value if value is not None else (1.0 if cluster_has_gpus else 0.0)
+
+    r, lr, rw, s = cfg.rollout, cfg.learner, cfg.reward, cfg.sync
+    ranks = r.num_replicas * r.cfg_parallel_size
+    roles = {
+        "rollout": (ranks, r.cpus_per_rank, gpus(r.gpus_per_rank), r.resources),
+        "learner": (lr.world_size, lr.cpus_per_rank, gpus(lr.gpus_per_rank), lr.resources),
+        "reward": (rw.num_workers, rw.cpus_per_worker, rw.gpus_per_worker, rw.resources),
+        "sync": (1, s.cpus, gpus(s.gpus), s.resources),
+    }
+    out = {}
+    for role, (count, cpus, gpu, extra) in roles.items():
+        need = {"CPU": count * cpus, "GPU": count * gpu, **{k: count * v for k, v in extra.items()}}
+        out[role] = {k: v for k, v in need.items() if v > 0}
+    return out
+
+
+def required_cpus(cfg: RayflowConfig) -> float:
+    """Logical CPUs the run's placement groups reserve."""
+    return sum(d.get("CPU", 0.0) for d in role_demand(cfg, cluster_has_gpus=False).values())
+
+
+KNOBS = {
+    "CPU": "rollout.cpus_per_rank, learner.cpus_per_rank, reward.cpus_per_worker, sync.cpus (fractions are fine: a rank runs learner.threads_per_rank / rollout.threads_per_rank torch threads)",
+    "GPU": "rollout.num_replicas, rollout.cfg_parallel_size, learner.world_size, *.gpus_per_rank, reward.gpus_per_worker, sync.gpus",
+}
+
+
+def check_fits(cfg: RayflowConfig, available: dict[str, float], autoscaler_max: dict[str, float] | None) -> None:
+    """Raise ConfigError when the run needs more of a resource than the cluster has and its autoscaler can
+    reach. `autoscaler_max`: the most the autoscaler can grow the cluster to ({} when there is no
+    autoscaler; None when one runs without reporting its limits: then nothing is refused here)."""
+    if autoscaler_max is None:
+        return  # an autoscaler of unknown capacity: the placement group's own timeout is the limit
+    demand = role_demand(cfg, cluster_has_gpus=available.get("GPU", 0) > 0 or bool(autoscaler_max.get("GPU")))
+    total: dict[str, float] = {}
+    for need in demand.values():
+        for k, v in need.items():
+            total[k] = total.get(k, 0.0) + v
+    for resource, needed in sorted(total.items()):
+        have = available.get(resource, 0.0)
+        reach = max(have, autoscaler_max.get(resource, 0.0))
+        if needed > reach + 1e-9:
+            per_role = ", ".join(f"{role} {need[resource]:g}" for role, need in demand.items() if resource in need)
+            scaling = f"its autoscaler can grow it to {reach:g}" if autoscaler_max else "no autoscaler can add more"
+            raise ConfigError(
+                f"resources.{resource}", f"{needed:g} needed ({per_role})",
+                f"at most what the cluster has ({have:g} now; {scaling}); change "
+                + KNOBS.get(resource, f"the roles' `resources` entries asking for {resource!r}"),
+            )
+
+
+def check_cluster_fits(cfg: RayflowConfig) -> None:
+    """check_fits against the connected Ray cluster (call after ray.init, before any placement group)."""
+    import ray
+    from ray._private.state import state
+
+    # Autoscalers that report their node groups (KubeRay, autoscaler v2) give their limits.
+    autoscaler_max = state.get_max_resources_from_cluster_config()
+    if autoscaler_max is None:
+        autoscaler_max = None if classic_autoscaler_runs() else {}
+    check_fits(cfg, ray.cluster_resources(), autoscaler_max)
+
+
+def classic_autoscaler_runs() -> bool:
+    """Whether the head's autoscaler (v1) has an autoscaling config. Every head runs its monitor, but a
+    head without one reports each node under a "readonly" type named after the node's id; node types of
+    a cluster config (ray.head.default, gpu_worker, ...) mean nodes can be added."""
+    import ray
+    from ray._private.ray_constants import DEBUG_AUTOSCALING_STATUS
+    from ray.autoscaler._private.util import format_readonly_node_type
+    from ray.experimental.internal_kv import _internal_kv_get
+
+    status = _internal_kv_get(DEBUG_AUTOSCALING_STATUS)
+    if not status:
+        return False
+    active = (json.loads(status).get("autoscaler_report") or {}).get("active_nodes") or {}
+    readonly = {format_readonly_node_type(node["NodeID"]) for node in ray.nodes()}
+    return bool(set(active) - readonly)

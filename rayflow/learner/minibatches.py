@@ -1,0 +1,111 @@
+"""Inner epochs and mini-batches: how one trained batch becomes several optimizer steps.
+
+flow_grpo's `train.num_inner_epochs` passes over each epoch's samples, each pass shuffled and cut
+into mini-batches, one optimizer step per mini-batch; later mini-batches train off-policy, which is
+where the PPO clip acts. The plan is a pure function of (run seed, version, batch size), so the
+reference trainer and every learner rank cut the same mini-batches, and a resumed run cuts them again.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch
+
+from rayflow.algorithms.diffusion_nft import ema_step
+from rayflow.cfg.policy import CFGPolicy
+from rayflow.config import RayflowConfig
+from rayflow.learner.objective import backward
+from rayflow.learner.optim import optimizer_step, update_rollout_ema
+from rayflow.learner.parallelize import reshard
+from rayflow.models import DiffusionModel
+from rayflow.types import Trajectory
+
+
+def minibatch_plan(batch_size: int, run_seed: int, version: int, num_inner_epochs: int, num_minibatches: int
+                   ) -> list[list[int]]:
+    """Indices into the batch of each optimizer step, in order: for each inner epoch, a permutation of
+    range(batch_size) drawn from (run seed, version, epoch), cut into num_minibatches equal slices.
+
+    One inner epoch and one mini-batch keep the batch in its order (no draw): the single-step
+    behaviour, unchanged."""
+    if batch_size % num_minibatches:
+        raise ValueError(f"a batch of {batch_size} does not split into {num_minibatches} equal mini-batches")
+    size = batch_size // num_minibatches
+    if num_inner_epochs == 1 and num_minibatches == 1:
+        return [list(range(batch_size))]
+    plan = []
+    for epoch in range(num_inner_epochs):
+        g = torch.Generator().manual_seed(hash((run_seed, version, epoch)) & (2**63 - 1))
+        order = torch.randperm(batch_size, generator=g).tolist()
+        plan += [order[i : i + size] for i in range(0, batch_size, size)]
+    return plan
+
+
+def trained_subset(advantages: list[float], unit: int, run_seed: int, version: int) -> list[int]:
+    """FlowGRPO's learner batch: the indices of samples with a non-zero advantage (a zero one adds no policy
+    gradient, only dilutes the mean), plus as few zero-advantage samples as make the count a positive
+    multiple of `unit` (num_minibatches x learner ranks), drawn from (run seed, version) — flow_grpo's
+    train_sd3.py filter, which tops the kept count up to a multiple of its mini-batches the same way."""
+    keep = [i for i, a in enumerate(advantages) if a != 0]
+    zeros = [i for i, a in enumerate(advantages) if a == 0]
+    short = (-len(keep)) % unit if keep else unit
+    g = torch.Generator().manual_seed(hash((run_seed, version, "zero-advantage")) & (2**63 - 1))
+    added = [zeros[i] for i in torch.randperm(len(zeros), generator=g)[:short].tolist()] if short else []
+    return sorted(keep + added)
+
+
+def learner_batch(batch: list, cfg: RayflowConfig, version: int) -> tuple[list, int]:
+    """The part of a scored batch (advantages assigned) the learners train on, and how many samples were
+    left out: FlowGRPO drops zero-advantage samples (`trained_subset`); DiffusionNFT keeps them all (A = 0
+    still pulls toward r = ½, as in DiffusionNFT, which does not filter)."""
+    if cfg.algorithm.name != "flow_grpo":
+        return batch, 0
+    unit = cfg.algorithm.num_minibatches * cfg.learner.world_size
+    kept = trained_subset([t.advantage for t in batch], unit, cfg.trainer.seed, version)
+    return [batch[i] for i in kept], len(batch) - len(kept)
+
+
+def pass_index(version: int, epoch: int, num_inner_epochs: int) -> int:
+    """The index of one pass over the data (version·num_inner_epochs + epoch): what per-pass draws
+    (DiffusionNFT's noise and timesteps) are keyed by, so each inner epoch draws afresh; with one
+    inner epoch it is the version."""
+    return version * num_inner_epochs + epoch
+
+
+@dataclass
+class BatchResult:
+    grad_norm: float
+    """Mean over the batch's optimizer steps of the global gradient norm (before clipping)."""
+    skipped_steps: int
+    """Steps of the batch skipped because the norm was not finite."""
+    ema_decay: float
+    """η of the batch's "old" EMA update (DiffusionNFT; 0 otherwise)."""
+
+
+def train_batch(cfg: RayflowConfig, model: DiffusionModel, optimizer: torch.optim.Optimizer, policy: CFGPolicy,
+                steps: list[list[Trajectory]], version: int) -> tuple[dict[str, float], BatchResult]:
+    """Train one batch (version `version`): per entry of `steps` (this process's trajectories of one
+    planned mini-batch, in plan order) accumulate its gradients, then one optimizer step; then, for
+    DiffusionNFT, one EMA update of "old".
+
+    Returns the metrics averaged over the steps, and the batch's result. Old log-probs stay the rollout's:
+    every mini-batch's ratio is taken against the policy that sampled it, as in flow_grpo."""
+    algo = cfg.algorithm
+    metrics: dict[str, float] = defaultdict(float)
+    results = []
+    for i, shard in enumerate(steps):
+        step_metrics = backward(cfg, model, policy, shard, pass_index(version, i // algo.num_minibatches, algo.num_inner_epochs))
+        reshard(model.transformer)
+        results.append(optimizer_step(model.transformer, optimizer, cfg.learner))
+        for name, value in step_metrics.items():
+            metrics[name] += value / len(steps)
+    eta = 0.0
+    if algo.needs_ema_rollout:
+        eta = update_rollout_ema(model.transformer, algo, ema_step(version, len(steps)))
+    return dict(metrics), BatchResult(
+        grad_norm=sum(r.grad_norm for r in results) / len(results),
+        skipped_steps=sum(r.skipped for r in results),
+        ema_decay=eta,
+    )

@@ -1,0 +1,32 @@
+"""Pooled + sequence text conditioning (SD3, FLUX.1) carried in one PromptEmbeds.
+
+The sampler, the trajectories and the learner's replay carry one [L, D] tensor per sample and
+conditioning. Pipelines with a CLIP pooled embedding [P] as well store it as an extra first row,
+zero-padded to D (P <= D in every such pipeline: SD3 2048 <= 4096, FLUX.1 768 <= 4096), so
+nothing outside the model adapter needs to know about it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rayflow.models.base import PromptEmbeds
+
+
+def check_fits(pooled_dim: int, seq_dim: int, pipeline_class: str) -> None:
+    if pooled_dim > seq_dim:
+        raise ValueError(
+            f"model: {pipeline_class} has a pooled text embedding of width {pooled_dim} wider than its sequence "
+            f"embedding ({seq_dim}); rayflow carries the pooled one as an extra sequence row, so it must be <= {seq_dim}"
+        )
+
+
+def pack(embeds: torch.Tensor, pooled: torch.Tensor) -> PromptEmbeds:
+    """[B, L, D] sequence and [B, P] pooled -> PromptEmbeds [B, 1 + L, D] (no mask: the pipelines pad to a fixed length)."""
+    row = torch.nn.functional.pad(pooled, (0, embeds.shape[-1] - pooled.shape[-1]))
+    return PromptEmbeds(torch.cat([row[:, None], embeds], dim=1), None)
+
+
+def unpack(cond: PromptEmbeds, pooled_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The inverse of `pack`: (sequence [B, L, D], pooled [B, P])."""
+    return cond.embeds[:, 1:], cond.embeds[:, 0, :pooled_dim]

@@ -1,0 +1,14 @@
+"""Where the repository's own files are, independent of the working directory."""
+
+from __future__ import annotations
+
+import os
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+"""The checkout rayflow is imported from (recipes/, tools/ and cluster/ live beside the package)."""
+RECIPES_DIR = os.path.join(REPO_ROOT, "recipes")
+
+
+def recipe(name: str) -> str:
+    """Absolute path of a recipe YAML or prompt file given relative to recipes/ ("flowgrpo_qwen_image.yaml")."""
+    return os.path.join(RECIPES_DIR, name)

@@ -1,0 +1,96 @@
+"""Start-up checks of a config against the devices it will run on, before any actor starts.
+
+`device_facts` runs where the work runs (a one-GPU Ray task on a GPU cluster, else this process);
+`check_device` and the memory planner turn facts and config into one ConfigError naming the key.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import shutil
+from dataclasses import dataclass
+
+from rayflow.config import RayflowConfig
+from rayflow.errors import ConfigError
+
+log = logging.getLogger("rayflow")
+
+
+@dataclass(frozen=True)
+class DeviceFacts:
+    device: str
+    """"cuda" or "cpu"."""
+    name: str
+    total_bytes: int
+    """Memory of one GPU (0 on CPU)."""
+    bf16: bool
+    """Whether bfloat16 runs natively (CUDA compute capability 8.0 and newer; always on CPU)."""
+    compiler: bool
+    """Whether torch.compile has a backend compiler: Triton on CUDA, a C++ compiler on CPU."""
+
+
+def device_facts() -> DeviceFacts:
+    """Facts about the device this process sees (the first GPU, else the CPU)."""
+    import torch
+
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        return DeviceFacts("cuda", props.name, props.total_memory, torch.cuda.is_bf16_supported(including_emulation=False),
+                           importlib.util.find_spec("triton") is not None)
+    compiler = any(shutil.which(cc) for cc in ("c++", "g++", "clang++"))
+    return DeviceFacts("cpu", "cpu", 0, True, compiler)
+
+
+def uses_bf16(cfg: RayflowConfig) -> list[tuple[str, str]]:
+    """(key, value) of every setting that computes in bf16."""
+    keys = []
+    if cfg.model.dtype == "bfloat16":
+        keys.append(("model.dtype", cfg.model.dtype))
+    if cfg.learner.mixed_precision != "none":
+        keys.append(("learner.mixed_precision", cfg.learner.mixed_precision))
+    return keys
+
+
+def check_device(cfg: RayflowConfig, facts: DeviceFacts) -> None:
+    """ConfigError for a setting the device cannot run: bf16 without native support, a CUDA-only attention
+    kernel without CUDA, compile without a compiler."""
+    for key, value in uses_bf16(cfg):
+        if not facts.bf16:
+            raise ConfigError(key, value, f"a setting without bfloat16: {facts.name} has no native bf16 "
+                                          f"(CUDA compute capability 8.0 or newer); use float16 or float32")
+    from rayflow.models.speed import CUDA_ONLY_BACKENDS
+
+    if cfg.model.attention_backend in CUDA_ONLY_BACKENDS and facts.device != "cuda":
+        raise ConfigError("model.attention_backend", cfg.model.attention_backend,
+                          f"one of 'auto', 'flash', 'math' on {facts.device} ({list(CUDA_ONLY_BACKENDS)} are CUDA kernels)")
+    if cfg.model.compile and not facts.compiler:
+        needed = "Triton (pip install triton)" if facts.device == "cuda" else "a C++ compiler (g++ or clang++)"
+        raise ConfigError("model.compile", True, f"false on this {facts.device}: torch.compile needs {needed}")
+
+
+def probe_cluster() -> DeviceFacts | None:
+    """DeviceFacts of one GPU of the connected Ray cluster (a short task), or None without GPUs."""
+    import ray
+
+    if ray.cluster_resources().get("GPU", 0) < 1:
+        return None
+    return ray.get(ray.remote(num_gpus=1, num_cpus=0)(device_facts).remote(), timeout=600)
+
+
+def check_before_start(cfg: RayflowConfig) -> None:
+    """Every start-up check on the connected cluster: the device's features, and on GPU clusters the
+    memory plan (trainer.memory_check) against one GPU's memory (or trainer.gpu_memory_gib)."""
+    facts = probe_cluster()
+    check_device(cfg, facts or device_facts())
+    if facts is None:
+        log.info("no GPU in the cluster (yet): the memory plan is not checked; `python tools/plan.py` shows it")
+        return
+    if not cfg.trainer.memory_check:
+        return
+    from rayflow.planning.memory import GiB, check_fits, format_plan, plan_config
+
+    device_bytes = int(cfg.trainer.gpu_memory_gib * GiB) if cfg.trainer.gpu_memory_gib else facts.total_bytes
+    plan, source = plan_config(cfg)
+    log.info("memory plan (%s):\n%s", facts.name, format_plan(plan, device_bytes, source))
+    check_fits(cfg, plan, device_bytes)

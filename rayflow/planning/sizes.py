@@ -1,0 +1,156 @@
+"""What the memory planner knows about a model: parameter counts from its classes built with meta
+parameters (no weights read) and transformer activations measured on the meta device
+(rayflow.planning.activations), at the configured LoRA, resolution and dtype."""
+
+from __future__ import annotations
+
+import inspect
+import os
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from rayflow.config import RayflowConfig
+
+PLANNED_TEXT_TOKENS = 256
+"""Prompt tokens the plan assumes (the conditioning length after the chat template is dropped)."""
+
+
+@dataclass
+class ModelSizes:
+    """What the planner needs to know about the model, measured from its classes."""
+
+    parameters: dict[str, int]
+    """Component name -> parameter count (transformer, text_encoder, vae)."""
+    lora_parameters: int
+    """Parameters of one LoRA adapter with the configured rank and targets."""
+    adapted_parameters: int
+    """Parameters of the linears the adapter targets (what "merged" weight sync sends)."""
+    block_parameters: int
+    """Parameters of the largest transformer block (what FSDP2 gathers at once)."""
+    layers: int
+    forward: dict[tuple[int, bool], "ForwardCost"]
+    """(batch, checkpointing) -> activation bytes of one transformer forward with gradients (FlowGRPO
+    replays every CFG branch with gradients: a training step keeps one per branch)."""
+    text: dict[str, int]
+    """Text encoder sizes: hidden, layers, vocab, intermediate."""
+    vae_full_res_channels: int
+    latent_elements: int
+    """Elements of one sample's latents at the configured resolution."""
+
+
+@dataclass(frozen=True)
+class ForwardCost:
+    saved: int
+    """Kept for backward over the whole forward."""
+    block: int
+    """Kept for backward by one block: the working set a block needs, with gradients or without."""
+
+
+def model_directory(cfg: RayflowConfig, arch: str, workdir: str) -> tuple[str, str]:
+    """(a pipeline directory to read configs from, where it came from). model.path when it is on this
+    machine; the tiny model when path is null; else the published configs of `arch`."""
+    from rayflow.models.random_init import write_random_init_dir
+    from rayflow.models.tiny import resolve_model_path
+
+    path = cfg.model.path
+    if path is None:
+        return resolve_model_path(None, cfg.model.cache_dir, cfg.model.tiny_size, cfg.model.tiny_seed, cfg.model.tiny_arch), "tiny offline model"
+    if os.path.isfile(os.path.join(path, "model_index.json")):
+        return path, path
+    out = write_random_init_dir(arch, os.path.join(workdir, arch), seed=0)
+    return out, f"published {arch} configs ({path} is not on this machine)"
+
+
+def measure_model(cfg: RayflowConfig, path: str, batches: set[tuple[int, bool]], math_attention: bool = False,
+                  text_tokens: int = PLANNED_TEXT_TOKENS) -> ModelSizes:
+    """ModelSizes of the pipeline at `path` for the config's LoRA, resolution and dtype."""
+    from rayflow.learner.lora import add_lora
+    from rayflow.learner.model import lora_targets
+    from rayflow.models.random_init import meta_components, parameter_count, parameters_on_meta
+
+    full = meta_components(path)
+    parameters = {name: parameter_count(m) for name, m in full.items()}
+    transformer = full["transformer"]
+    blocks = list(transformer.transformer_blocks)
+    meta_model = _meta_model(path, transformer, cfg)
+    targets = lora_targets(cfg, meta_model)
+    adapted = sum(m.weight.numel() for name, m in transformer.named_modules()
+                  if isinstance(m, nn.Linear) and any(name == t or name.endswith("." + t) for t in targets))
+    with parameters_on_meta():
+        add_lora(transformer, rank=cfg.learner.lora_rank, alpha=cfg.learner.lora_alpha, targets=targets)
+    lora = sum(p.numel() for n, p in transformer.named_parameters() if ".lora_" in n)
+    forward = {key: _forward_cost(cfg, path, *key, len(blocks), math_attention, text_tokens) for key in sorted(batches)}
+    latents, _ = meta_model.prepare_latents([0], cfg.sampling.height, cfg.sampling.width)
+    text = full.get("text_encoder")
+    text_config = text.config.get_text_config() if text is not None else None
+    vae = full.get("vae")
+    return ModelSizes(
+        parameters=parameters,
+        lora_parameters=lora,
+        adapted_parameters=adapted,
+        block_parameters=max(parameter_count(b) for b in blocks) if blocks else 0,
+        layers=len(blocks),
+        forward=forward,
+        text={} if text_config is None else dict(
+            hidden=text_config.hidden_size, layers=text_config.num_hidden_layers,
+            vocab=text_config.vocab_size, intermediate=text_config.intermediate_size),
+        vae_full_res_channels=0 if vae is None else _vae_full_res_channels(vae.config),
+        latent_elements=latents.numel(),
+    )
+
+
+def _vae_full_res_channels(config) -> int:
+    """Channels of the decoder's widest full-resolution map: twice the first stage's width (the map
+    being upsampled into it), for Wan-style (base_dim) and SD-style (block_out_channels) VAEs."""
+    if "base_dim" in config:
+        return 2 * config["base_dim"] * config["dim_mult"][0]
+    return 2 * config["block_out_channels"][0]
+
+
+def _meta_model(path: str, transformer: nn.Module, cfg: RayflowConfig):
+    """The registered DiffusionModel around a meta transformer (text encoder and VAE left out)."""
+    import diffusers
+
+    from rayflow.models.base import model_class, pipeline_class_of
+
+    pipeline_class = pipeline_class_of(path)
+    cls = getattr(diffusers, pipeline_class)
+    parts = {name: None for name in inspect.signature(cls.__init__).parameters if name != "self"}
+    pipe = cls(**{**parts, "transformer": transformer})
+    return model_class(pipeline_class)(pipe, torch.device("meta"), getattr(torch, cfg.model.dtype))
+
+
+def _forward_cost(cfg: RayflowConfig, path: str, batch: int, checkpointing: bool, full_depth: int,
+                  math_attention: bool, text_tokens: int) -> ForwardCost:
+    """One forward with gradients at `batch`, measured at depths 1 and 2 and scaled to the full depth."""
+    from rayflow.learner.lora import add_lora
+    from rayflow.learner.model import lora_targets
+    from rayflow.models.random_init import meta_components, parameters_on_meta
+    from rayflow.planning.activations import measure_forward
+
+    dtype = getattr(torch, cfg.model.dtype)
+    measured = []
+    for depth in (1, 2):
+        transformer = meta_components(path, depth=depth, skip=("text_encoder", "vae"))["transformer"]
+        nn.Module.to(transformer, dtype)  # meta: no copy (diffusers' own .to warns about fp32 modules)
+        model = _meta_model(path, transformer, cfg)
+        with parameters_on_meta():
+            add_lora(transformer, rank=cfg.learner.lora_rank, alpha=cfg.learner.lora_alpha,
+                     targets=lora_targets(cfg, model))
+        latents, _ = model.prepare_latents(list(range(batch)), cfg.sampling.height, cfg.sampling.width)
+        cond = model.planning_conditioning(batch, text_tokens)
+        timestep = torch.full((batch,), 500.0, device="meta")
+        measured.append(measure_forward(transformer, lambda: model.predict_velocity(
+            latents, timestep, cond, cfg.sampling.height, cfg.sampling.width), math_attention=math_attention))
+    one, two = measured
+    per_block = two.saved - one.saved
+    outside = one.saved - per_block
+    if checkpointing:
+        # Each block keeps its inputs; the block being recomputed in backward keeps its full set.
+        per_input = two.block_inputs - one.block_inputs
+        saved = outside + full_depth * per_input + per_block
+    else:
+        saved = outside + full_depth * per_block
+    return ForwardCost(saved=saved, block=per_block)

@@ -1,0 +1,46 @@
+"""Checks of reward kwargs and prompts that run before Ray starts.
+
+A reward factory may define
+    check_kwargs(kwargs: dict, key: str) -> None    raise ConfigError for a bad value
+    check_prompt(prompt: str) -> None               raise ValueError for a prompt it cannot score
+Unknown or missing kwargs are caught here for every reward from its factory's signature.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+from rayflow.errors import ConfigError
+from rayflow.rewards.registry import reward_factory
+
+
+def check_reward_kwargs(name: str, kwargs: dict[str, Any], key: str) -> None:
+    """Raise ConfigError naming `key` if reward `name` cannot be built with `kwargs`."""
+    factory = reward_factory(name)
+    try:
+        inspect.signature(factory).bind(**kwargs)
+    except TypeError as e:
+        raise ConfigError(key, kwargs, f"the arguments of reward {name!r}: {_parameters(factory)} ({e})") from None
+    check = getattr(factory, "check_kwargs", None)
+    if check is not None:
+        check(kwargs, key)
+
+
+def _parameters(factory) -> str:
+    return ", ".join(str(p) for p in inspect.signature(factory).parameters.values()) or "none"
+
+
+def check_prompt_file(names: list[str], path: str) -> None:
+    """Raise ValueError naming the file and line of the first prompt one of the rewards cannot score."""
+    from rayflow.data.prompts import prompt_lines
+
+    checks = [(n, c) for n in names if (c := getattr(reward_factory(n), "check_prompt", None)) is not None]
+    if not checks:
+        return
+    for lineno, prompt in prompt_lines(path):
+        for name, check in checks:
+            try:
+                check(prompt)
+            except ValueError as e:
+                raise ValueError(f"{path}:{lineno}: {e}") from None

@@ -1,0 +1,142 @@
+"""A run's directory and what resuming into it means, decided before anything starts.
+
+    <trainer.output_dir>/<trainer.run_name>/
+        config.yaml     the resolved config the run (last) started with
+        checkpoints/    step_00000050/ ... (rayflow.checkpoint)
+        tensorboard/
+
+A resume is checked against the config the checkpoint's run was started with: a run that is already
+complete says so instead of training nothing; settings that change what the run means (model,
+algorithm, LoRA, sampling, CFG, rewards, prompts, batch and group sizes, seed) are refused, naming
+each; the others (total_steps, logging, eval, placement, ...) are allowed and listed.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+from dataclasses import dataclass, field
+
+import yaml
+
+from rayflow.checkpoint import CheckpointMismatch, checkpoint_root, read_meta, resolve_resume
+from rayflow.config import RayflowConfig, to_dict, to_yaml
+from rayflow.data.prompts import load_prompts
+from rayflow.errors import ConfigError
+from rayflow.rewards.validation import check_prompt_file
+
+log = logging.getLogger("rayflow")
+CONFIG_FILE = "config.yaml"
+BREAKING = ("model.", "algorithm.", "learner.lora_", "sampling.", "cfg.", "reward.functions", "data.prompts", "trainer.seed")
+"""Dotted-key prefixes whose change makes a resumed run a different experiment."""
+IGNORED = ("model.cache_dir", "trainer.output_dir", "trainer.run_name", "trainer.logdir", "trainer.resume")
+"""Keys that only locate the run (a copied run dir may be resumed from a new place)."""
+
+
+class RunComplete(Exception):
+    """The checkpoint to resume from already reached trainer.total_steps: there is nothing to train."""
+
+
+class ResumeRefused(ValueError):
+    """Resuming would continue a checkpoint under settings that change the run's meaning."""
+
+
+USER_ERRORS = (ConfigError, CheckpointMismatch, ResumeRefused, FileNotFoundError, ValueError)
+"""Root causes that are a setting or a file to fix: shown as one line, without a traceback."""
+
+
+@dataclass
+class ResumePlan:
+    path: str | None
+    """The checkpoint to continue from; None starts a new run."""
+    step: int = 0
+    """Its step (0 for a new run)."""
+    changed: list[str] = field(default_factory=list)
+    """Allowed setting changes against the checkpoint's run, as "key: old -> new"."""
+
+
+def plan_resume(cfg: RayflowConfig) -> ResumePlan:
+    """Where `cfg` starts: a new run, or a checkpoint it may continue. Raises RunComplete when that
+    checkpoint is at or past trainer.total_steps, ResumeRefused when a setting of BREAKING changed,
+    ValueError/FileNotFoundError for a resume target that is not a checkpoint."""
+    t = cfg.trainer
+    path = resolve_resume(t.resume, checkpoint_root(t.run_dir))
+    if path is None:
+        return ResumePlan(None)
+    step = read_meta(path)["step"]
+    if step >= t.total_steps:
+        raise RunComplete(
+            f"run {t.run_name!r} is complete: {path} is step {step} and trainer.total_steps={t.total_steps}; nothing to "
+            f"train. Continue it with a larger trainer.total_steps, or leave trainer.run_name unset to start a new run"
+        )
+    saved_file = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(path))), CONFIG_FILE)
+    if not os.path.isfile(saved_file):
+        return ResumePlan(path, step, [f"(no {CONFIG_FILE} beside {path}: settings not compared)"])
+    with open(saved_file) as f:
+        saved = _flatten(yaml.safe_load(f) or {})
+    current = _flatten(to_dict(cfg))
+    diffs = [(key, saved.get(key), current.get(key)) for key in sorted(set(saved) | set(current))
+             if saved.get(key) != current.get(key) and not key.startswith(IGNORED)]
+    refused = [d for d in diffs if d[0].startswith(BREAKING)]
+    if refused:
+        raise ResumeRefused(
+            f"cannot resume {path} under changed settings that change what the run means: "
+            + "; ".join(f"{k}: {a!r} -> {b!r}" for k, a, b in refused)
+            + f". Put them back, or leave trainer.run_name unset (and trainer.resume=auto) to start a new run"
+        )
+    return ResumePlan(path, step, [f"{k}: {a!r} -> {b!r}" for k, a, b in diffs])
+
+
+def preflight(cfg: RayflowConfig) -> list[str]:
+    """Checks that need no Ray: the prompt files, the model directory (on a local run it must be here),
+    the resume target and what resuming would change. Returns the training prompts."""
+    prompts = load_prompts(cfg.data.prompts, cfg.data.max_prompt_chars)
+    if cfg.data.eval_prompts:
+        load_prompts(cfg.data.eval_prompts, cfg.data.max_prompt_chars)
+    for path in filter(None, (cfg.data.prompts, cfg.data.eval_prompts)):  # e.g. an OCR prompt without a quoted target
+        check_prompt_file([fn.name for fn in cfg.reward.functions], path)
+    if cfg.model.path is not None and not os.environ.get("RAY_ADDRESS") and not os.path.isdir(cfg.model.path):
+        raise ConfigError("model.path", cfg.model.path, "a diffusers pipeline directory on this machine (a local run loads it here)")
+    if cfg.model.path is None:
+        build_tiny_model_once(cfg)
+    plan = plan_resume(cfg)
+    if plan.path is not None:
+        log.info("resuming run %r from %s (step %d)", cfg.trainer.run_name, plan.path, plan.step)
+        for change in plan.changed:
+            log.warning("resumed with a changed setting: %s", change)
+    return prompts
+
+
+def build_tiny_model_once(cfg: RayflowConfig) -> str:
+    """Build (or find) the cached tiny model here, quietly, so the actors only load it."""
+    import diffusers
+    import transformers
+
+    from rayflow.models.tiny import resolve_model_path
+
+    diffusers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.disable_progress_bar()
+    m = cfg.model
+    return resolve_model_path(None, m.cache_dir, m.tiny_size, m.tiny_seed, m.tiny_arch)
+
+
+def write_run_config(cfg: RayflowConfig) -> str:
+    """Write <run_dir>/config.yaml atomically (what a later resume is compared against). Returns its path."""
+    os.makedirs(cfg.trainer.run_dir, exist_ok=True)
+    final = os.path.join(cfg.trainer.run_dir, CONFIG_FILE)
+    fd, tmp = tempfile.mkstemp(prefix=".config-", dir=cfg.trainer.run_dir)
+    with os.fdopen(fd, "w") as f:
+        f.write(to_yaml(cfg))
+    os.chmod(tmp, 0o644)  # mkstemp files are private; a run's outputs are as readable as any other file
+    os.replace(tmp, final)
+    return final
+
+
+def _flatten(data, prefix: str = "") -> dict[str, object]:
+    if isinstance(data, dict):
+        out = {}
+        for key, value in data.items():
+            out.update(_flatten(value, f"{prefix}{key}."))
+        return out or {prefix[:-1]: {}}
+    return {prefix[:-1]: data}

@@ -1,0 +1,28 @@
+"""tools/bench.py gpu, its CPU-safe path: every phase on the tiny model on CPU (the harness, not the figures)."""
+
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_gpu_benchmark_harness_runs_on_cpu(tmp_path):
+    out = tmp_path / "bench_gpu.json"
+    subprocess.run(
+        [sys.executable, os.path.join(ROOT, "tools", "bench.py"), "gpu", "--device", "cpu", "--tiny", "--repeats", "1",
+         "--batch", "1", "--learner-batch", "2", "--size", "32", "--json", str(out)],
+        cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1"), check=True, timeout=600,
+        capture_output=True,
+    )
+    result = json.loads(out.read_text())
+    assert result["setup"]["dtype"] == "float32" and result["setup"]["steps"] == 2
+    rollout, learner = result["rollout"], result["learner"]
+    assert rollout["pipeline"]["images_per_s"] > 0 and rollout["replica"]["images_per_s"] > 0
+    assert rollout["ratio"] == rollout["replica"]["images_per_s"] / rollout["pipeline"]["images_per_s"]
+    assert learner["train_step_s"] > 0 and learner["bare_forward_backward_s"] > 0
+    assert learner["planned_bytes"] > 0 and learner["peak_bytes"] is None  # no CUDA allocator on CPU
+    # In fp32 on one CPU the learner's replay is the rollout's computation: the log-probs agree exactly.
+    for label in ("cfg_4.0", "no_cfg"):
+        assert result["log_prob_mismatch"][label]["max"] == 0.0

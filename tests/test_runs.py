@@ -1,0 +1,140 @@
+"""A run's directory and resuming into it, decided before Ray starts: a complete run says so instead of
+training nothing, changed settings are listed and the ones that change the run's meaning refused, and
+the recipes work from any working directory."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from rayflow import reference
+from rayflow.paths import REPO_ROOT
+from rayflow.runs import ResumeRefused, RunComplete, plan_resume, write_run_config
+from tiny_run import GRPO, small_cfg
+
+
+@pytest.fixture(scope="module")
+def finished_run(tiny_model_dir, tmp_path_factory):
+    """A 2-step reference run with its config.yaml, as a recipe leaves it."""
+    run_dir = tmp_path_factory.mktemp("runs") / "done"
+    cfg = small_cfg(GRPO, tiny_model_dir, run_dir, "trainer.total_steps=2", "trainer.save_every=1")
+    write_run_config(cfg)
+    reference.train(cfg, log=lambda *_: None)
+    return run_dir
+
+
+def test_a_new_run_name_starts_over_and_the_same_one_resumes(tiny_model_dir, finished_run, tmp_path):
+    assert plan_resume(small_cfg(GRPO, tiny_model_dir, tmp_path / "new", "trainer.total_steps=2")).path is None
+    plan = plan_resume(small_cfg(GRPO, tiny_model_dir, finished_run, "trainer.total_steps=5", "trainer.save_every=1",
+                                 "trainer.eval_every=3", "async.max_staleness=1"))
+    assert plan.path.endswith("step_00000002") and plan.step == 2
+    # Allowed, and listed.
+    assert plan.changed == ["async.max_staleness: 0 -> 1", "trainer.eval_every: 25 -> 3", "trainer.total_steps: 2 -> 5"]
+
+
+def test_a_complete_run_says_so(tiny_model_dir, finished_run):
+    with pytest.raises(RunComplete, match=r"is complete: .*step 2 and trainer.total_steps=2"):
+        plan_resume(small_cfg(GRPO, tiny_model_dir, finished_run, "trainer.total_steps=2"))
+
+
+@pytest.mark.parametrize("override, key", [
+    ("algorithm.group_size=2", "algorithm.group_size: 4 -> 2"),
+    ("learner.lora_rank=4", "learner.lora_rank: 8 -> 4"),
+    ("algorithm.name=diffusion_nft", "algorithm.name: 'flow_grpo' -> 'diffusion_nft'"),
+])
+def test_a_resume_that_changes_the_run_is_refused_naming_the_change(tiny_model_dir, finished_run, override, key):
+    overrides = ["trainer.total_steps=5", override]
+    if "diffusion_nft" in override:
+        overrides += ["sampling.sde_type=ode", "sampling.guidance_scale=1.0"]
+    with pytest.raises(ResumeRefused, match=key.replace("(", r"\(")):
+        plan_resume(small_cfg(GRPO, tiny_model_dir, finished_run, *overrides))
+
+
+def run_from(cwd, *argv, timeout=120) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    return subprocess.run([sys.executable, *argv], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def test_the_recipe_and_the_reference_say_a_complete_run_is_complete_before_ray_starts(tiny_model_dir, finished_run, tmp_path):
+    run = [f"model.path={tiny_model_dir}", f"trainer.output_dir={finished_run.parent}", f"trainer.run_name={finished_run.name}",
+           "trainer.total_steps=2", "algorithm.prompts_per_step=1", "algorithm.group_size=4", "sampling.num_steps=4",
+           "learner.micro_batch_size=2", "rollout.micro_batch_size=4"]
+    for argv in ([os.path.join(REPO_ROOT, "recipes", "flowgrpo_qwen_image.py"), *run],
+                 ["-m", "rayflow.reference", "--config", GRPO, *run]):
+        result = run_from(tmp_path, *argv)  # outside the repository
+        assert result.returncode == 0, result.stderr[-3000:]
+        log = result.stdout + result.stderr
+        assert "is complete" in log and "nothing to train" in log and "Started a local Ray" not in log
+    refused = run_from(tmp_path, "-m", "rayflow.reference", "--config", GRPO, *run, "trainer.total_steps=3", "algorithm.group_size=2")
+    assert refused.returncode != 0
+    assert "algorithm.group_size: 4 -> 2" in refused.stderr.strip().splitlines()[-1]
+
+
+def test_bad_resume_and_model_path_fail_before_ray_in_one_line(tmp_path):
+    recipe = os.path.join(REPO_ROOT, "recipes", "flowgrpo_qwen_image.py")
+    result = run_from(tmp_path, recipe, "model.path=/nonexistent/model")
+    assert result.returncode != 0 and "Started a local Ray" not in result.stderr
+    assert result.stderr.strip().splitlines()[-1] == (
+        "error: model.path: got '/nonexistent/model'; allowed: a diffusers pipeline directory on this machine "
+        "(a local run loads it here)")
+    (tmp_path / "outputs" / "old" / "checkpoints" / "step_00000001").mkdir(parents=True)
+    (tmp_path / "outputs" / "old" / "checkpoints" / "step_00000001" / "meta.json").write_text("{}")
+    result = run_from(tmp_path, recipe, "trainer.run_name=old", "trainer.resume=never")
+    assert result.returncode != 0 and "Started a local Ray" not in result.stderr
+    assert "trainer.resume=never but" in result.stderr.strip().splitlines()[-1]
+
+
+def test_resources_beyond_the_cluster_are_refused_naming_roles_and_keys():
+    from rayflow.config import load_config
+    from rayflow.distributed.resources import check_fits, role_demand
+    from rayflow.errors import ConfigError
+
+    cfg = load_config(GRPO, ["rollout.cfg_parallel_size=2"])  # the default recipe, CFG-parallel: 2 CPUs in all
+    assert role_demand(cfg, cluster_has_gpus=False) == {
+        "rollout": {"CPU": 1.0}, "learner": {"CPU": 0.5}, "reward": {"CPU": 0.25}, "sync": {"CPU": 0.25}}
+    check_fits(cfg, {"CPU": 2.0}, autoscaler_max={})  # fits a 2-CPU head exactly
+    with pytest.raises(ConfigError) as info:
+        check_fits(load_config(GRPO, ["learner.world_size=4", "learner.micro_batch_size=4"]), {"CPU": 2.0}, autoscaler_max={})
+    assert info.value.key == "resources.CPU"
+    assert "'3 needed (rollout 0.5, learner 2, reward 0.25, sync 0.25)'" in str(info.value)
+    assert "2 now; no autoscaler can add more" in str(info.value) and "learner.cpus_per_rank" in str(info.value)
+    # An autoscaler that can grow the cluster far enough lets it through; one that cannot is named.
+    gpu_cfg = load_config(GRPO, ["rollout.num_replicas=4"])
+    check_fits(gpu_cfg, {"CPU": 2.0}, autoscaler_max={"CPU": 64.0, "GPU": 8.0})
+    with pytest.raises(ConfigError, match="its autoscaler can grow it to 8"):
+        check_fits(load_config(GRPO, ["rollout.num_replicas=8", "learner.world_size=2", "learner.micro_batch_size=4"]),
+                   {"CPU": 2.0}, autoscaler_max={"CPU": 64.0, "GPU": 8.0})
+    check_fits(cfg, {"CPU": 0.0}, autoscaler_max=None)  # an autoscaler that does not say its limits: not refused
+
+
+def test_a_failure_inside_an_actor_is_reported_as_its_root_cause_in_one_line(ray_session):
+    from rayflow.driver.launch import describe_failure, root_cause
+    from rayflow.errors import ConfigError
+
+    @ray_session.remote
+    def load_reward():
+        raise ConfigError("reward.functions[0].kwargs.path", "/nowhere", "a directory with the CLIP weights")
+
+    with pytest.raises(Exception) as info:
+        try:
+            ray_session.get(load_reward.remote())
+        except Exception as e:
+            raise RuntimeError("all 1 reward workers died; stopping the run") from e
+    assert isinstance(root_cause(info.value), ConfigError)
+    line = describe_failure(info.value)
+    assert "\n" not in line and line.startswith(
+        "reward.functions[0].kwargs.path: got '/nowhere'; allowed: a directory with the CLIP weights")
+    assert line.endswith("(reported as RuntimeError: all 1 reward workers died; stopping the run)")
+
+
+def test_the_resource_check_reads_the_live_cluster(ray_session):
+    """The session's Ray has 8 logical CPUs and no autoscaling config (its monitor runs read-only)."""
+    from rayflow.config import load_config
+    from rayflow.distributed.resources import check_cluster_fits, classic_autoscaler_runs
+    from rayflow.errors import ConfigError
+
+    assert not classic_autoscaler_runs()
+    check_cluster_fits(load_config(GRPO))
+    with pytest.raises(ConfigError, match=r"'13 needed \(rollout 12, .*8 now; no autoscaler can add more"):
+        check_cluster_fits(load_config(GRPO, ["rollout.num_replicas=24"]))

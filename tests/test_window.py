@@ -1,0 +1,39 @@
+"""SDE windows (FlowGRPO-Fast, MixGRPO): where the stochastic steps of a version's rollouts lie."""
+
+import dataclasses
+
+import pytest
+
+from rayflow.sampling.window import window_params
+from rayflow.types import SamplingParams
+
+
+def windowed(schedule, size=3, window_range=(1, 7)):
+    return SamplingParams(num_steps=8, sde_window_size=size, sde_window_range=list(window_range), sde_window_schedule=schedule)
+
+
+def test_random_windows_cover_every_start_in_range_and_are_a_function_of_seed_and_version():
+    params = windowed("random")
+    starts = [window_params(params, 0, v).sde_step_indices[0] for v in range(200)]
+    # flow_grpo's rule: start uniform in [lo, hi - size], window [start, start + size).
+    assert set(starts) == {1, 2, 3, 4}
+    assert all(window_params(params, 0, v).sde_step_indices == list(range(s, s + 3)) for v, s in enumerate(starts))
+    assert starts == [window_params(params, 0, v).sde_step_indices[0] for v in range(200)]  # resumes exactly
+    assert starts != [window_params(params, 1, v).sde_step_indices[0] for v in range(200)]  # another run, other windows
+    resolved = window_params(params, 0, 5)
+    assert resolved.sde_window_size is None and resolved.resolved_sde_steps() == resolved.sde_step_indices
+
+
+def test_fixed_and_sliding_windows():
+    assert [window_params(windowed("fixed"), 0, v).sde_step_indices for v in (0, 7)] == [[1, 2, 3]] * 2
+    # MixGRPO-style: one step later per version, back to lo after the last position (hi - size).
+    assert [window_params(windowed("sliding"), 0, v).sde_step_indices[0] for v in range(6)] == [1, 2, 3, 4, 1, 2]
+
+
+def test_no_window_keeps_the_parameters_and_an_unresolved_window_is_refused():
+    plain = SamplingParams(num_steps=8)
+    assert window_params(plain, 0, 3) is plain
+    with pytest.raises(ValueError, match="resolve it first"):
+        windowed("random").resolved_sde_steps()
+    whole = dataclasses.replace(windowed("random", size=8), sde_window_range=None)  # no range: the whole schedule
+    assert window_params(whole, 0, 3).sde_step_indices == list(range(8))

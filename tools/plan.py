@@ -1,0 +1,41 @@
+"""Estimate GPU memory per role and per device for a config, without a GPU and without weights.
+
+    python tools/plan.py --config recipes/flowgrpo_qwen_image_8gpu.yaml [key=value ...] [--gpu-memory-gib 80]
+
+Exits 1 when a device does not fit (the message names the figure and the config key to change).
+When model.path is not on this machine, the published configs of --arch are planned.
+"""
+
+import argparse
+import sys
+
+from rayflow.config import load_config
+from rayflow.errors import ConfigError
+from rayflow.planning.memory import GiB, check_fits, format_plan, plan_config
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", default=None, help="a recipe YAML")
+    parser.add_argument("overrides", nargs="*", help="key=value overrides")
+    parser.add_argument("--gpu-memory-gib", type=float, default=79.6, help="memory of one GPU (H100 80 GB: 79.6 GiB)")
+    parser.add_argument("--arch", default="qwen_image", help="published architecture when model.path is not here")
+    parser.add_argument("--math-attention", action="store_true", help="plan unfused attention (score matrices kept)")
+    args = parser.parse_args(argv)
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except ConfigError as e:
+        sys.exit(f"error: {e}")
+    device_bytes = int(args.gpu_memory_gib * GiB)
+    plan, source = plan_config(cfg, args.arch, math_attention=args.math_attention)
+    print(format_plan(plan, device_bytes, source))
+    try:
+        check_fits(cfg, plan, device_bytes)
+    except ConfigError as e:
+        print(f"\nerror: {e}")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
