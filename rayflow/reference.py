@@ -38,7 +38,7 @@ from rayflow.rewards.weighted import WeightedReward
 from rayflow.rng import get_rng_state, set_rng_state
 from rayflow.sampling.denoise import generate
 from rayflow.sampling.window import window_params
-from rayflow.types import Trajectory
+from rayflow.types import RolloutRequest, Trajectory
 
 
 @dataclass
@@ -87,19 +87,33 @@ def build_run(cfg: RayflowConfig) -> Run:
     )
 
 
-def rollout(run: Run) -> tuple[list[Trajectory], Advantages]:
-    """The next groups, sampled under the rollout adapter, scored, with advantages assigned."""
+def next_requests(run: Run) -> list[RolloutRequest]:
+    """The rollout requests of the next batch's prompt groups."""
     cfg = run.cfg
     groups = [run.sampler.next_group() for _ in range(cfg.algorithm.prompts_per_step)]
     sampling = window_params(cfg.sampling, cfg.trainer.seed, run.step)
-    requests = [r for g in groups for r in g.requests(sampling, cfg.rollout.micro_batch_size)]
-    with using_adapter(run.model.transformer, rollout_adapter_name(cfg.algorithm.needs_ema_rollout)):
-        trajectories = [t for r in requests for t in generate(run.model, r, run.policy, version=run.step)]
+    return [r for g in groups for r in g.requests(sampling, cfg.rollout.micro_batch_size)]
+
+
+def sample(run: Run, request: RolloutRequest) -> list[Trajectory]:
+    """One request sampled under the rollout adapter (DiffusionNFT: the EMA "old" one)."""
+    with using_adapter(run.model.transformer, rollout_adapter_name(run.cfg.algorithm.needs_ema_rollout)):
+        return generate(run.model, request, run.policy, version=run.step)
+
+
+def assign(run: Run, trajectories: list[Trajectory]) -> Advantages:
+    """Advantages of scored trajectories, from their normalised reward components."""
+    algo = run.cfg.algorithm
+    totals, _ = training_rewards(trajectories, run.cfg.reward.functions)
+    return assign_advantages(trajectories, global_std=algo.global_std, clip_max=algo.adv_clip_max,
+                             stat_tracking=algo.stat_tracking, rewards=totals)
+
+
+def rollout(run: Run) -> tuple[list[Trajectory], Advantages]:
+    """The next groups, sampled under the rollout adapter, scored, with advantages assigned."""
+    trajectories = [t for r in next_requests(run) for t in sample(run, r)]
     run.reward.score(trajectories)
-    totals, _ = training_rewards(trajectories, cfg.reward.functions)
-    adv = assign_advantages(trajectories, global_std=cfg.algorithm.global_std, clip_max=cfg.algorithm.adv_clip_max,
-                            stat_tracking=cfg.algorithm.stat_tracking, rewards=totals)
-    return trajectories, adv
+    return trajectories, assign(run, trajectories)
 
 
 def learn(run: Run, trajectories: list[Trajectory]) -> tuple[dict[str, float], BatchResult]:

@@ -4,6 +4,8 @@
     python tools/bench.py sync --json bench_sync.json [--lora-rank 128 --bucket-mb 64 --repeats 10]
     python tools/bench.py pipeline --json bench_pipeline.json [--recipe recipes/flowgrpo_qwen_image.yaml --steps 20]
     python tools/bench.py gpu --json bench_gpu.json [--depth N] | gpu --device cpu --tiny (smoke test); see tools/gpu_bench.py
+    python tools/bench.py costs --json costs.json [--recipe ... --steps 8]      the simulator's costs; see tools/sim_bench.py
+    python tools/bench.py simulator --json bench_sim.json [--steps 16]         the simulator against real runs
 
 sync: a learner's rollout adapter (the "small" tiny model, LoRA rank 128) pushed through the
 WeightSyncActor to two W = 1 rollout replicas, in lora and in merged mode, against one raw
@@ -50,6 +52,7 @@ from rayflow.types import RolloutRequest, SamplingParams
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the sibling gpu_bench.py, however bench.py is run
 import gpu_bench  # noqa: E402
+import sim_bench  # noqa: E402
 
 LATENCY_GOAL, LATENCY_LIMIT, THROUGHPUT_GOAL = 1.6, 2.0, 0.9
 SYNC_OVER_RAW_GOAL = 1.5
@@ -379,12 +382,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     pipeline.add_argument("--steps", type=int, default=20)
     pipeline.add_argument("--warmup", type=int, default=4, help="first steps left out of the medians")
     pipeline.add_argument("overrides", nargs="*", help="extra dotlist overrides for the recipe")
+    for name, help, steps in (("costs", "the simulator's costs on this machine (reference pieces, one thread)", 8),
+                              ("simulator", "tools/simulate.py's model against real runs at 1-2 replicas x staleness 0-1", 16)):
+        costs = _subcommand(sub, name, help, model=False)
+        costs.add_argument("--recipe", default=recipe("flowgrpo_qwen_image.yaml"))
+        costs.add_argument("--steps", type=int, default=steps)
+        costs.add_argument("--warmup", type=int, default=3, help="first steps left out of the medians")
+        costs.add_argument("overrides", nargs="*", help="extra dotlist overrides for the recipe")
     gpu_bench.add_arguments(_subcommand(sub, "gpu", "one GPU: rollout vs diffusers, learner vs bare, bf16 log-prob drift, memory vs plan",
                               model=False))
     return parser.parse_args(argv)
 
 
-BENCHMARKS = {"rollout": bench_rollout, "sync": bench_sync, "pipeline": bench_pipeline, "gpu": gpu_bench.run}
+BENCHMARKS = {"rollout": bench_rollout, "sync": bench_sync, "pipeline": bench_pipeline, "gpu": gpu_bench.run,
+              "costs": sim_bench.bench_costs, "simulator": lambda args: sim_bench.bench_simulator(args, start_local_ray)}
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -239,7 +239,7 @@ class Trainer:
         cfg = self.cfg
         self.version += 1
         push = self.learners.get(self.learners.push_weights(self.sync.actor))[0]
-        sync_s = push["gather_s"] + push["push_s"]
+        push_s = sync_s = push["gather_s"] + push["push_s"]
         if cfg.async_.max_staleness == 0:
             sync_s += self._wait_synced()
             self.synced = self.version
@@ -269,6 +269,7 @@ class Trainer:
             "rollout/queue_depth": self.queue.depth,
             "rollout/replica_restarts": sum(self.rollout.restarts),
             "perf/sync_s": sync_s,
+            "perf/push_s": push_s,
             **clock.lap(images=len(batch)),
         }
         self.history.append(scalars)

@@ -36,6 +36,7 @@ SCALAR_TAGS = (
     "perf/images_per_s",
     "perf/step_s",
     "perf/sync_s",
+    "perf/push_s",
     "perf/rollout_idle",
     "perf/learner_idle",
 )

@@ -1,0 +1,105 @@
+"""The driver-loop simulator against step times worked out by hand, and its input checks."""
+
+import json
+
+import pytest
+
+from rayflow.planning.simulator import (
+    CostBasis, Costs, Shape, SimulationInputError, scaled_costs, simulate, size_cluster,
+)
+from rayflow.paths import recipe
+from tools.simulate import main as simulate_main
+
+ROLL, REWARD, TRAIN, PUSH, BCAST = 1.0, 0.1, 1.5, 0.05, 0.02
+COSTS = Costs(rollout_request_s=ROLL, reward_request_s=REWARD, train_batch_s=TRAIN, push_s=PUSH, broadcast_s=BCAST)
+# The default recipe's shape: 2 groups of 8 per batch, requests of 8 samples.
+SHAPE = Shape(batch_size=16, group_size=8, micro_batch_size=8)
+
+
+def test_synchronous_step_is_the_sum_of_its_phases():
+    # One replica samples the two requests back to back; the first one's reward overlaps the second's
+    # rollout, the last one's does not; then train, push, broadcast; the next batch starts after it.
+    expected = 2 * ROLL + REWARD + TRAIN + PUSH + BCAST
+    assert simulate(COSTS, SHAPE).step_s == pytest.approx(expected, rel=1e-12)
+    # Two replicas sample in parallel; their two rewards queue on the one reward worker.
+    two = Shape(batch_size=16, group_size=8, micro_batch_size=8, replicas=2)
+    assert simulate(COSTS, two).step_s == pytest.approx(ROLL + 2 * REWARD + TRAIN + PUSH + BCAST, rel=1e-12)
+    with_workers = Shape(batch_size=16, group_size=8, micro_batch_size=8, replicas=2, reward_workers=2)
+    assert simulate(COSTS, with_workers).step_s == pytest.approx(ROLL + REWARD + TRAIN + PUSH + BCAST, rel=1e-12)
+
+
+@pytest.mark.parametrize("roll, train", [(1.0, 1.5), (1.0, 0.4)])
+def test_asynchronous_steady_state_is_the_slower_of_rollout_and_training(roll, train):
+    # With one step of staleness allowed, rollout of batch v+1 overlaps training on batch v: the step is
+    # bounded by whichever of the two pipelines is slower (the learner also pushes after each batch).
+    costs = Costs(rollout_request_s=roll, reward_request_s=0.0, train_batch_s=train, push_s=PUSH)
+    shape = Shape(batch_size=16, group_size=8, micro_batch_size=8, max_staleness=1)
+    p = simulate(costs, shape, steps=60)
+    assert p.step_s == pytest.approx(max(2 * roll, train + PUSH), rel=1e-9)
+    assert 0 < p.staleness_mean <= 1 and p.regenerated == 0
+    idle_side = p.rollout_idle if train + PUSH > 2 * roll else p.learner_idle
+    assert idle_side > 0.1  # the faster side waits
+
+
+def test_processor_sharing_conserves_work_on_one_core():
+    # On one core nothing truly overlaps: a step costs the sum of all its work, whatever the staleness.
+    costs = Costs(rollout_request_s=ROLL, reward_request_s=REWARD, train_batch_s=TRAIN, push_s=PUSH)
+    for staleness in (0, 1):
+        shape = Shape(batch_size=16, group_size=8, micro_batch_size=8, max_staleness=staleness, cores=1)
+        assert simulate(costs, shape, steps=60).step_s == pytest.approx(2 * (ROLL + REWARD) + TRAIN + PUSH, rel=1e-6)
+    # Two cores and two replicas: the rollouts overlap fully again.
+    two = Shape(batch_size=16, group_size=8, micro_batch_size=8, replicas=2, reward_workers=2, cores=2)
+    assert simulate(costs, two).step_s == pytest.approx(ROLL + REWARD + TRAIN + PUSH, rel=1e-9)
+
+
+def test_a_request_smaller_than_micro_batch_costs_its_share():
+    # Groups of 6 in requests of 4: a request of 4 and one of 2 (half the cost).
+    shape = Shape(batch_size=6, group_size=6, micro_batch_size=4)
+    costs = Costs(rollout_request_s=1.0, reward_request_s=0.0, train_batch_s=1.0)
+    assert simulate(costs, shape).step_s == pytest.approx(1.0 + 0.5 + 1.0, rel=1e-12)
+
+
+def test_sizing_scales_costs_and_lists_every_valid_split_fastest_first():
+    basis = CostBasis(batch_size=64, micro_batch_size=8, learner_ranks=4, gpus_per_replica=2)
+    scaled = scaled_costs(COSTS, basis, batch_size=128, micro_batch_size=4, learner_ranks=8)
+    assert scaled.rollout_request_s == ROLL / 2 and scaled.reward_request_s == REWARD / 2
+    assert scaled.train_batch_s == pytest.approx(TRAIN * 2 * 4 / 8)
+    shape = Shape(batch_size=64, group_size=16, micro_batch_size=8, max_staleness=1)
+    splits = size_cluster(COSTS, basis, shape, gpus=8, learner_micro_batch=4)
+    # 8 GPUs: 1, 2 or 3 replicas of 2 leave 6, 4 or 2 learner ranks; 6 does not divide 64 / 4.
+    assert sorted((s.replicas, s.learner_ranks) for s in splits) == [(2, 4), (3, 2)]
+    assert [s.prediction.step_s for s in splits] == sorted(s.prediction.step_s for s in splits)
+    with pytest.raises(SimulationInputError, match="gpus: got 2; allowed: at least 3"):
+        size_cluster(COSTS, basis, shape, gpus=2)
+
+
+@pytest.mark.parametrize("data, message", [
+    ({"rollout_request_s": 1.0, "reward_request_s": 0.1}, "missing cost 'train_batch_s'"),
+    ({"rollout_request_s": 1.0, "reward_request_s": 0.1, "train_batch_s": -1}, "train_batch_s: got -1"),
+    ({"rollout_request_s": 0, "reward_request_s": 0.1, "train_batch_s": 1}, "rollout_request_s: got 0; allowed: seconds > 0"),
+    ({"rollout_request_s": 1, "reward_request_s": 0.1, "train_batch_s": 1, "learner_s": 2}, "unknown cost 'learner_s'"),
+])
+def test_bad_costs_are_named(data, message):
+    with pytest.raises(SimulationInputError, match=message):
+        Costs.from_dict(data)
+
+
+def test_bad_shapes_are_named():
+    with pytest.raises(SimulationInputError, match="replicas: got 0; allowed: an integer >= 1"):
+        Shape(batch_size=16, group_size=8, micro_batch_size=8, replicas=0)
+    with pytest.raises(SimulationInputError, match="batch_size: got 12; allowed: a multiple of group_size"):
+        Shape(batch_size=12, group_size=8, micro_batch_size=8)
+
+
+def test_cli_predicts_from_a_cost_file_and_names_a_missing_basis(tmp_path, capsys):
+    costs = tmp_path / "costs.json"
+    costs.write_text(json.dumps({"benchmark": "costs", "rollout_request_s": ROLL, "reward_request_s": REWARD,
+                                 "train_batch_s": TRAIN, "setup": {}}))
+    args = ["--costs", str(costs), "--config", recipe("flowgrpo_qwen_image.yaml")]
+    assert simulate_main([*args, "--replicas", "1", "2", "--staleness", "0"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert [line.split()[0] for line in out[1:]] == ["replicas=1", "replicas=2"]
+    # The default recipe: 2 requests of 8 per batch on one replica.
+    assert float(out[1].split()[2]) == pytest.approx(2 * ROLL + REWARD + TRAIN, abs=1e-3)
+    assert simulate_main([*args, "--gpus", "8"]) == 2
+    assert "--gpus needs a \"basis\"" in capsys.readouterr().err
