@@ -4,6 +4,7 @@
     python tools/bench.py sync --json bench_sync.json [--lora-rank 128 --bucket-mb 64 --repeats 10]
     python tools/bench.py pipeline --json bench_pipeline.json [--recipe recipes/flowgrpo_qwen_image.yaml --steps 20]
     python tools/bench.py gpu --json bench_gpu.json [--depth N] | gpu --device cpu --tiny (smoke test); see tools/gpu_bench.py
+    python tools/bench.py startup --json bench_startup.json [--repeats 3]      command to first step, by phase
     python tools/bench.py costs --json costs.json [--recipe ... --steps 8]      the simulator's costs; see tools/sim_bench.py
     python tools/bench.py simulator --json bench_sim.json [--steps 16]         the simulator against real runs
 
@@ -350,6 +351,48 @@ def bench_pipeline(args: argparse.Namespace) -> dict:
     }
 
 
+STARTUP_GOAL_S = 15.0
+
+
+def bench_startup(args: argparse.Namespace) -> dict:
+    """Seconds from the command to the end of its first step, the recipe run as a user runs it (a fresh
+    process, a local Ray, the tiny model already cached by a first run), with the launcher's per-phase
+    breakdown (its "startup:" line)."""
+    import re
+    import subprocess
+    import tempfile
+
+    command = [sys.executable, recipe(args.recipe_script), "trainer.total_steps=1", "trainer.eval_every=0",
+               "trainer.save_every=0", "logging.progress_bar=false", "logging.tensorboard=false", *args.overrides]
+    runs = []
+    for attempt in range(args.repeats + 1):  # the first run builds and caches the tiny model
+        with tempfile.TemporaryDirectory() as out:
+            start = time.perf_counter()
+            proc = subprocess.Popen([*command, f"trainer.output_dir={out}"], stdout=subprocess.PIPE,
+                                    stderr=subprocess.STDOUT, text=True)
+            phases, first_step_s = None, None
+            for line in proc.stdout:
+                if "startup: " in line:
+                    phases = {name: float(s) for name, s in re.findall(r"([a-z ]+) ([0-9.]+)s", line.split("startup: ")[1])}
+                    phases = {name.strip(): s for name, s in phases.items()}
+                elif first_step_s is None and re.search(r"rayflow INFO step 1 ", line):
+                    first_step_s = time.perf_counter() - start
+            if proc.wait() != 0 or first_step_s is None:
+                raise RuntimeError(f"{' '.join(command)} failed (exit {proc.returncode})")
+        if attempt:
+            runs.append({"first_step_s": first_step_s, "phases": phases})
+    best = min(runs, key=lambda r: r["first_step_s"])
+    median = statistics.median(r["first_step_s"] for r in runs)
+    return {
+        "benchmark": "startup", "command": " ".join(command), "cpus": os.cpu_count(),
+        "load_average_before": os.getloadavg()[0], "first_step_s": {"median": median, "min": best["first_step_s"]},
+        "phases_of_the_fastest": best["phases"], "runs": runs,
+        "goals": {"first_step_at_most_s": STARTUP_GOAL_S, "met": median <= STARTUP_GOAL_S},
+        "note": "phases from the launcher's startup line; the rest of first_step_s is the interpreter, imports, "
+                "config checks and the first step itself",
+    }
+
+
 def _subcommand(sub, name: str, help: str, model: bool) -> argparse.ArgumentParser:
     """A benchmark's parser with the shared options: --json, and the model ones if it builds replicas."""
     parser = sub.add_parser(name, help=help)
@@ -389,13 +432,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         costs.add_argument("--steps", type=int, default=steps)
         costs.add_argument("--warmup", type=int, default=3, help="first steps left out of the medians")
         costs.add_argument("overrides", nargs="*", help="extra dotlist overrides for the recipe")
+    startup = _subcommand(sub, "startup", "seconds from the command to the end of its first step, by phase", model=False)
+    startup.add_argument("--recipe-script", default="flowgrpo_qwen_image.py", help="a recipe launcher in recipes/")
+    startup.add_argument("--repeats", type=int, default=3)
+    startup.add_argument("overrides", nargs="*", help="extra dotlist overrides for the recipe")
     gpu_bench.add_arguments(_subcommand(sub, "gpu", "one GPU: rollout vs diffusers, learner vs bare, bf16 log-prob drift, memory vs plan",
                               model=False))
     return parser.parse_args(argv)
 
 
 BENCHMARKS = {"rollout": bench_rollout, "sync": bench_sync, "pipeline": bench_pipeline, "gpu": gpu_bench.run,
-              "costs": sim_bench.bench_costs, "simulator": lambda args: sim_bench.bench_simulator(args, start_local_ray)}
+              "startup": bench_startup, "costs": sim_bench.bench_costs, "simulator": lambda args: sim_bench.bench_simulator(args, start_local_ray)}
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -117,18 +117,21 @@ def run_recipe(default_config: str, argv: list[str] | None = None) -> list[dict[
     except USER_ERRORS as e:
         sys.exit(f"error: {e}")
     write_run_config(cfg)
+    start = time.perf_counter()
     started = start_ray(cfg)
+    ray_s = time.perf_counter() - start
     _stop_on_sigterm()
     from rayflow.driver.trainer import Trainer  # imports Ray
     from rayflow.planning.device_check import check_before_start
 
     trainer = None
-    start = time.perf_counter()
     try:
         check_cluster_fits(cfg)
         # The devices' features and, on GPU clusters, the memory plan: before any actor starts.
         check_before_start(cfg)
         trainer = Trainer(cfg, prompts)
+        log.info("startup: %s", ", ".join(f"{name} {s:.1f}s" for name, s in
+                                          {"ray": ray_s, **trainer.startup_s, "total": time.perf_counter() - start}.items()))
         history = trainer.run()
         log.info("%s", summary(cfg, history, time.perf_counter() - start))
         return history

@@ -16,6 +16,7 @@ starts; the run then equals the single-process reference trainer (rayflow.refere
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
@@ -75,14 +76,25 @@ class Trainer:
         self.learner_watchdog = Watchdog(cfg.learner.stall_timeout_s, cfg.rollout.stall_factor)
         """The deadline of a train step."""
         self.components: list = []  # shut down in reverse order
+        self.startup_s: dict[str, float] = {}
+        """Seconds of each start-up phase (logged by the launcher; tools/bench.py startup)."""
+        phase = _Phases(self.startup_s)
         try:
             spec = RolloutWorkerSpec.from_config(cfg)
-            self.learners = self._own(LearnerGroup(cfg))
-            self.rollout = self._own(RolloutPool.create(spec, cfg.rollout))
-            self.rewards = self._own(RewardPool(cfg.reward))
-            self.sync = self._own(WeightSync(cfg.sync, spec, self.rollout.replicas, cfg.rollout.collective_timeout_s))
+            with phase("actors"):
+                # Every role's actors start at once and load their models side by side; then each is waited for.
+                rollout = self._own(RolloutPool.start(spec, cfg.rollout))
+                self.rewards = self._own(RewardPool(cfg.reward))
+                self.sync = self._own(WeightSync(cfg.sync, spec, None, cfg.rollout.collective_timeout_s))
+            with phase("learners"):
+                self.learners = self._own(LearnerGroup(cfg))
+            with phase("rollout"):
+                self.rollout = rollout.wait_ready()
+            with phase("weight sync"):
+                self.sync.connect(self.rollout.replicas)
             self.evaluator = Evaluator(cfg, prompts, self.rollout, self.rewards)
-            self._resume()
+            with phase("resume"):
+                self._resume()
             wandb_run = {"name": cfg.trainer.run_name, "dir": cfg.trainer.run_dir, "config": to_dict(cfg)}
             self.monitor = self._own(Monitor(cfg.trainer.logdir, cfg.logging, cfg.trainer.total_steps, self.version,
                                              wandb_run=wandb_run))
@@ -330,6 +342,21 @@ class Trainer:
             except Exception as e:  # keep tearing down the rest
                 log.warning("shutting down %s: %s", type(component).__name__, e)
         self.components = []
+
+
+class _Phases:
+    """`with phases("name"):` adds the block's wall time to durations["name"]."""
+
+    def __init__(self, durations: dict[str, float]):
+        self.durations = durations
+
+    @contextlib.contextmanager
+    def __call__(self, name: str):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.durations[name] = self.durations.get(name, 0.0) + time.perf_counter() - start
 
 
 def _ready(refs: list[ray.ObjectRef]) -> bool:

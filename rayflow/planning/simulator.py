@@ -6,8 +6,8 @@ The model follows rayflow/driver/trainer.py and rayflow/driver/queue.py:
 - admission: a prompt group (group_size samples, split into requests of micro_batch_size) is
   submitted while accepted + running + group_size <= (max_staleness + v + 1)·B, and, when
   max_staleness = 0, only once version v is on every rollout replica;
-- each request goes to the least-loaded replica (ties: lowest index) and is served first come first
-  served; it samples under the version its replica holds when it starts;
+- each request goes to the replica with the fewest samples in flight (ties: lowest index) and is
+  served first come first served; it samples under the version its replica holds when it starts;
 - a finished request is scored by the next reward worker in round robin;
 - when the learner is free and B/group_size complete groups no staler than max_staleness wait, the
   oldest form a batch (staler complete groups are regenerated first); training takes
@@ -127,6 +127,8 @@ class Prediction:
 class _Job:
     work_s: float
     done: Callable[[], None]
+    samples: int = 0
+    """Samples of a rollout request (the pool balances replicas by samples in flight)."""
     on_start: Callable[[], None] | None = None
     """Called when the job reaches the head of its actor's queue (a request reads its replica's version)."""
 
@@ -223,7 +225,7 @@ class _Simulation:
     def _submit(self, group: _Group) -> None:
         for first in range(0, group.samples, self.s.micro_batch_size):
             n = min(self.s.micro_batch_size, group.samples - first)
-            replica = min(range(self.s.replicas), key=lambda i: len(self.queues.get(f"replica{i}", ())))
+            replica = min(range(self.s.replicas), key=lambda i: sum(j.samples for j in self.queues.get(f"replica{i}", ())))
             self._request(group, replica, n)
 
     def _request(self, group: _Group, replica: int, n: int) -> None:
@@ -239,7 +241,7 @@ class _Simulation:
             self._run(f"reward{worker}", _Job(self.c.reward_request_s * share, lambda: self._scored(group, version[0], n)))
 
         work = self.c.rollout_request_s * share + self.c.overhead_request_s
-        self._run(f"replica{replica}", _Job(work, sampled, on_start=start))
+        self._run(f"replica{replica}", _Job(work, sampled, samples=n, on_start=start))
 
     def _scored(self, group: _Group, version: int, n: int) -> None:
         group.versions += [version] * n

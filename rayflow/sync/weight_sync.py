@@ -23,14 +23,18 @@ from rayflow.sync.buckets import to_wire
 
 
 class WeightSync:
-    def __init__(self, cfg: SyncConfig, rollout_spec: RolloutWorkerSpec, replicas: list[RolloutReplica],
+    def __init__(self, cfg: SyncConfig, rollout_spec: RolloutWorkerSpec, replicas: list[RolloutReplica] | None,
                  timeout_s: float = 300.0, name: str = "rayflow-weight-sync"):
+        """Place and start the actor and form its group with `replicas`; with None the group forms at the
+        first `connect` (the actor's start then overlaps the replicas' loading)."""
         gpus = resolve_gpus(cfg.gpus)
         self.placed = place(make_bundles(1, cfg.cpus, gpus, cfg.resources), "PACK", name=name)
         self.actor = WeightSyncActor.options(
             num_cpus=cfg.cpus, num_gpus=gpus, scheduling_strategy=self.placed.strategy_for_rank(0)
         ).remote(SyncSpec(cfg.mode, cfg.bucket_mb, cfg.verify_checksum, timeout_s), rollout_spec)
         self.generation = 0
+        if replicas is None:
+            return
         try:
             self.connect(replicas)
         except BaseException:
