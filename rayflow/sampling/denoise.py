@@ -21,6 +21,7 @@ import torch
 
 from rayflow.cfg.policy import CFGBranch, CFGPolicy
 from rayflow.models.base import DiffusionModel, PromptEmbeds, Schedule
+from rayflow.sampling.dpm_solver import dpm2_step
 from rayflow.sampling.flow_sde import flow_step
 from rayflow.types import RolloutRequest, SamplingParams, Trajectory
 
@@ -45,6 +46,8 @@ class RolloutState:
     log_probs: list[torch.Tensor] = field(default_factory=list)
     """Per finished step, [B] float32."""
     versions: list[int] = field(default_factory=list)
+    x0: torch.Tensor | None = None
+    """[B, N, C] float32 data prediction of the last step: the history of sampling.solver=dpm2."""
 
     @property
     def params(self) -> SamplingParams:
@@ -117,17 +120,22 @@ def advance(state: RolloutState, velocity: torch.Tensor, version: int) -> None:
     if i in state.return_steps:
         state.captured[i] = state.latents.to(torch.float32, copy=True)
     sigmas = state.schedule.sigmas
-    stochastic = i in state.sde_steps
-    state.latents, log_prob, _, _ = flow_step(
-        velocity,
-        state.latents,
-        sigmas[i],
-        sigmas[i + 1],
-        sde_type=state.params.sde_type if stochastic else "ode",
-        noise_level=state.params.noise_level,
-        generator=state.generators,
-        sigma_max=sigmas[1],
-    )
+    if state.params.solver == "dpm2":  # every step deterministic (SamplingParams.validate)
+        state.latents, state.x0 = dpm2_step(velocity, state.latents, sigmas[i], sigmas[i + 1],
+                                            sigma_prev=sigmas[i - 1] if i else None, x0_prev=state.x0)
+        log_prob = torch.zeros(state.latents.shape[0], dtype=torch.float32, device=state.latents.device)
+    else:
+        stochastic = i in state.sde_steps
+        state.latents, log_prob, _, _ = flow_step(
+            velocity,
+            state.latents,
+            sigmas[i],
+            sigmas[i + 1],
+            sde_type=state.params.sde_type if stochastic else "ode",
+            noise_level=state.params.noise_level,
+            generator=state.generators,
+            sigma_max=sigmas[1],
+        )
     state.log_probs.append(log_prob)
     state.versions.append(version)
     state.step += 1
