@@ -170,6 +170,9 @@ class Trajectory:
     """[T] bool, True where the step was stochastic."""
     versions: torch.Tensor
     """[T] int64 policy version that produced each step."""
+    means: torch.Tensor
+    """[S, N, C] float32 transition mean μ of each stochastic step, in step order (the S True entries of
+    sde_mask): the rollout policy's, which GRPO-Guard's ratio normalisation compares with (algorithm.ratio_norm)."""
     conds: dict[str, torch.Tensor]
     """The prompt conditionings the CFG branches used, by name ("positive", "negative", ...):
     [L_name, D] each, padding removed. Enough to replay the guided forward."""
@@ -180,6 +183,12 @@ class Trajectory:
     reward: float | None = None
     """The weighted total reward."""
     advantage: float | None = None
+
+    def step_mean(self, step: int) -> torch.Tensor:
+        """μ of stochastic step `step` under the rollout policy, [N, C]."""
+        if not bool(self.sde_mask[step]):
+            raise KeyError(f"step {step} was not stochastic (stochastic: {self.sde_mask.nonzero().flatten().tolist()})")
+        return self.means[int(self.sde_mask[:step].sum())]
 
     def latent(self, index: int) -> torch.Tensor:
         """x_index, [N, C]; a clear error if that index was not captured."""

@@ -43,6 +43,8 @@ class RolloutState:
     return_steps: frozenset[int]
     step: int = 0
     captured: dict[int, torch.Tensor] = field(default_factory=dict)
+    means: dict[int, torch.Tensor] = field(default_factory=dict)
+    """Per stochastic step, its transition mean μ [B, N, C] float32."""
     log_probs: list[torch.Tensor] = field(default_factory=list)
     """Per finished step, [B] float32."""
     versions: list[int] = field(default_factory=list)
@@ -126,7 +128,7 @@ def advance(state: RolloutState, velocity: torch.Tensor, version: int) -> None:
         log_prob = torch.zeros(state.latents.shape[0], dtype=torch.float32, device=state.latents.device)
     else:
         stochastic = i in state.sde_steps
-        state.latents, log_prob, _, _ = flow_step(
+        state.latents, log_prob, mean, _ = flow_step(
             velocity,
             state.latents,
             sigmas[i],
@@ -136,6 +138,8 @@ def advance(state: RolloutState, velocity: torch.Tensor, version: int) -> None:
             generator=state.generators,
             sigma_max=sigmas[1],
         )
+        if stochastic:
+            state.means[i] = mean
     state.log_probs.append(log_prob)
     state.versions.append(version)
     state.step += 1
@@ -154,6 +158,8 @@ def finish_rollout(model: DiffusionModel, state: RolloutState, decode: bool = Tr
     rows = [state.captured[i] for i in indices]
     B, N, C = state.latents.shape
     latents = (torch.stack(rows, dim=1) if rows else torch.zeros(B, 0, N, C)).cpu()  # [B, K, N, C]
+    means = [state.means[i] for i in sorted(state.means)]
+    means = (torch.stack(means, dim=1) if means else torch.zeros(B, 0, N, C)).cpu()  # [B, S, N, C]
     log_probs = torch.stack(state.log_probs, dim=1).cpu()  # [B, T]
     sde_mask = torch.tensor([i in state.sde_steps for i in range(state.num_steps)])
     versions = torch.tensor(state.versions, dtype=torch.int64)
@@ -171,6 +177,7 @@ def finish_rollout(model: DiffusionModel, state: RolloutState, decode: bool = Tr
             log_probs=log_probs[b],
             sde_mask=sde_mask,
             versions=versions,
+            means=means[b],
             conds={name: embeds[b].cpu() for name, embeds in state.conds.items()},
             image=None if images is None else images[b],
         )
