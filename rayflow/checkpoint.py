@@ -4,6 +4,7 @@
         meta.json                    step, version, identity (base model, LoRA, algorithm), data position, counters
         adapter_default.safetensors  full LoRA tensors by canonical name ("transformer_blocks.0.attn.to_q.lora_A.weight")
         adapter_old.safetensors      the EMA shadow (DiffusionNFT)
+        adapter_ema.safetensors      the EMA for evaluation and export (trainer.ema_decay > 0)
         optimizer.pt                 AdamW state of full tensors by canonical name (plain tensors, numbers, strings)
         rng.safetensors              RNG states per process ("driver/torch", "learner1/numpy.keys", ...)
         manifest.json                sha256 and size of every file above, written last

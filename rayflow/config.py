@@ -242,6 +242,8 @@ class AlgorithmConfig:
     """Weight of the KL to the base model (adapters disabled); 0 turns it off."""
     kl_type: str = "flow_grpo"
     """FlowGRPO KL: "flow_grpo" (/ 2·std_dev_t², flow_grpo's) or "transition" (/ 2·(step std)², = flow_grpo's / (σ − σ'))."""
+    ratio_norm: bool = False
+    """FlowGRPO with sde_type=sde: GRPO-Guard's ratio normalisation and per-step gradient reweighting (arXiv 2510.22319)."""
     nft_beta: float = 1.0
     """DiffusionNFT: mixing coefficient between the old and current velocity."""
     nft_timesteps: int | None = None
@@ -286,6 +288,8 @@ class AlgorithmConfig:
         _need(self.clip_range > 0, f"{prefix}.clip_range", self.clip_range, "a float > 0")
         _need(self.kl_beta >= 0, f"{prefix}.kl_beta", self.kl_beta, "a float >= 0")
         _need(self.kl_type in ("flow_grpo", "transition"), f"{prefix}.kl_type", self.kl_type, "'flow_grpo' or 'transition'")
+        _need(not self.ratio_norm or self.name == "flow_grpo", f"{prefix}.ratio_norm", self.ratio_norm,
+              "false for algorithm.name=diffusion_nft (GRPO-Guard normalises FlowGRPO's importance ratio; NFT has none)")
         _need(self.nft_beta > 0, f"{prefix}.nft_beta", self.nft_beta, "a float > 0")
         _need(
             self.nft_timesteps is None or self.nft_timesteps >= 1,
@@ -434,6 +438,11 @@ class TrainerConfig:
     resume: str = "auto"
     """"auto" continues the run named run_name from its newest checkpoint, if it has one; "never" starts over
     (and refuses a run directory that holds checkpoints); or the path of a checkpoint (or of a run's checkpoints)."""
+    ema_decay: float = 0.0
+    """flow_grpo's train.ema: an EMA of the trained adapter ("ema"), updated after optimizer steps with decay
+    min((1 + n)/(10 + n), ema_decay) at step n, evaluated and exportable (--adapter ema); 0: none (flow_grpo: 0.9)."""
+    ema_every: int = 1
+    """Update the EMA after every this many optimizer steps (flow_grpo's update_step_interval: 8)."""
     memory_check: bool = True
     """On GPU clusters, refuse at start a config whose memory plan (tools/plan.py) exceeds one GPU."""
     gpu_memory_gib: float | None = None
@@ -458,6 +467,8 @@ class TrainerConfig:
         _need(self.keep_checkpoints >= 1, f"{prefix}.keep_checkpoints", self.keep_checkpoints, "an integer >= 1")
         _need(self.max_skipped_steps >= 0, f"{prefix}.max_skipped_steps", self.max_skipped_steps, "an integer >= 0 (0: never stop)")
         _need(self.eval_every >= 0, f"{prefix}.eval_every", self.eval_every, "an integer >= 0")
+        _need(0 <= self.ema_decay < 1, f"{prefix}.ema_decay", self.ema_decay, "a float in [0, 1) (0: no EMA)")
+        _need(self.ema_every >= 1, f"{prefix}.ema_every", self.ema_every, "an integer >= 1")
         _need(self.gpu_memory_gib is None or self.gpu_memory_gib > 0, f"{prefix}.gpu_memory_gib", self.gpu_memory_gib,
               "null or a float > 0")
 
@@ -559,6 +570,8 @@ class RayflowConfig:
                 f"a fraction keeping at least one stochastic step (steps j < int(num_steps x fraction) are trained; "
                 f"every window position or the first stochastic step must lie below it; num_steps={s.num_steps})",
             )
+            _need(not self.algorithm.ratio_norm or s.sde_type == "sde", "algorithm.ratio_norm", self.algorithm.ratio_norm,
+                  "false unless sampling.sde_type=sde (GRPO-Guard normalises the Gaussian log-ratio of Flow-GRPO's SDE step)")
             needed = sorted({i for t in trained for i in (t, t + 1)} - set(s.resolved_return_steps()))
             _need(not needed, "sampling.return_step_indices", s.return_step_indices, f"null or a list that includes x_i and x_(i+1) of every stochastic step (missing {needed})")
         else:

@@ -14,6 +14,7 @@ import torch
 from rayflow.errors import ConfigError
 
 SDE_TYPES = ("sde", "cps", "ode")
+SOLVERS = ("euler", "dpm2")
 
 
 @dataclass
@@ -32,6 +33,8 @@ class SamplingParams:
     """The unconditional branch's prompt (Qwen-Image's true CFG needs one; " " is its convention)."""
     sde_type: str = "sde"
     """"sde" (Flow-GRPO), "cps" (coefficients-preserving) or "ode" (deterministic Euler)."""
+    solver: str = "euler"
+    """Deterministic steps: "euler", or "dpm2" (DPM-Solver++(2M), second order; DiffusionNFT's rollouts) for sde_type=ode."""
     noise_level: float = 0.7
     """The SDE noise level a."""
     sde_step_indices: list[int] | None = None
@@ -57,6 +60,9 @@ class SamplingParams:
         need(self.width >= 1, "width", "a positive multiple of the model's VAE scale x patch size")
         need(self.guidance_scale >= 1.0, "guidance_scale", "a float >= 1.0 (1.0 disables CFG)")
         need(self.sde_type in SDE_TYPES, "sde_type", f"one of {list(SDE_TYPES)}")
+        need(self.solver in SOLVERS, "solver", f"one of {list(SOLVERS)}")
+        # A multistep solver needs every step deterministic: an SDE step between would break its history.
+        need(self.solver == "euler" or self.sde_type == "ode", "solver", "'euler' unless sde_type=ode (dpm2 takes every step deterministically)")
         need(self.noise_level >= 0.0, "noise_level", "a float >= 0")
         if self.sde_type == "sde":
             # Its log-prob divides by the noise std, which is 0 at noise level 0.
@@ -164,6 +170,9 @@ class Trajectory:
     """[T] bool, True where the step was stochastic."""
     versions: torch.Tensor
     """[T] int64 policy version that produced each step."""
+    means: torch.Tensor
+    """[S, N, C] float32 transition mean μ of each stochastic step, in step order (the S True entries of
+    sde_mask): the rollout policy's, which GRPO-Guard's ratio normalisation compares with (algorithm.ratio_norm)."""
     conds: dict[str, torch.Tensor]
     """The prompt conditionings the CFG branches used, by name ("positive", "negative", ...):
     [L_name, D] each, padding removed. Enough to replay the guided forward."""
@@ -174,6 +183,12 @@ class Trajectory:
     reward: float | None = None
     """The weighted total reward."""
     advantage: float | None = None
+
+    def step_mean(self, step: int) -> torch.Tensor:
+        """μ of stochastic step `step` under the rollout policy, [N, C]."""
+        if not bool(self.sde_mask[step]):
+            raise KeyError(f"step {step} was not stochastic (stochastic: {self.sde_mask.nonzero().flatten().tolist()})")
+        return self.means[int(self.sde_mask[:step].sum())]
 
     def latent(self, index: int) -> torch.Tensor:
         """x_index, [N, C]; a clear error if that index was not captured."""

@@ -7,7 +7,8 @@ import torch
 
 from rayflow.algorithms.advantages import assign_advantages, grpo_advantages
 from rayflow.algorithms.diffusion_nft import diffusion_nft_loss, ema_decay, ema_step, ema_update, optimality_probability
-from rayflow.algorithms.flow_grpo import flow_grpo_loss
+from rayflow.algorithms.flow_grpo import RatioNorm, flow_grpo_loss, guard_log_ratio
+from rayflow.sampling.flow_sde import flow_step
 
 EPS = 1e-4
 
@@ -89,6 +90,43 @@ def test_flow_grpo_kl_needs_means():
     zeros = torch.zeros(2)
     with pytest.raises(ValueError, match="kl_beta > 0 needs mean, ref_mean and std"):
         flow_grpo_loss(zeros, zeros, zeros, 0.2, mean=torch.zeros(2, 3), std=torch.tensor(1.0), kl_beta=0.1)
+
+
+def guard_step(sigma: float, sigma_next: float, seed: int = 0):
+    """An SDE step sampled under v_old and scored under v_θ: (log r, μ_θ, μ_old, std, ε)."""
+    g = torch.Generator().manual_seed(seed)
+    x, v_old = torch.randn(3, 4, 5, generator=g), torch.randn(3, 4, 5, generator=g)
+    v_theta = v_old + 0.05 * torch.randn(3, 4, 5, generator=g)
+    step = dict(sde_type="sde", noise_level=0.7, sigma_max=0.9)
+    x_next, old_log_prob, old_mean, std = flow_step(v_old, x, sigma, sigma_next, generator=g, **step)
+    _, log_prob, mean, _ = flow_step(v_theta, x, sigma, sigma_next, prev_sample=x_next, **step)
+    return log_prob - old_log_prob, mean, old_mean, std, (x_next - old_mean) / std
+
+
+@pytest.mark.parametrize("sigma, sigma_next", [(0.9, 0.8), (0.3, 0.1)])
+def test_guard_log_ratio_is_the_noise_projected_on_the_mean_shift(sigma, sigma_next):
+    # GRPO-Guard's RatioNorm written out: with x' = μ_old + std·ε, (log r + mean(Δμ²)/(2std²))·std = mean(ε·Δμ).
+    log_ratio, mean, old_mean, std, eps = guard_step(sigma, sigma_next)
+    expected = (eps * (mean - old_mean)).mean(dim=(1, 2))
+    torch.testing.assert_close(guard_log_ratio(log_ratio, mean, old_mean, std), expected, rtol=1e-3, atol=1e-6)
+    # Per-sample stds ([B]) give the same.
+    per_sample = std.expand(3)
+    torch.testing.assert_close(guard_log_ratio(log_ratio, mean, old_mean, per_sample), expected, rtol=1e-3, atol=1e-6)
+
+
+def test_flow_grpo_loss_with_ratio_norm_clips_the_normalised_ratio_and_weights_by_one_over_dt():
+    log_ratio, mean, old_mean, std, eps = guard_step(0.6, 0.4, seed=1)
+    advantages = torch.tensor([1.0, -1.0, 0.5])
+    zeros = torch.zeros(3)
+    clip_range = 1e-3
+    out = flow_grpo_loss(log_ratio, zeros, advantages, clip_range, mean=mean,
+                         ratio_norm=RatioNorm(old_mean=old_mean, step_std=std, dt=torch.tensor(0.4 - 0.6)))
+    ratio = torch.exp((eps * (mean - old_mean)).mean(dim=(1, 2)))
+    surrogate = torch.maximum(-advantages * ratio, -advantages * ratio.clamp(1 - clip_range, 1 + clip_range))
+    assert out.policy.item() == pytest.approx((surrogate / 0.2).mean().item(), rel=1e-3)
+    assert out.clip_frac.item() == pytest.approx(((ratio - 1).abs() > clip_range).float().mean().item())
+    with pytest.raises(ValueError, match="ratio_norm needs mean"):
+        flow_grpo_loss(zeros, zeros, advantages, 0.2, ratio_norm=RatioNorm(old_mean, std, torch.tensor(-0.2)))
 
 
 # --- DiffusionNFT ----------------------------------------------------------------------------

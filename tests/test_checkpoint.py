@@ -98,10 +98,10 @@ def quiet(msg):
     pass
 
 
-@pytest.mark.parametrize("recipe", [GRPO, NFT])
-def test_a_stopped_and_resumed_run_is_bit_identical_to_an_uninterrupted_one(tiny_model_dir, tmp_path, recipe):
+@pytest.mark.parametrize("recipe, extra", [(GRPO, ()), (NFT, ("trainer.ema_decay=0.9",))], ids=["flow_grpo", "nft-ema"])
+def test_a_stopped_and_resumed_run_is_bit_identical_to_an_uninterrupted_one(tiny_model_dir, tmp_path, recipe, extra):
     def run(out, total):
-        cfg = small_cfg(recipe, tiny_model_dir, out, f"trainer.total_steps={total}", "trainer.save_every=0")
+        cfg = small_cfg(recipe, tiny_model_dir, out, f"trainer.total_steps={total}", "trainer.save_every=0", *extra)
         model, history = reference.train(cfg, log=quiet)
         return history, all_adapters(model)
 
@@ -117,6 +117,7 @@ def test_a_stopped_and_resumed_run_is_bit_identical_to_an_uninterrupted_one(tiny
     assert [key(h) for h in first + rest] == [key(h) for h in full_history]
     assert full_lora.keys() == resumed_lora.keys()
     assert all(torch.equal(full_lora[k], resumed_lora[k]) for k in full_lora)
+    assert any(k.startswith("ema/") for k in full_lora) == bool(extra)
 
 
 @pytest.fixture(scope="module")

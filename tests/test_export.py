@@ -38,11 +38,11 @@ def export_main(argv):
     module.main(argv)
 
 
-def train_briefly(recipe, model_dir, out):
+def train_briefly(recipe, model_dir, out, *overrides):
     """Two steps at a high lr with alpha = 2 x rank (so a loader that ignored alpha would differ), and a
     fast EMA so DiffusionNFT's "old" differs from "default"."""
     cfg = small_cfg(recipe, model_dir, out, "trainer.total_steps=2", "learner.lr=0.05", "learner.lora_alpha=16",
-                    "algorithm.ema_uprate=0.5")
+                    "algorithm.ema_uprate=0.5", *overrides)
     model, _ = reference.train(cfg, log=lambda msg: None)
     return model, latest_checkpoint(os.path.join(out, "checkpoints"))
 
@@ -62,9 +62,9 @@ def pipeline_latents(pipe):
     return run("latent"), torch.from_numpy((run("np")[0] * 255).round().astype(np.uint8))
 
 
-@pytest.mark.parametrize("recipe, adapter", [(GRPO, "default"), (NFT, "old")])
+@pytest.mark.parametrize("recipe, adapter", [(GRPO, "default"), (NFT, "old"), (GRPO, "ema")])
 def test_exported_lora_loads_in_diffusers_and_samples_as_rayflow_does(tiny_model_dir, tiny_pipeline, tmp_path, recipe, adapter):
-    model, ckpt = train_briefly(recipe, tiny_model_dir, str(tmp_path / "run"))
+    model, ckpt = train_briefly(recipe, tiny_model_dir, str(tmp_path / "run"), *["trainer.ema_decay=0.9"] * (adapter == "ema"))
     out = str(tmp_path / "lora")
     export_main([ckpt, "--out", out, "--adapter", adapter])
 
@@ -72,6 +72,8 @@ def test_exported_lora_loads_in_diffusers_and_samples_as_rayflow_does(tiny_model
     expected = load_adapter(ckpt, adapter)
     assert saved.keys() == {f"transformer.{k}" for k in expected}
     assert all(torch.equal(saved[f"transformer.{k}"], v) for k, v in expected.items())
+    if adapter != "default":  # an EMA of the trained adapter, not a copy of it
+        assert any(not torch.equal(v, load_adapter(ckpt, "default")[k]) for k, v in expected.items())
 
     pipe = QwenImagePipeline.from_pretrained(tiny_model_dir)
     pipe.set_progress_bar_config(disable=True)

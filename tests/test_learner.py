@@ -306,3 +306,49 @@ def test_nft_old_adapter_is_updated_once_per_batch_with_eta_after_the_batchs_ste
         old = adapter_state(run.model.transformer, lora.EMA_ADAPTER)
         for name, value in old.items():
             torch.testing.assert_close(value, eta * old_before[name] + (1 - eta) * default[name], rtol=0, atol=1e-7)
+
+
+def test_eval_ema_follows_flow_grpos_ema_module_wrapper_rule(tiny_model_dir, tmp_path):
+    from rayflow.learner.optim import update_eval_ema
+
+    cfg = small_cfg(GRPO, tiny_model_dir, tmp_path, "trainer.ema_decay=0.2", "trainer.ema_every=2")
+    model = load_policy_model(cfg, CPU)
+    assert lora.adapter_names(model.transformer) == ["default", "ema"]
+    expected = adapter_state(model.transformer, lora.EVAL_EMA_ADAPTER)
+    assert all(torch.equal(v, adapter_state(model.transformer, "default")[k]) for k, v in expected.items())  # starts as a copy
+    g = torch.Generator().manual_seed(0)
+    for n in range(1, 6):  # flow_grpo: ema.step(params, global_step) after global_step += 1
+        default = {k: torch.randn(v.shape, generator=g) for k, v in expected.items()}
+        load_adapter_state(model.transformer, "default", default)
+        update_eval_ema(model.transformer, cfg.trainer, n)
+        if (n + 1) % 2 == 0:  # its update_step_interval rule
+            d = min((1 + n) / (10 + n), 0.2)  # its get_current_decay
+            expected = {k: v + (1 - d) * (default[k] - v) for k, v in expected.items()}
+        got = adapter_state(model.transformer, lora.EVAL_EMA_ADAPTER)
+        for k, v in expected.items():
+            torch.testing.assert_close(got[k], v, rtol=0, atol=1e-6)
+
+
+def test_rollouts_record_each_stochastic_steps_mean_for_ratio_norm(tiny_model_dir, tmp_path):
+    """GRPO-Guard compares μ_θ with the rollout's μ_old: the sampler's recorded means are the learner's replayed
+    ones, so on-policy the normalised ratio is exactly 1 (nothing clipped)."""
+    from rayflow.learner.objective import _conds, _guided_velocity, backward
+    from rayflow.sampling.flow_sde import flow_step
+
+    cfg = small_cfg(GRPO, tiny_model_dir, tmp_path, "algorithm.ratio_norm=true", "sampling.sde_step_indices=[1,2]")
+    run = reference.build_run(cfg)
+    batch, _ = reference.rollout(run)
+    t, params = batch[0], batch[0].params
+    assert t.means.shape[0] == 2
+    with pytest.raises(KeyError, match="not stochastic"):
+        t.step_mean(0)
+    with torch.no_grad():
+        conds = _conds(batch, CPU)
+        for j in (1, 2):
+            x, x_next = (torch.stack([b.latent(i) for b in batch]) for i in (j, j + 1))
+            v = _guided_velocity(run.model, run.policy, x, t.timesteps[j], conds, params)
+            _, _, mean, _ = flow_step(v, x, t.sigmas[j], t.sigmas[j + 1], sde_type="sde", noise_level=params.noise_level,
+                                      prev_sample=x_next, sigma_max=t.sigmas[1])
+            assert torch.equal(torch.stack([b.step_mean(j) for b in batch]), mean)
+    metrics = backward(cfg, run.model, run.policy, batch, version=0)
+    assert metrics["train/clip_frac"] == 0

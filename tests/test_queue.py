@@ -20,7 +20,7 @@ def trajectory(g: PromptGroup, seed: int, versions: list[int], reward: float = 0
     return Trajectory(
         prompt=g.prompt, prompt_id=g.prompt_id, group_id=g.group_id, seed=seed, params=SamplingParams(num_steps=T),
         latents=torch.zeros(1, 1, 1), latent_indices=[T], timesteps=torch.zeros(T), sigmas=torch.zeros(T + 1),
-        log_probs=torch.zeros(T), sde_mask=torch.zeros(T, dtype=torch.bool), versions=torch.tensor(versions),
+        log_probs=torch.zeros(T), sde_mask=torch.zeros(T, dtype=torch.bool), versions=torch.tensor(versions), means=torch.zeros(0, 1, 1),
         conds={}, reward=reward,
     )
 

@@ -30,7 +30,7 @@ def trajectory(i: int) -> Trajectory:
         prompt=PROMPTS[i % len(PROMPTS)], prompt_id=i % len(PROMPTS), group_id=i // 2, seed=1000 + i,
         params=SamplingParams(num_steps=1), latents=torch.zeros(1, 1, 1), latent_indices=[1],
         timesteps=torch.zeros(1), sigmas=torch.zeros(2), log_probs=torch.zeros(1),
-        sde_mask=torch.zeros(1, dtype=torch.bool), versions=torch.tensor([0]), conds={}, image=image,
+        sde_mask=torch.zeros(1, dtype=torch.bool), versions=torch.tensor([0]), means=torch.zeros(0, 1, 1), conds={}, image=image,
     )
 
 

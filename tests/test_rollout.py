@@ -126,6 +126,26 @@ def test_staged_weights_apply_at_the_step_boundary_all_ranks_reach(tiny_model_di
         assert all(torch.equal(got[n], weights[n]) for n in weights)
 
 
+def test_a_request_under_given_weights_samples_under_them_and_restores_the_applied_version(tiny_model_dir):
+    """Evaluation of the trainer.ema_decay EMA: one request under other weights, no version applied meanwhile."""
+    model = lora_model(tiny_model_dir)
+    staged, ema = random_adapter(model, seed=1), random_adapter(model, seed=4)
+    applied = adapter_parameters(model.transformer, TRAINED_ADAPTER)
+    applied = {n: p.detach().clone() for n, p in applied.items()}
+    ranks = two_ranks(tiny_model_dir, "step", staged, stage_call=2)  # version 1 arrives mid-request
+    results = run_ranks(2, lambda r: ranks[r].generate(request(steps=6), weights=ema))
+    assert results[0][0].versions.tolist() == [0] * 6
+    set_adapter(model, ema)
+    assert_same(results[0], oracle(model, request(steps=6), TrueCFG(), {}))
+    for rank in ranks:
+        assert rank.version == 0
+        got = rank.get_adapter_weights()
+        assert all(torch.equal(got[n], applied[n]) for n in applied)
+    # The next request applies the staged version as usual.
+    after = run_ranks(2, lambda r: ranks[r].generate(request(steps=2)))[0]
+    assert after[0].versions.tolist() == [1, 1]
+
+
 def test_apply_at_request_keeps_a_request_on_one_version(tiny_model_dir):
     model = lora_model(tiny_model_dir)
     weights = random_adapter(model, seed=2)

@@ -31,10 +31,12 @@ def final_adapters(run_dir: str, step: int) -> dict:
 
 MINIBATCHES = ("algorithm.num_inner_epochs=2", "algorithm.num_minibatches=2")
 WINDOW = ("sampling.sde_window_size=2", "sampling.sde_window_range=[0,3]")  # a random 2-step window per version
+EMA = ("trainer.ema_decay=0.9", "trainer.ema_every=2")  # the "ema" adapter is compared and resumed with the others
+EVAL = (f"trainer.eval_every={STEPS}",)  # the last step evaluates (under the "ema" adapter, on the rollout ranks)
 
 
-@pytest.mark.parametrize("recipe, extra", [(GRPO, ()), (NFT, ()), (GRPO, MINIBATCHES + WINDOW), (NFT, MINIBATCHES)],
-                         ids=["flow_grpo", "nft", "flow_grpo-minibatches-window", "nft-minibatches"])
+@pytest.mark.parametrize("recipe, extra", [(GRPO, ()), (NFT, ()), (GRPO, MINIBATCHES + WINDOW + EMA + EVAL), (NFT, MINIBATCHES + EMA)],
+                         ids=["flow_grpo", "nft", "flow_grpo-minibatches-window-ema", "nft-minibatches-ema"])
 def test_synchronous_run_equals_the_reference_trainer_and_resumes_exactly(ray_session, tiny_model_dir, tmp_path, recipe, extra):
     overrides = [f"trainer.total_steps={STEPS}", "trainer.save_every=1", "trainer.keep_checkpoints=3", "trainer.eval_every=0",
                  "logging.progress_bar=false", "async.max_staleness=0", *extra]

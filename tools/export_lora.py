@@ -1,6 +1,6 @@
 """Export a LoRA adapter of a rayflow checkpoint in diffusers' LoRA format.
 
-    python tools/export_lora.py CKPT --out DIR [--adapter default|old]
+    python tools/export_lora.py CKPT --out DIR [--adapter default|old|ema]
 
 CKPT is a checkpoint directory (outputs/<run>/checkpoints/step_00000100) or a run's checkpoints
 directory (its newest is taken). DIR then loads with the model family's own pipeline,
@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 
 from rayflow.checkpoint import export_lora, find_checkpoint, read_meta
-from rayflow.learner.lora import EMA_ADAPTER, TRAINED_ADAPTER
+from rayflow.learner.lora import EMA_ADAPTER, EVAL_EMA_ADAPTER, TRAINED_ADAPTER
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -21,8 +21,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("checkpoint", help="a checkpoint directory, or a directory of them (the newest is used)")
     parser.add_argument("--out", required=True, help="output directory for the diffusers LoRA")
     parser.add_argument(
-        "--adapter", default=TRAINED_ADAPTER, choices=(TRAINED_ADAPTER, EMA_ADAPTER),
-        help='"default" (the trained policy) or "old" (DiffusionNFT\'s EMA, what it rolls out under)',
+        "--adapter", default=TRAINED_ADAPTER, choices=(TRAINED_ADAPTER, EMA_ADAPTER, EVAL_EMA_ADAPTER),
+        help='"default" (the trained policy), "old" (DiffusionNFT\'s EMA, what it rolls out under) or '
+             '"ema" (the EMA of trainer.ema_decay, flow_grpo\'s train.ema)',
     )
     args = parser.parse_args(argv)
     try:

@@ -1,10 +1,11 @@
 """Evaluation between training steps: deterministic (ODE) samples of fixed prompts and seeds under the
-current rollout weights, their mean reward, and an image grid, logged as eval/*."""
+current rollout weights (or the EMA of trainer.ema_decay), their mean reward, and an image grid, logged as eval/*."""
 
 from __future__ import annotations
 
 import dataclasses
 
+import ray
 import torch
 
 from rayflow.config import RayflowConfig
@@ -30,8 +31,9 @@ class Evaluator:
         ]
         self.rollout, self.rewards = rollout, rewards
 
-    def run(self, step: int, monitor: Monitor) -> dict[str, float]:
-        trajectories = [t for f in self.rollout.map(self.requests) for t in f.result()]
+    def run(self, step: int, monitor: Monitor, weights: ray.ObjectRef | None = None) -> dict[str, float]:
+        """`weights`: synced-slot tensors to sample under instead of the rollout weights (RolloutPool.map)."""
+        trajectories = [t for f in self.rollout.map(self.requests, weights=weights) for t in f.result()]
         self.rewards.score(trajectories)
         scalars = {"eval/reward_mean": float(torch.tensor([t.reward for t in trajectories]).mean())}
         monitor.log(step, scalars, advance=False)

@@ -31,6 +31,7 @@ from rayflow.data.prompts import GroupSampler, PromptGroup, load_prompts
 from rayflow.driver.evaluation import Evaluator
 from rayflow.driver.queue import StalenessQueue
 from rayflow.driver.watchdog import Watchdog
+from rayflow.learner.lora import EVAL_EMA_ADAPTER
 from rayflow.learner.minibatches import learner_batch
 from rayflow.learner.optim import SkippedSteps
 from rayflow.learner.worker import LearnerGroup, LearnerStalled
@@ -291,9 +292,17 @@ class Trainer:
             log.info("step %d  reward %.4f  loss %+.5f  staleness %.2f  %.2fs", self.version, scalars["reward/mean"],
                      scalars["loss/policy"], scalars["staleness/mean"], scalars["perf/step_s"])
         if cfg.trainer.eval_every and self.version % cfg.trainer.eval_every == 0:
-            self.evaluator.run(self.version, self.monitor)
+            self.evaluator.run(self.version, self.monitor, self._eval_weights())
         if is_save_step(self.version, cfg.trainer.save_every, cfg.trainer.total_steps):
             self._save()
+
+    def _eval_weights(self) -> ray.ObjectRef | None:
+        """With trainer.ema_decay > 0, the "ema" adapter as the rollout ranks' slot holds it (flow_grpo evaluates
+        its train.ema weights); else None: evaluate the rollout weights."""
+        if self.cfg.trainer.ema_decay == 0:
+            return None
+        adapter = self.learners.get(self.learners.adapter_weights(EVAL_EMA_ADAPTER))[0]
+        return self.sync.actor.slot_tensors.remote(adapter)
 
     def _wait_synced(self) -> float:
         """Block until the newest version is on every live rollout rank; seconds the broadcast took."""

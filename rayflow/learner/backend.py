@@ -103,9 +103,13 @@ class LearnerBackend:
 
     def rollout_weights(self) -> tuple[int, dict[str, torch.Tensor] | None]:
         """(version, {canonical name: full tensor}) of the rollout adapter; the tensors on rank 0 only."""
+        return self.version, self.adapter_weights(self.rollout_adapter_name)
+
+    def adapter_weights(self, adapter: str) -> dict[str, torch.Tensor] | None:
+        """{canonical name: full tensor} of `adapter` on rank 0, None on the others (every rank gathers)."""
         reshard(self.transformer)
-        tensors = adapter_state(self.transformer, self.rollout_adapter_name)
-        return self.version, tensors if self.mesh.get_rank() == 0 else None
+        tensors = adapter_state(self.transformer, adapter)
+        return tensors if self.mesh.get_rank() == 0 else None
 
     def rollout_wire(self) -> WirePush | None:
         """The rollout adapter laid out for the weight-sync actor (rayflow.sync.buckets.to_wire): gathered

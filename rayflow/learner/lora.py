@@ -1,4 +1,5 @@
-"""LoRA adapters on the transformer: "default" (trained) and, for DiffusionNFT, "old" (a frozen EMA shadow).
+"""LoRA adapters on the transformer: "default" (trained); for DiffusionNFT, "old" (a frozen EMA shadow it
+rolls out under); with trainer.ema_decay > 0, "ema" (flow_grpo's train.ema: an EMA for evaluation and export).
 
 peft's adapter switching also flips requires_grad (activating "old" freezes "default", disabling
 adapters freezes both). rayflow re-asserts the trainable/frozen split after every switch, so
@@ -17,6 +18,7 @@ from torch import nn
 
 TRAINED_ADAPTER = "default"
 EMA_ADAPTER = "old"
+EVAL_EMA_ADAPTER = "ema"
 
 
 def _tuner_layers(transformer: nn.Module) -> list[nn.Module]:
@@ -32,9 +34,9 @@ def add_lora(
     alpha: float,
     targets: list[str] | tuple[str, ...],
     init: str = "gaussian",
-    with_ema: bool = False,
+    shadows: tuple[str, ...] = (),
 ) -> list[str]:
-    """Inject the "default" adapter (and "old", equal to it, when `with_ema`); return the adapted module names.
+    """Inject the "default" adapter, and each of `shadows` ("old", "ema") equal to it; return the adapted module names.
 
     Every target must bind at least one module: a name that binds none (a typo, or an architecture
     without that projection) is an error naming it, not a silently smaller adapter.
@@ -54,11 +56,11 @@ def add_lora(
             f"learner.lora_targets: {unbound} bind no module of {type(transformer).__name__}; "
             f"adapted modules end in {sorted({n.split('.')[-1] for n in adapted})}"
         )
-    if with_ema:
+    for shadow in shadows:
         with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="Already found a `peft_config`")  # two adapters is the point
-            transformer.add_adapter(config, adapter_name=EMA_ADAPTER)
-        copy_adapter(transformer, src=TRAINED_ADAPTER, dst=EMA_ADAPTER)
+            warnings.filterwarnings("ignore", message="Already found a `peft_config`")  # several adapters is the point
+            transformer.add_adapter(config, adapter_name=shadow)
+        copy_adapter(transformer, src=TRAINED_ADAPTER, dst=shadow)
     activate(transformer, TRAINED_ADAPTER)
     return adapted
 

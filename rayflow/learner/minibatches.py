@@ -17,7 +17,7 @@ from rayflow.algorithms.diffusion_nft import ema_step
 from rayflow.cfg.policy import CFGPolicy
 from rayflow.config import RayflowConfig
 from rayflow.learner.objective import backward
-from rayflow.learner.optim import optimizer_step, update_rollout_ema
+from rayflow.learner.optim import optimizer_step, update_eval_ema, update_rollout_ema
 from rayflow.learner.parallelize import reshard
 from rayflow.models import DiffusionModel
 from rayflow.types import Trajectory
@@ -87,8 +87,8 @@ class BatchResult:
 def train_batch(cfg: RayflowConfig, model: DiffusionModel, optimizer: torch.optim.Optimizer, policy: CFGPolicy,
                 steps: list[list[Trajectory]], version: int) -> tuple[dict[str, float], BatchResult]:
     """Train one batch (version `version`): per entry of `steps` (this process's trajectories of one
-    planned mini-batch, in plan order) accumulate its gradients, then one optimizer step; then, for
-    DiffusionNFT, one EMA update of "old".
+    planned mini-batch, in plan order) accumulate its gradients, then one optimizer step (and, with
+    trainer.ema_decay, an update of "ema"); then, for DiffusionNFT, one EMA update of "old".
 
     Returns the metrics averaged over the steps, and the batch's result. Old log-probs stay the rollout's:
     every mini-batch's ratio is taken against the policy that sampled it, as in flow_grpo."""
@@ -99,6 +99,8 @@ def train_batch(cfg: RayflowConfig, model: DiffusionModel, optimizer: torch.opti
         step_metrics = backward(cfg, model, policy, shard, pass_index(version, i // algo.num_minibatches, algo.num_inner_epochs))
         reshard(model.transformer)
         results.append(optimizer_step(model.transformer, optimizer, cfg.learner))
+        if cfg.trainer.ema_decay > 0:
+            update_eval_ema(model.transformer, cfg.trainer, version * len(steps) + i + 1)
         for name, value in step_metrics.items():
             metrics[name] += value / len(steps)
     eta = 0.0

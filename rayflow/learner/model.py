@@ -13,7 +13,7 @@ import json
 import torch
 
 from rayflow.config import RayflowConfig
-from rayflow.learner.lora import add_lora
+from rayflow.learner.lora import EMA_ADAPTER, EVAL_EMA_ADAPTER, add_lora
 from rayflow.models import DiffusionModel, load_model
 from rayflow.models.tiny import resolve_model_path
 
@@ -23,10 +23,10 @@ _FINGERPRINT_ELEMENTS = 256
 
 def load_policy_model(cfg: RayflowConfig, device: str | torch.device | None = None,
                       transformer_only: bool = False) -> DiffusionModel:
-    """The model with its LoRA adapters ("default", and "old" when the algorithm rolls out under an EMA).
-    `transformer_only` (learner ranks): no text encoder or VAE, which a learner never runs.
+    """The model with its LoRA adapters ("default"; "old" when the algorithm rolls out under an EMA; "ema"
+    when trainer.ema_decay > 0). `transformer_only` (learner ranks): no text encoder or VAE, which a learner never runs.
 
-    Reads cfg.model, cfg.learner (LoRA), cfg.algorithm (EMA or not) and cfg.trainer.seed."""
+    Reads cfg.model, cfg.learner (LoRA), cfg.algorithm and cfg.trainer (EMAs or not) and cfg.trainer.seed."""
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     path = resolve_model_path(cfg.model.path, cfg.model.cache_dir, cfg.model.tiny_size, cfg.model.tiny_seed,
                               cfg.model.tiny_arch)
@@ -39,7 +39,7 @@ def load_policy_model(cfg: RayflowConfig, device: str | torch.device | None = No
         alpha=cfg.learner.lora_alpha,
         targets=lora_targets(cfg, model),
         init=cfg.learner.lora_init,
-        with_ema=cfg.algorithm.needs_ema_rollout,
+        shadows=(EMA_ADAPTER,) * cfg.algorithm.needs_ema_rollout + (EVAL_EMA_ADAPTER,) * (cfg.trainer.ema_decay > 0),
     )
     return model
 

@@ -13,7 +13,7 @@ from collections import defaultdict
 import torch
 
 from rayflow.algorithms.diffusion_nft import diffusion_nft_loss, noised, optimality_probability
-from rayflow.algorithms.flow_grpo import flow_grpo_loss
+from rayflow.algorithms.flow_grpo import RatioNorm, flow_grpo_loss
 from rayflow.cfg.policy import CFGPolicy
 from rayflow.config import AlgorithmConfig, RayflowConfig
 from rayflow.learner.lora import EMA_ADAPTER, base_model, using_adapter
@@ -36,6 +36,10 @@ def micro_batches(trajectories: list[Trajectory], size: int) -> list[list[Trajec
 
 def _stack_latent(trajs: list[Trajectory], index: int, device: torch.device) -> torch.Tensor:
     return torch.stack([t.latent(index) for t in trajs]).to(device)
+
+
+def _stack_step_mean(trajs: list[Trajectory], step: int, device: torch.device) -> torch.Tensor:
+    return torch.stack([t.step_mean(step) for t in trajs]).to(device)
 
 
 def _conds(trajs: list[Trajectory], device: torch.device) -> dict[str, PromptEmbeds]:
@@ -121,10 +125,13 @@ def flow_grpo_backward(
                 with torch.no_grad(), base_model(model.transformer):
                     v_ref = _guided_velocity(model, policy, x, timesteps[j], conds, params)
                     _, _, ref_mean, _ = flow_step(v_ref, x, sigmas[j], sigmas[j + 1], **step)
+            ratio_norm = None
+            if algo.ratio_norm:
+                ratio_norm = RatioNorm(_stack_step_mean(mb, j, device), std, (sigmas[j + 1] - sigmas[j]).to(device))
             out = flow_grpo_loss(
                 log_prob, old_log_probs[:, j], advantages, algo.clip_range,
                 mean=mean, ref_mean=ref_mean, std=_kl_std(algo.kl_type, params, std, sigmas[j], sigmas[1], device),
-                kl_beta=algo.kl_beta,
+                kl_beta=algo.kl_beta, ratio_norm=ratio_norm,
             )
             (out.loss * scale).backward()
             metrics.add(scale, **{"loss/policy": out.policy, "loss/kl": out.kl,

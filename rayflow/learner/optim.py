@@ -1,5 +1,6 @@
 """The optimizer step shared by the reference trainer and the FSDP2 learner (clip grad norm → step,
-skipped when the norm is not finite), and DiffusionNFT's EMA of "old", once per trained batch."""
+skipped when the norm is not finite), DiffusionNFT's EMA of "old", once per trained batch, and
+flow_grpo's train.ema "ema", after optimizer steps."""
 
 from __future__ import annotations
 
@@ -11,8 +12,9 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from rayflow.algorithms.diffusion_nft import ema_decay, ema_update
-from rayflow.config import AlgorithmConfig, LearnerConfig
-from rayflow.learner.lora import EMA_ADAPTER, TRAINED_ADAPTER, adapter_parameters
+from rayflow.algorithms.flow_grpo import train_ema_decay
+from rayflow.config import AlgorithmConfig, LearnerConfig, TrainerConfig
+from rayflow.learner.lora import EMA_ADAPTER, EVAL_EMA_ADAPTER, TRAINED_ADAPTER, adapter_parameters
 
 
 def build_optimizer(transformer: nn.Module, cfg: LearnerConfig) -> torch.optim.Optimizer:
@@ -64,10 +66,23 @@ def update_rollout_ema(transformer: nn.Module, algo: AlgorithmConfig, optimizer_
     """DiffusionNFT's "old" ← η·old + (1 − η)·default with η = ema_decay(optimizer_steps), called once
     per trained batch with diffusion_nft.ema_step (as scripts/train_nft_sd3.py, once per epoch). Returns η."""
     eta = ema_decay(optimizer_steps, algo.ema_flat, algo.ema_uprate, algo.ema_uphold)
-    current = adapter_parameters(transformer, TRAINED_ADAPTER)
-    old = adapter_parameters(transformer, EMA_ADAPTER)
-    ema_update([old[n] for n in sorted(old)], [current[n] for n in sorted(old)], eta)
+    _blend_into(transformer, EMA_ADAPTER, eta)
     return eta
+
+
+def update_eval_ema(transformer: nn.Module, trainer: TrainerConfig, optimizer_steps: int) -> None:
+    """flow_grpo's `ema.step(params, global_step)` after optimizer step number `optimizer_steps` (1-based, skipped
+    steps included): "ema" ← d·ema + (1 − d)·default with d = train_ema_decay(n, trainer.ema_decay), when
+    (n + 1) is a multiple of trainer.ema_every (its update_step_interval rule)."""
+    if (optimizer_steps + 1) % trainer.ema_every == 0:
+        _blend_into(transformer, EVAL_EMA_ADAPTER, train_ema_decay(optimizer_steps, trainer.ema_decay))
+
+
+def _blend_into(transformer: nn.Module, shadow: str, decay: float) -> None:
+    """shadow ← decay·shadow + (1 − decay)·"default", tensor by tensor (FSDP2 shards in place)."""
+    current = adapter_parameters(transformer, TRAINED_ADAPTER)
+    target = adapter_parameters(transformer, shadow)
+    ema_update([target[n] for n in sorted(target)], [current[n] for n in sorted(target)], decay)
 
 
 class TooManySkippedSteps(RuntimeError):

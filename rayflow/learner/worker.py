@@ -69,6 +69,9 @@ class LearnerWorker:
     def rollout_weights(self) -> tuple[int, dict[str, torch.Tensor] | None]:
         return self.backend.rollout_weights()
 
+    def adapter_weights(self, adapter: str) -> dict[str, torch.Tensor] | None:
+        return self.backend.adapter_weights(adapter)
+
     def rollout_adapter_name(self) -> str:
         return self.backend.rollout_adapter_name
 
@@ -154,6 +157,10 @@ class LearnerGroup:
     def rollout_weights(self) -> list[ray.ObjectRef]:
         """Refs to each rank's (version, tensors); rank 0's holds the full rollout adapter, the others None."""
         return [w.rollout_weights.remote() for w in self.workers]
+
+    def adapter_weights(self, adapter: str) -> list[ray.ObjectRef]:
+        """Refs to each rank's full tensors of `adapter` (rank 0's; the others None)."""
+        return [w.adapter_weights.remote(adapter) for w in self.workers]
 
     def checkpoint(self, step: int, data: dict) -> Checkpoint:
         """The learners' full state as a Checkpoint (rank 0's adapters and optimizer, every rank's RNG

@@ -129,7 +129,7 @@ def learner_rank(cfg: RayflowConfig, sizes: ModelSizes) -> RoleMemory:
     compute_bytes = 2 if lr.mixed_precision == "bf16" else wb
     shards = lr.world_size if lr.sharded else 1
     weights = sizes.parameters["transformer"] * wb
-    adapters = 2 if cfg.algorithm.needs_ema_rollout else 1
+    adapters = 1 + cfg.algorithm.needs_ema_rollout + (cfg.trainer.ema_decay > 0)  # "default", "old", "ema"
     lora = sizes.lora_parameters * _learner_lora_bytes(cfg) // shards
     grad_forwards = branches(cfg) if cfg.algorithm.name == "flow_grpo" else 1
     cost = sizes.forward[(lr.micro_batch_size, lr.activation_checkpointing)]

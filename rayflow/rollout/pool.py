@@ -104,19 +104,21 @@ class RolloutPool:
         self._in_flight[index] = [f for f in self._in_flight[index] if not f.done()]
         return sum(len(f.request.seeds) for f in self._in_flight[index])
 
-    def submit(self, request: RolloutRequest, policy: CFGPolicy | None = None) -> RolloutFuture:
-        """Send `request` to the least-loaded live replica (ties: the lowest index)."""
+    def submit(self, request: RolloutRequest, policy: CFGPolicy | None = None,
+               weights: ray.ObjectRef | None = None) -> RolloutFuture:
+        """Send `request` to the least-loaded live replica (ties: the lowest index); `weights`: RolloutReplica.submit's."""
         live = [i for i, r in enumerate(self.replicas) if r.alive]
         if not live:
             raise ReplicaError(f"every rollout replica of the pool is out of service ({len(self.replicas)} replicas)")
         index = min(live, key=self._samples_in_flight)
-        future = self.replicas[index].submit(request, policy)
+        future = self.replicas[index].submit(request, policy, weights)
         self._in_flight[index].append(future)
         return future
 
-    def map(self, requests: list[RolloutRequest], policy: CFGPolicy | None = None) -> list[RolloutFuture]:
+    def map(self, requests: list[RolloutRequest], policy: CFGPolicy | None = None,
+            weights: ray.ObjectRef | None = None) -> list[RolloutFuture]:
         """Submit every request; futures in request order."""
-        return [self.submit(r, policy) for r in requests]
+        return [self.submit(r, policy, weights) for r in requests]
 
     def generate(self, requests: list[RolloutRequest], policy: CFGPolicy | None = None) -> list[Trajectory]:
         """Blocking: all trajectories, in request order."""

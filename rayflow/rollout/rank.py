@@ -14,8 +14,10 @@ so all ranks hold identical latents and record identical per-step versions.
 
 from __future__ import annotations
 
+import contextlib
 import time
 import zlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -202,8 +204,11 @@ class RolloutRank:
     # --- sampling ------------------------------------------------------------------------------
 
     @torch.no_grad()
-    def generate(self, request: RolloutRequest, policy: CFGPolicy | None = None) -> list[Trajectory] | None:
-        """Sample `request` with every rank of the group; rank 0 returns the trajectories, the others None."""
+    def generate(self, request: RolloutRequest, policy: CFGPolicy | None = None,
+                 weights: dict[str, torch.Tensor] | None = None) -> list[Trajectory] | None:
+        """Sample `request` with every rank of the group; rank 0 returns the trajectories, the others None.
+        `weights`: tensors of the synced slot to sample this one request under (evaluating the EMA of
+        trainer.ema_decay), the applied version's restored after it; no new version is applied meanwhile."""
         if self.group is None:
             raise RuntimeError(f"rollout rank {self.rank} has not joined its group")
         policy = policy or self.spec.policy
@@ -211,6 +216,23 @@ class RolloutRank:
         tag = request_tag(request)
         self._agree(all_gather_header(self.group, self._header(tag)), tag, apply=True)
         guidance = CFGParallel(self.group, len(state.branches), self.spec.batch_branches)
+        with self._sampling_under(weights):
+            return self._denoise(request, state, policy, tag, guidance, apply=weights is None)
+
+    @contextlib.contextmanager
+    def _sampling_under(self, weights: dict[str, torch.Tensor] | None) -> Iterator[None]:
+        if weights is None:
+            yield
+            return
+        applied = {name: p.detach().to("cpu", copy=True) for name, p in self._synced_weights().items()}  # off the GPU
+        load_weights(self._synced_weights(), weights)
+        try:
+            yield
+        finally:
+            load_weights(self._synced_weights(), applied)
+
+    def _denoise(self, request: RolloutRequest, state, policy: CFGPolicy, tag: int, guidance: CFGParallel,
+                 apply: bool) -> list[Trajectory] | None:
         try:
             while not state.done:
                 self.progress = (request.request_id, state.step)
@@ -218,7 +240,7 @@ class RolloutRank:
                 velocity, headers = guidance.velocity(self.model, state, policy, self._header(tag))
                 self.step_gather_seconds += self.group.seconds - gathered
                 advance(state, velocity, self.version)
-                self._agree(headers, tag, apply=self.spec.apply_at == "step")
+                self._agree(headers, tag, apply=apply and self.spec.apply_at == "step")
                 self.step_seconds += time.perf_counter() - start
                 self.steps += 1
         finally:

@@ -147,12 +147,14 @@ class RolloutReplica:
 
     # --- requests ------------------------------------------------------------------------------
 
-    def submit(self, request: RolloutRequest, policy: CFGPolicy | None = None) -> RolloutFuture:
-        """Queue `request` on every rank (in the same order on all of them); `policy` overrides the spec's."""
+    def submit(self, request: RolloutRequest, policy: CFGPolicy | None = None,
+               weights: ray.ObjectRef | None = None) -> RolloutFuture:
+        """Queue `request` on every rank (in the same order on all of them); `policy` overrides the spec's;
+        `weights` (a reference to synced-slot tensors) are sampled under instead of the applied version."""
         self._raise_if_dead()
         request_ref = ray.put(request)  # once, shared by every rank
         with self._submit_lock:
-            pairs = [w.generate.remote(request_ref, policy) for w in self.workers]
+            pairs = [w.generate.remote(request_ref, policy, weights) for w in self.workers]
         return RolloutFuture(self, request, [done for done, _ in pairs], pairs[0][1])
 
     def generate(self, request: RolloutRequest, policy: CFGPolicy | None = None) -> list[Trajectory]:

@@ -41,10 +41,12 @@ class RolloutWorker:
         return {"node_ip": node_ip(), "node_id": ray.get_runtime_context().get_node_id()}
 
     @ray.method(num_returns=2)
-    def generate(self, request: RolloutRequest, policy: CFGPolicy | None = None) -> tuple[int, list[Trajectory] | None]:
+    def generate(self, request: RolloutRequest, policy: CFGPolicy | None = None,
+                 weights: dict[str, torch.Tensor] | None = None) -> tuple[int, list[Trajectory] | None]:
         """(samples returned, trajectories): the small first object tells the driver the request is done
-        (or raises its error) without fetching the trajectories, which go to rewards and learners by reference."""
-        trajectories = self.rank.generate(request, policy)
+        (or raises its error) without fetching the trajectories, which go to rewards and learners by reference.
+        `weights`: RolloutRank.generate's."""
+        trajectories = self.rank.generate(request, policy, weights)
         return (0 if trajectories is None else len(trajectories)), trajectories
 
     def apply_weights(self, version: int, tensors: dict[str, torch.Tensor]) -> None:

@@ -21,6 +21,7 @@ import torch
 
 from rayflow.cfg.policy import CFGBranch, CFGPolicy
 from rayflow.models.base import DiffusionModel, PromptEmbeds, Schedule
+from rayflow.sampling.dpm_solver import dpm2_step
 from rayflow.sampling.flow_sde import flow_step
 from rayflow.types import RolloutRequest, SamplingParams, Trajectory
 
@@ -42,9 +43,13 @@ class RolloutState:
     return_steps: frozenset[int]
     step: int = 0
     captured: dict[int, torch.Tensor] = field(default_factory=dict)
+    means: dict[int, torch.Tensor] = field(default_factory=dict)
+    """Per stochastic step, its transition mean μ [B, N, C] float32."""
     log_probs: list[torch.Tensor] = field(default_factory=list)
     """Per finished step, [B] float32."""
     versions: list[int] = field(default_factory=list)
+    x0: torch.Tensor | None = None
+    """[B, N, C] float32 data prediction of the last step: the history of sampling.solver=dpm2."""
 
     @property
     def params(self) -> SamplingParams:
@@ -117,17 +122,24 @@ def advance(state: RolloutState, velocity: torch.Tensor, version: int) -> None:
     if i in state.return_steps:
         state.captured[i] = state.latents.to(torch.float32, copy=True)
     sigmas = state.schedule.sigmas
-    stochastic = i in state.sde_steps
-    state.latents, log_prob, _, _ = flow_step(
-        velocity,
-        state.latents,
-        sigmas[i],
-        sigmas[i + 1],
-        sde_type=state.params.sde_type if stochastic else "ode",
-        noise_level=state.params.noise_level,
-        generator=state.generators,
-        sigma_max=sigmas[1],
-    )
+    if state.params.solver == "dpm2":  # every step deterministic (SamplingParams.validate)
+        state.latents, state.x0 = dpm2_step(velocity, state.latents, sigmas[i], sigmas[i + 1],
+                                            sigma_prev=sigmas[i - 1] if i else None, x0_prev=state.x0)
+        log_prob = torch.zeros(state.latents.shape[0], dtype=torch.float32, device=state.latents.device)
+    else:
+        stochastic = i in state.sde_steps
+        state.latents, log_prob, mean, _ = flow_step(
+            velocity,
+            state.latents,
+            sigmas[i],
+            sigmas[i + 1],
+            sde_type=state.params.sde_type if stochastic else "ode",
+            noise_level=state.params.noise_level,
+            generator=state.generators,
+            sigma_max=sigmas[1],
+        )
+        if stochastic:
+            state.means[i] = mean
     state.log_probs.append(log_prob)
     state.versions.append(version)
     state.step += 1
@@ -146,6 +158,8 @@ def finish_rollout(model: DiffusionModel, state: RolloutState, decode: bool = Tr
     rows = [state.captured[i] for i in indices]
     B, N, C = state.latents.shape
     latents = (torch.stack(rows, dim=1) if rows else torch.zeros(B, 0, N, C)).cpu()  # [B, K, N, C]
+    means = [state.means[i] for i in sorted(state.means)]
+    means = (torch.stack(means, dim=1) if means else torch.zeros(B, 0, N, C)).cpu()  # [B, S, N, C]
     log_probs = torch.stack(state.log_probs, dim=1).cpu()  # [B, T]
     sde_mask = torch.tensor([i in state.sde_steps for i in range(state.num_steps)])
     versions = torch.tensor(state.versions, dtype=torch.int64)
@@ -163,6 +177,7 @@ def finish_rollout(model: DiffusionModel, state: RolloutState, decode: bool = Tr
             log_probs=log_probs[b],
             sde_mask=sde_mask,
             versions=versions,
+            means=means[b],
             conds={name: embeds[b].cpu() for name, embeds in state.conds.items()},
             image=None if images is None else images[b],
         )

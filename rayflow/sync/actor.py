@@ -86,6 +86,8 @@ class WeightSyncActor:
         self._pending: queue.Queue = queue.Queue()
         self._done = threading.Condition()
         self._lock = threading.Lock()
+        self._fold_lock = threading.Lock()
+        """One fold at a time: a push and an evaluation's `slot_tensors` share the folder's LoRA slot."""
         threading.Thread(target=self._broadcast_loop, daemon=True, name="weight-sync").start()
 
     # -- membership ----------------------------------------------------------------------------
@@ -126,7 +128,8 @@ class WeightSyncActor:
             # (its own copy, made by Ray's one memcpy). merged: fold, into new buckets.
             packed = from_wire(wire, self.spec.bucket_bytes, self.device, self.spec.verify_checksum)
             if self.fold is not None:
-                merged = self.fold(packed.tensors())
+                with self._fold_lock:
+                    merged = self.fold(packed.tensors())
                 manifest = make_manifest(version, merged, with_checksums=self.spec.verify_checksum)
                 packed = pack_all(manifest, merged, self.spec.bucket_bytes, self.device)
         except BaseException as e:
@@ -136,6 +139,15 @@ class WeightSyncActor:
         self.latest = (version, packed)
         self._pending.put((packed, time.perf_counter() - start))
         return version
+
+    def slot_tensors(self, adapter: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """What a rollout rank's synced slot holds for `adapter` (full LoRA tensors): the adapter itself, or
+        in merged mode the folded linears (on the CPU). For sampling under an adapter never pushed (evaluation
+        of the trainer.ema_decay EMA)."""
+        if self.fold is None:
+            return adapter
+        with self._fold_lock:
+            return {name: t.cpu() for name, t in self.fold(adapter).items()}
 
     def wait(self, version: int, timeout_s: float | None = None) -> SyncReport:
         """Block until `version` is staged on every receiver (or raise the sync's failure)."""
