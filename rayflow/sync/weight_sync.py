@@ -5,8 +5,9 @@
     sync.wait(v)                                               # staged on every rollout rank
     sync.attach(new_replica, pool.replicas)                    # late joiner: new group, current version
 
-When a receiver dies, `wait` raises rayflow.sync.actor.ReceiversLost (and `lost_versions` lists them): `connect` the
-live replicas again and the newest version is broadcast to the new generation.
+When a receiver dies, or stalls (no answer within the collective timeout), `wait` raises
+rayflow.sync.actor.ReceiversLost (and `lost_versions` lists them) within `deadline_s`: `connect` the live
+replicas again and the newest version is broadcast to the new generation.
 """
 
 from __future__ import annotations
@@ -22,14 +23,21 @@ from rayflow.sync.actor import SyncReport, SyncSpec, WeightSyncActor
 from rayflow.sync.buckets import to_wire
 
 
+WAIT_GRACE_S = 10.0
+"""A waiter's margin over the actor's broadcast deadline, so the actor's verdict arrives first."""
+
+
 class WeightSync:
     def __init__(self, cfg: SyncConfig, rollout_spec: RolloutWorkerSpec, replicas: list[RolloutReplica],
                  timeout_s: float = 300.0, name: str = "rayflow-weight-sync"):
         gpus = resolve_gpus(cfg.gpus)
         self.placed = place(make_bundles(1, cfg.cpus, gpus, cfg.resources), "PACK", name=name)
+        spec = SyncSpec(cfg.mode, cfg.bucket_mb, cfg.verify_checksum, timeout_s)
         self.actor = WeightSyncActor.options(
             num_cpus=cfg.cpus, num_gpus=gpus, scheduling_strategy=self.placed.strategy_for_rank(0)
-        ).remote(SyncSpec(cfg.mode, cfg.bucket_mb, cfg.verify_checksum, timeout_s), rollout_spec)
+        ).remote(spec, rollout_spec)
+        self.deadline_s = spec.broadcast_deadline_s + WAIT_GRACE_S
+        """How long to `wait` for a version: past the actor's own verdict on its broadcast (ReceiversLost)."""
         self.generation = 0
         try:
             self.connect(replicas)
