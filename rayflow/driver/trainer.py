@@ -46,6 +46,9 @@ from rayflow.types import RolloutRequest, Trajectory, TrajectoryRef
 
 log = logging.getLogger("rayflow")
 
+POLL_S = 1.0
+"""The longest the loop waits for something to finish before it looks at deadlines and replacements again."""
+
 
 class Trainer:
     def __init__(self, cfg: RayflowConfig, prompts: list[str] | None = None):
@@ -130,9 +133,13 @@ class Trainer:
         return self.history
 
     def _serve(self, training: list[ray.ObjectRef] | None) -> None:
-        """Wait (at most a second) for something to finish; finished rollouts go to rewards, scored trajectories
+        """Wait (at most POLL_S) for something to finish; finished rollouts go to rewards, scored trajectories
         to the queue; replicas and reward workers past their deadlines are replaced."""
-        ray.wait(self._pending_refs(training), num_returns=1, timeout=1.0)
+        refs = self._pending_refs(training)
+        if refs:
+            ray.wait(refs, num_returns=1, timeout=POLL_S)
+        else:  # nothing in flight (requests wait for a replacement to load): poll without spinning
+            time.sleep(POLL_S)
         self._collect_rollouts()
         for trajectory in self.rewards.collect(timeout_s=0):
             self.queue.finished(trajectory)
