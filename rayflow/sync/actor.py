@@ -47,7 +47,7 @@ are in the same collective); one still silent then is stalled."""
 
 
 class ReceiversLost(RuntimeError):
-    """Receivers of the weight-sync group died; the newest version goes to the next group generation."""
+    """Receivers of the weight-sync group died or stalled; the newest version goes to the next group generation."""
 
 
 @dataclass(frozen=True)
