@@ -1,5 +1,6 @@
 """RewardPool on the session's local Ray: scoring like the in-process WeightedReward, round robin,
-retries of a failing reward (a local reward server that fails on demand), and a killed worker."""
+retries of a failing reward (a local reward server that fails on demand), a killed worker (replaced
+while its restart budget lasts) and a stopped one (reported within its deadline, its calls re-issued)."""
 
 import contextlib
 import copy

@@ -1,6 +1,6 @@
 """Weight sync: bucket packing (pure), then the WeightSyncActor broadcasting a learner's rollout adapter
 to every rank of two rollout replicas (W = 1 and W = 2), in lora and merged mode, for FlowGRPO and
-DiffusionNFT; verification failures; a late-joining replica."""
+DiffusionNFT; verification failures; a late-joining replica; receivers that die or stall."""
 
 import dataclasses
 import os

@@ -1,6 +1,7 @@
 """The watchdog: deadlines from measured service times (unit); a rollout rank stopped with SIGSTOP (W = 1)
 reported within the deadline and replaced, the synchronous run's result unchanged; a stopped learner rank
-stops the run loudly within its deadline."""
+stops the run loudly within its deadline; a stopped rank of a CFG-parallel replica (W = 2), told by its peer's
+collective timeout, and a stopped reward worker are replaced and the synchronous run's result is unchanged."""
 
 import contextlib
 import logging
