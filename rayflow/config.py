@@ -335,7 +335,15 @@ class RewardConfig:
     max_retries: int = 1
     """A reward call that raises is retried this many times, then the run stops (never silent zeros)."""
     max_restarts: int = 3
-    """Times Ray restarts a reward worker whose process died (its calls meanwhile are retried elsewhere)."""
+    """Times a reward worker that died or stalled is replaced (per worker, within restart_window_s); its calls are
+    re-issued without spending a retry. Then the run goes on without it."""
+    restart_window_s: float = 3600.0
+    """max_restarts counts a worker's restarts within any this many seconds (0: over the whole run)."""
+    stall_timeout_s: float = 600.0
+    """Watchdog floor: a worker with calls that finishes none for max(this, stall_factor x the longest measured
+    call) is reported as stalled and replaced like a dead one (its calls re-issued)."""
+    stall_factor: float = 10.0
+    """Watchdog: the deadline in multiples of the longest recently measured reward call."""
     max_outage_s: float = 0.0
     """Rewards that call a server (http, vlm_judge) retry with backoff this long before a call fails."""
 
@@ -354,6 +362,9 @@ class RewardConfig:
         _need(self.batch_size >= 1, f"{prefix}.batch_size", self.batch_size, "an integer >= 1")
         _need(self.max_retries >= 0, f"{prefix}.max_retries", self.max_retries, "an integer >= 0")
         _need(self.max_restarts >= 0, f"{prefix}.max_restarts", self.max_restarts, "an integer >= 0")
+        _need(self.restart_window_s >= 0, f"{prefix}.restart_window_s", self.restart_window_s, "seconds >= 0 (0: the whole run)")
+        _need(self.stall_timeout_s > 0, f"{prefix}.stall_timeout_s", self.stall_timeout_s, "seconds > 0")
+        _need(self.stall_factor >= 1, f"{prefix}.stall_factor", self.stall_factor, "a number >= 1")
         _need(self.max_outage_s >= 0, f"{prefix}.max_outage_s", self.max_outage_s, "a number of seconds >= 0")
 
 

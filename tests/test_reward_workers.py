@@ -1,11 +1,14 @@
 """RewardPool on the session's local Ray: scoring like the in-process WeightedReward, round robin,
-retries of a failing reward (a local reward server that fails on demand), and a killed worker."""
+retries of a failing reward (a local reward server that fails on demand), a killed worker (replaced
+while its restart budget lasts) and a stopped one (reported within its deadline, its calls re-issued)."""
 
+import contextlib
 import copy
 import io
 import logging
 import os
 import re
+import signal
 import time
 
 import numpy as np
@@ -47,9 +50,10 @@ def make_pool(ray_session):
     """RewardPool(cfg) with 2 workers; removed (actors and placement group) after the test."""
     pools = []
 
-    def make(functions: list[RewardFnConfig], batch_size: int = 2, max_retries: int = 1, max_restarts: int = 0) -> RewardPool:
+    def make(functions: list[RewardFnConfig], batch_size: int = 2, max_retries: int = 1, max_restarts: int = 0,
+             stall_timeout_s: float = 600.0) -> RewardPool:
         cfg = RewardConfig(functions=functions, num_workers=2, batch_size=batch_size, cpus_per_worker=1.0,
-                           max_retries=max_retries, max_restarts=max_restarts)
+                           max_retries=max_retries, max_restarts=max_restarts, stall_timeout_s=stall_timeout_s)
         pools.append(RewardPool(cfg, name=f"test-rewards-{len(pools)}"))
         return pools[-1]
 
@@ -167,7 +171,7 @@ def test_a_killed_worker_is_skipped_and_its_batch_retried_on_the_other(make_pool
     assert all(t.reward is not None for t in more)
 
 
-def test_a_worker_whose_process_dies_is_restarted_and_stays_in_the_rotation(make_pool, caplog):
+def test_a_worker_whose_process_dies_is_replaced_while_its_restart_budget_lasts(make_pool, caplog):
     pool = make_pool([RewardFnConfig("color", 1.0)], batch_size=2, max_restarts=1)
     pid = ray.get(pool.workers[0].__ray_call__.remote(lambda self: os.getpid()))
     ray.kill(pool.workers[0], no_restart=False)  # as if the process crashed
@@ -175,10 +179,47 @@ def test_a_worker_whose_process_dies_is_restarted_and_stays_in_the_rotation(make
     with caplog.at_level(logging.WARNING, logger="rayflow.rewards"):
         pool.submit(trajectories)
         scored = collect_all(pool)
-    assert sorted(map(id, scored)) == sorted(map(id, trajectories)) and pool.dead == set()
-    # Ray re-ran the interrupted call on the restarted worker: no retry of ours was spent on it.
-    assert not [r for r in caplog.records if r.name == "rayflow.rewards"]
+    assert sorted(map(id, scored)) == sorted(map(id, trajectories)) and pool.dead == set() and pool.restarts == [1, 0]
+    # Reported once, naming the worker, its node and its batch; the batch was issued again without spending a
+    # retry of the reward (max_retries=1 would otherwise be half used).
+    (record,) = [r.getMessage() for r in caplog.records if r.name == "rayflow.rewards"]
+    assert re.search(r"reward worker 0 on 127\.0\.0\.1 \(node id \w+\) died while scoring a batch of 2 images", record)
+    assert record.endswith("replacing it (restart 1)")
     expected = make_reward("color")(torch.stack([t.image for t in trajectories]), [t.prompt for t in trajectories])
     assert [t.reward for t in trajectories] == pytest.approx(expected.tolist())
-    # The same handle answers again, from a new process.
+    # A new process in the same bundle serves in the rotation.
     assert ray.get(pool.workers[0].__ray_call__.remote(lambda self: os.getpid()), timeout=60) != pid
+    pool.submit([trajectory(i) for i in range(4, 8)])
+    assert sorted(c.worker for c in pool.calls) == [0, 1]
+    collect_all(pool)
+
+    # A second death within reward.restart_window_s: the budget is used up and the worker leaves the rotation.
+    ray.kill(pool.workers[0])
+    more = [trajectory(i) for i in range(8, 12)]
+    pool.submit(more)
+    assert sorted(map(id, collect_all(pool))) == sorted(map(id, more)) and pool.dead == {0}
+    assert "its restarts are used up (reward.max_restarts=1 per reward.restart_window_s=3600.0)" in caplog.text
+
+
+def test_a_stopped_worker_is_reported_within_the_deadline_and_its_calls_reissued(make_pool, caplog):
+    floor_s = 3.0
+    pool = make_pool([RewardFnConfig("color", 1.0)], batch_size=2, max_restarts=1, stall_timeout_s=floor_s)
+    pid = ray.get(pool.workers[0].__ray_call__.remote(lambda self: os.getpid()))
+    os.kill(pid, signal.SIGSTOP)  # neither answers nor dies: Ray reports nothing
+    try:
+        trajectories = [trajectory(i) for i in range(4)]
+        with caplog.at_level(logging.WARNING, logger="rayflow.rewards"):
+            start = time.monotonic()
+            pool.score(trajectories)  # blocking, as an evaluation's
+            elapsed = time.monotonic() - start
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # killed as stalled, unless the test failed before
+            os.kill(pid, signal.SIGCONT)
+    (record,) = [r.getMessage() for r in caplog.records if r.name == "rayflow.rewards"]
+    assert re.search(r"reward worker 0 on 127\.0\.0\.1 \(node id \w+\) stalled: finished nothing for \d+s "
+                     r"\(deadline 3s, reward.stall_timeout_s=3.0\) while scoring a batch of 2 images", record)
+    assert record.endswith("replacing it (restart 1)") and pool.restarts == [1, 0]
+    # Told within the deadline (the floor: a color call takes milliseconds) plus the poll; then re-issued.
+    assert elapsed < floor_s + 10.0
+    expected = make_reward("color")(torch.stack([t.image for t in trajectories]), [t.prompt for t in trajectories])
+    assert [t.reward for t in trajectories] == pytest.approx(expected.tolist())

@@ -1,8 +1,11 @@
 """Weight sync: bucket packing (pure), then the WeightSyncActor broadcasting a learner's rollout adapter
 to every rank of two rollout replicas (W = 1 and W = 2), in lora and merged mode, for FlowGRPO and
-DiffusionNFT; verification failures; a late-joining replica."""
+DiffusionNFT; verification failures; a late-joining replica; receivers that die or stall."""
 
 import dataclasses
+import os
+import signal
+import time
 
 import pytest
 import ray
@@ -185,11 +188,12 @@ def test_a_replica_that_joins_later_gets_the_current_version_before_serving(roll
         late.shutdown()
 
 
-def test_a_receiver_that_dies_is_left_out_and_the_newest_version_is_sent_again(ray_session, tiny_model_dir, tmp_path):
+def test_a_receiver_that_dies_or_stalls_is_left_out_and_the_newest_version_is_sent_again(ray_session, tiny_model_dir, tmp_path):
     cfg = small_cfg(GRPO, tiny_model_dir, tmp_path, "sync.cpus=0.5")
-    spec = dataclasses.replace(RolloutWorkerSpec.from_config(cfg), collective_timeout_s=20.0)
+    spec = dataclasses.replace(RolloutWorkerSpec.from_config(cfg), collective_timeout_s=5.0)
     pool = RolloutPool([RolloutReplica(spec, RolloutConfig(), name=f"lost-{i}").wait_ready() for i in range(2)])
-    sync = WeightSync(cfg.sync, spec, pool.replicas, timeout_s=20.0, name="sync-lost")
+    sync = WeightSync(cfg.sync, spec, pool.replicas, timeout_s=5.0, name="sync-lost")
+    replacement, stopped_pid = None, None
     try:
         ray.get(sync.push(1, adapter_like(spec, tiny_model_dir, 0.01)))
         sync.wait(1, timeout_s=60)
@@ -213,9 +217,34 @@ def test_a_receiver_that_dies_is_left_out_and_the_newest_version_is_sent_again(r
         # Later pushes go to the new generation as usual.
         ray.get(sync.push(4, adapter_like(spec, tiny_model_dir, 0.04)))
         assert sync.wait(4, timeout_s=60).version == 4
+
+        # A receiver stopped by the OS neither answers nor dies: the broadcast fails within its deadline instead
+        # of holding the group (and the lock a new generation needs) forever.
+        stalled = pool.replicas[0]
+        stopped_pid = ray.get(stalled.workers[0].__ray_call__.remote(lambda worker: os.getpid()))
+        os.kill(stopped_pid, signal.SIGSTOP)
+        replacement = RolloutReplica(spec, RolloutConfig(), name="lost-2")  # loads while the broadcast fails
+        start, newest = time.monotonic(), adapter_like(spec, tiny_model_dir, 0.05)
+        ray.get(sync.push(5, newest))
+        with pytest.raises(ReceiversLost, match=r"receivers \[1\] .* died or stalled during the broadcast of version 5"):
+            sync.wait(5, timeout_s=sync.deadline_s)
+        assert time.monotonic() - start < sync.deadline_s
+        assert not stalled.check_alive(timeout=2.0)  # what the driver's liveness check then finds
+        replacement.wait_ready()
+        # Its replacement (started meanwhile) joins a generation without it and is caught up to the newest version.
+        sync.attach(replacement, [*pool.replicas, replacement])
+        assert sync.wait(5, timeout_s=60).version == 5
+        (trajectory,) = replacement.generate(tiny_request("after-a-stalled-receiver"))
+        assert trajectory.versions.tolist() == [5, 5]
+        held = replacement.adapter_weights()[0]
+        assert all(torch.equal(held[n], t) for n, t in newest.items())
     finally:
+        if stopped_pid is not None:
+            os.kill(stopped_pid, signal.SIGCONT)
         sync.shutdown()
         pool.shutdown()
+        if replacement is not None:
+            replacement.shutdown()
 
 
 @pytest.mark.parametrize("family, expected_targets", [

@@ -1,7 +1,9 @@
 """The watchdog: deadlines from measured service times (unit); a rollout rank stopped with SIGSTOP (W = 1)
 reported within the deadline and replaced, the synchronous run's result unchanged; a stopped learner rank
-stops the run loudly within its deadline."""
+stops the run loudly within its deadline; a stopped rank of a CFG-parallel replica (W = 2), told by its peer's
+collective timeout, and a stopped reward worker are replaced and the synchronous run's result is unchanged."""
 
+import contextlib
 import logging
 import os
 import re
@@ -87,6 +89,53 @@ def test_a_stopped_rank_is_reported_within_the_deadline_rollout_replaced_learner
             trainer.run()
         assert float(re.search(r"not done after (\d+)s", str(e.value)).group(1)) <= trainer.learner_watchdog.deadline_s() + 2.0
     finally:
+        trainer.shutdown()
+    _, ref_history = reference.train(small_cfg(GRPO, tiny_model_dir, tmp_path / "reference", "trainer.total_steps=2",
+                                               *overrides), log=lambda *_: None)
+    assert [h["reward/mean"] for h in trainer.history] == [r.reward_mean for r in ref_history]
+    assert [h["loss/policy"] for h in trainer.history] == [r.metrics["loss/policy"] for r in ref_history]
+    assert [h["train/grad_norm"] for h in trainer.history] == [r.grad_norm for r in ref_history]
+
+
+def test_a_stopped_cfg_parallel_rank_and_a_stopped_reward_worker_are_replaced_the_run_unchanged(ray_session, tiny_model_dir, tmp_path, caplog):
+    import ray
+
+    collective_s, floor_s = 4.0, 4.0
+    # The rollout watchdog's floor is far away: the healthy peer's collective timeout is what tells.
+    overrides = ["trainer.eval_every=0", "logging.progress_bar=false", "async.max_staleness=0", "rollout.cfg_parallel_size=2",
+                 f"rollout.collective_timeout_s={collective_s}", "rollout.stall_timeout_s=120", "rollout.max_restarts=1",
+                 f"reward.stall_timeout_s={floor_s}", "reward.stall_factor=2", "reward.max_restarts=1"]
+    cfg = small_cfg(GRPO, tiny_model_dir, tmp_path / "distributed", "trainer.total_steps=1", *overrides)
+    trainer, stopped_pids = Trainer(cfg), []
+
+    def stop(actor) -> float:
+        stopped_pids.append(ray.get(actor.__ray_call__.remote(lambda worker: os.getpid())))
+        os.kill(stopped_pids[-1], signal.SIGSTOP)  # neither answers nor dies: Ray reports nothing
+        return time.time()
+
+    try:
+        trainer.run()
+        stopped = trainer.rollout.replicas[0]
+        rank_stopped_at = stop(stopped.workers[1])
+        stop(trainer.rewards.workers[0])
+        trainer.cfg.trainer.total_steps = 2
+        with caplog.at_level(logging.WARNING, logger="rayflow"):
+            trainer.run()  # no CollectiveError: the replica is out of service, replaced, its request re-issued
+        assert trainer.dead_replicas == [stopped] and trainer.rollout.restarts == [1]
+        left = next(r for r in caplog.records if "left a collective" in r.getMessage())
+        assert re.search(r"rank 0 of 2 \(node 127\.0\.0\.1, node id \w+\) left a collective during request 'g1-s0' "
+                         r"because rank 1 of 2 \(node 127\.0\.0\.1, node id \w+\) died or stalled", left.getMessage())
+        assert left.created - rank_stopped_at < collective_s + 10.0  # the peer's timeout, plus a loaded machine's lag
+        # The replacement's request then met the stopped reward worker: reported, replaced, the call re-issued.
+        stall = next(r for r in caplog.records if "reward worker 0" in r.getMessage())
+        assert re.search(r"reward worker 0 on 127\.0\.0\.1 \(node id \w+\) stalled: finished nothing for \d+s \(deadline "
+                         r"4s, reward.stall_timeout_s=4.0\) while scoring a batch of 4 images \(prompts \[.+\]\); "
+                         r"re-issuing its calls; replacing it \(restart 1\)", stall.getMessage())
+        assert trainer.rewards.restarts == [1]
+    finally:
+        for pid in stopped_pids:
+            with contextlib.suppress(ProcessLookupError):  # killed as stalled, unless the test failed first
+                os.kill(pid, signal.SIGCONT)
         trainer.shutdown()
     _, ref_history = reference.train(small_cfg(GRPO, tiny_model_dir, tmp_path / "reference", "trainer.total_steps=2",
                                                *overrides), log=lambda *_: None)

@@ -48,6 +48,12 @@ class PlacedGroup:
     def node_of_rank(self, rank: int) -> str:
         return self.bundle_nodes[self.rank_bundles[rank]]
 
+    def node_label(self, rank: int) -> str:
+        """Where `rank` runs, for messages: its node's address and id."""
+        node_id = self.node_of_rank(rank)
+        address = next((n["NodeManagerAddress"] for n in ray.nodes() if n["NodeID"] == node_id), "unknown address")
+        return f"{address} (node id {node_id[:12]})"
+
     def remove(self) -> None:
         remove_placement_group(self.pg)
 

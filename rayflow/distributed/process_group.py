@@ -153,7 +153,9 @@ class CollectiveGroup:
                 pass
         self._store = None
         if self._listener is not None:
-            self._listener.close()
+            # The store's server owns the socket it listens on and closes it when freed: closing it here too
+            # would close it twice (EBADF, or another socket that reused the descriptor).
+            self._listener.detach()
             self._listener = None
 
 

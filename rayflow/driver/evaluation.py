@@ -4,6 +4,7 @@ current rollout weights (or the EMA of trainer.ema_decay), their mean reward, an
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable
 
 import ray
 import torch
@@ -12,16 +13,17 @@ from rayflow.config import RayflowConfig
 from rayflow.data.prompts import load_prompts
 from rayflow.logging.monitor import Monitor, image_grid
 from rayflow.rewards.worker import RewardPool
-from rayflow.rollout.pool import RolloutPool
-from rayflow.types import RolloutRequest
+from rayflow.types import RolloutRequest, Trajectory
 
 EVAL_GROUP_ID = -1
 """Evaluation samples never enter the training queue; their group id says so."""
 
 
 class Evaluator:
-    def __init__(self, cfg: RayflowConfig, train_prompts: list[str], rollout: RolloutPool, rewards: RewardPool,
+    def __init__(self, cfg: RayflowConfig, train_prompts: list[str],
+                 generate: Callable[[list[RolloutRequest], ray.ObjectRef | None], list[Trajectory]], rewards: RewardPool,
                  num_prompts: int = 4):
+        """`generate(requests, weights)`: their trajectories in request order (the trainer's, under its deadlines)."""
         prompts = load_prompts(cfg.data.eval_prompts, cfg.data.max_prompt_chars) if cfg.data.eval_prompts else train_prompts[:num_prompts]
         T = cfg.sampling.num_steps
         params = dataclasses.replace(cfg.sampling, sde_type="ode", sde_step_indices=None, return_step_indices=[T])
@@ -29,11 +31,11 @@ class Evaluator:
         self.requests = [
             RolloutRequest(f"eval-{i}", [p], [i], [EVAL_GROUP_ID], [i], params) for i, p in enumerate(prompts)
         ]
-        self.rollout, self.rewards = rollout, rewards
+        self.generate, self.rewards = generate, rewards
 
     def run(self, step: int, monitor: Monitor, weights: ray.ObjectRef | None = None) -> dict[str, float]:
-        """`weights`: synced-slot tensors to sample under instead of the rollout weights (RolloutPool.map)."""
-        trajectories = [t for f in self.rollout.map(self.requests, weights=weights) for t in f.result()]
+        """`weights`: synced-slot tensors to sample under instead of the rollout weights (the EMA adapter)."""
+        trajectories = self.generate(self.requests, weights)
         self.rewards.score(trajectories)
         scalars = {"eval/reward_mean": float(torch.tensor([t.reward for t in trajectories]).mean())}
         monitor.log(step, scalars, advance=False)

@@ -44,9 +44,12 @@ from rayflow.rollout.replica import ReplicaError, RolloutFuture, RolloutReplica
 from rayflow.sampling.window import window_params
 from rayflow.sync.actor import ReceiversLost
 from rayflow.sync.weight_sync import WeightSync
-from rayflow.types import RolloutRequest, TrajectoryRef
+from rayflow.types import RolloutRequest, Trajectory, TrajectoryRef
 
 log = logging.getLogger("rayflow")
+
+POLL_S = 1.0
+"""The longest the loop waits for something to finish before it looks at deadlines and replacements again."""
 
 
 class Trainer:
@@ -72,6 +75,11 @@ class Trainer:
         self.waiting: list[RolloutRequest] = []
         """Requests with no live replica to serve them while replacements start."""
         self.dead_replicas: list[RolloutReplica] = []
+        self.held: dict[str, RolloutFuture | None] = {}
+        """Requests the driver waits for itself (evaluation) instead of scoring them for training, by request id:
+        their future once finished."""
+        self.held_weights: ray.ObjectRef | None = None
+        """Synced-slot tensors the held requests sample under (the EMA adapter), or None: the rollout weights."""
         self.watchdog = Watchdog(cfg.rollout.stall_timeout_s, cfg.rollout.stall_factor)
         """Deadlines for the rollout replicas' requests (a stopped rank neither answers nor dies)."""
         self.learner_watchdog = Watchdog(cfg.learner.stall_timeout_s, cfg.rollout.stall_factor)
@@ -93,7 +101,7 @@ class Trainer:
                 self.rollout = rollout.wait_ready()
             with phase("weight sync"):
                 self.sync.connect(self.rollout.replicas)
-            self.evaluator = Evaluator(cfg, prompts, self.rollout, self.rewards)
+            self.evaluator = Evaluator(cfg, prompts, self._generate, self.rewards)
             with phase("resume"):
                 self._resume()
             wandb_run = {"name": cfg.trainer.run_name, "dir": cfg.trainer.run_dir, "config": to_dict(cfg)}
@@ -129,10 +137,7 @@ class Trainer:
                     training = self.learners.train_step(trained)
                     self.learner_watchdog.busy("learners")
             clock.tick(rollout_busy=bool(self.rollouts), learner_busy=training is not None)
-            ray.wait(self._pending_refs(training), num_returns=1, timeout=1.0)
-            self._collect_rollouts()
-            for trajectory in self.rewards.collect(timeout_s=0):
-                self.queue.finished(trajectory)
+            self._serve(training)
             if training is not None and _ready(training):
                 metrics = self.learners.get(training)[0]
                 training = None
@@ -141,6 +146,18 @@ class Trainer:
             elif training is not None and self.learner_watchdog.overdue():
                 self._learner_stalled(training)
         return self.history
+
+    def _serve(self, training: list[ray.ObjectRef] | None) -> None:
+        """Wait (at most POLL_S) for something to finish; finished rollouts go to rewards, scored trajectories
+        to the queue; replicas and reward workers past their deadlines are replaced."""
+        refs = self._pending_refs(training)
+        if refs:
+            ray.wait(refs, num_returns=1, timeout=POLL_S)
+        else:  # nothing in flight (requests wait for a replacement to load): poll without spinning
+            time.sleep(POLL_S)
+        self._collect_rollouts()
+        for trajectory in self.rewards.collect(timeout_s=0):
+            self.queue.finished(trajectory)
 
     def _learner_stalled(self, training: list[ray.ObjectRef]) -> None:
         """A stalled learner rank holds the whole optimizer state: the run stops loudly (the last checkpoint is
@@ -168,8 +185,9 @@ class Trainer:
 
     def _send(self, request: RolloutRequest) -> None:
         """To the least-loaded live replica; held back while every replica is dead and replacements start."""
+        weights = self.held_weights if request.request_id in self.held else None
         try:
-            self.rollouts.append(self.rollout.submit(request))
+            self.rollouts.append(self.rollout.submit(request, weights=weights))
             self.watchdog.busy(self.rollouts[-1].replica)
         except ReplicaError:
             if not self.rollout.starting:
@@ -221,12 +239,29 @@ class Trainer:
                 self._replica_died(future.replica)
                 self._send(future.request)
                 continue
-            self.rewards.submit_rollout(future.ref, future.request)
+            if future.request.request_id in self.held:
+                self.held[future.request.request_id] = future
+            else:
+                self.rewards.submit_rollout(future.ref, future.request)
             finished_on.append(future.replica)
         self.rollouts = still + self.rollouts
         for replica in set(finished_on):
             self.watchdog.progressed(replica, still_busy=any(f.replica is replica for f in self.rollouts))
         self._replace_stalled()
+
+    def _generate(self, requests: list[RolloutRequest], weights: ray.ObjectRef | None = None) -> list[Trajectory]:
+        """Blocking (evaluation): the requests' trajectories in request order, under the watchdog's deadlines
+        and with the replacements and re-issues of training requests (which go on meanwhile); `weights`:
+        held_weights."""
+        self.held_weights = weights
+        for request in requests:
+            self.held[request.request_id] = None
+            self._send(request)
+        while None in self.held.values():
+            self._promote_replacements()
+            self._serve(training=None)
+        futures, self.held, self.held_weights = self.held, {}, None
+        return [t for request in requests for t in futures[request.request_id].result()]
 
     def _replace_stalled(self) -> None:
         """A replica past the watchdog's deadline is reported (ranks, nodes, requests) and replaced like a dead
@@ -308,7 +343,7 @@ class Trainer:
         """Block until the newest version is on every live rollout rank; seconds the broadcast took."""
         while True:
             try:
-                return self.sync.wait(self.version, timeout_s=self.cfg.rollout.collective_timeout_s).broadcast_s
+                return self.sync.wait(self.version, timeout_s=self.sync.deadline_s).broadcast_s
             except ReceiversLost as e:
                 log.warning("%s", e)
                 self._check_sync()
@@ -340,7 +375,7 @@ class Trainer:
             self.queue.submitted(group)
             self._submit([group])
         self.learners.get(self.learners.push_weights(self.sync.actor))
-        self.sync.wait(self.version, timeout_s=self.cfg.rollout.collective_timeout_s)
+        self.sync.wait(self.version, timeout_s=self.sync.deadline_s)
         self.synced = self.version
         log.info("resumed from %s at step %d", path, self.version)
 

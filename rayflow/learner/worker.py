@@ -195,7 +195,7 @@ class LearnerGroup:
             except ray.exceptions.RayError as e:
                 rank = refs.index(done)
                 raise LearnerError(
-                    f"learner rank {rank}/{self.world_size} on {_node_label(self.placed.node_of_rank(rank))} failed: "
+                    f"learner rank {rank}/{self.world_size} on {self.placed.node_label(rank)} failed: "
                     f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
                 ) from e
         return ray.get(refs)
@@ -203,7 +203,7 @@ class LearnerGroup:
     def late_ranks(self, refs: list[ray.ObjectRef]) -> list[str]:
         """The ranks whose per-rank `refs` are not done yet, with their nodes."""
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
-        return [f"learner rank {rank}/{self.world_size} on {_node_label(self.placed.node_of_rank(rank))}"
+        return [f"learner rank {rank}/{self.world_size} on {self.placed.node_label(rank)}"
                 for rank, ref in enumerate(refs) if ref not in ready]
 
     def shutdown(self) -> None:
@@ -212,8 +212,3 @@ class LearnerGroup:
         for w in self.workers:
             ray.kill(w)
         self.placed.remove()
-
-
-def _node_label(node_id: str) -> str:
-    address = next((n["NodeManagerAddress"] for n in ray.nodes() if n["NodeID"] == node_id), "unknown address")
-    return f"{address} (node id {node_id[:12]})"

@@ -2,8 +2,10 @@
 
 A reward call that raises is logged with its traceback and retried (reward.max_retries times);
 then the run stops with a clear message. Rewards are never silently zero. A worker whose process
-dies is restarted by Ray (reward.max_restarts times, in its own bundle), the calls it had are run
-again there, and it stays in the rotation; once its restarts are used up it is left out.
+dies, or that finishes nothing within the watchdog's deadline (a stopped process neither answers nor
+dies), is reported, killed and replaced in its own bundle (reward.max_restarts per
+reward.restart_window_s), and its calls are issued again: a lost worker spends no retry of the
+reward. Once a worker's restarts are used up it is left out of the rotation.
 """
 
 from __future__ import annotations
@@ -16,7 +18,9 @@ import torch
 
 from rayflow.config import RewardConfig, RewardFnConfig
 from rayflow.distributed.placement import PlacedGroup, make_bundles, place
+from rayflow.driver.watchdog import Watchdog
 from rayflow.rewards.weighted import WeightedReward, reward_inputs
+from rayflow.rollout.restart_budget import RestartBudget
 from rayflow.types import RolloutRequest, Trajectory, TrajectoryRef
 
 log = logging.getLogger("rayflow.rewards")
@@ -51,16 +55,19 @@ class RewardWorker:
         return out
 
 
-@dataclass
+@dataclass(eq=False)
 class _Call:
     payload: list[Trajectory] | ray.ObjectRef
     """What is scored (sent again on a retry): trajectories, or a rollout request's result by reference."""
     request: RolloutRequest | None
     """The request whose result `payload` refers to (None for trajectories)."""
-    ref: ray.ObjectRef
-    attempt: int
-    worker: int
-    """Index of the worker the call went to (a retry goes to another one)."""
+    attempt: int = 0
+    """Failures of the reward on this call so far (a lost worker does not count)."""
+    worker: int = -1
+    """Index of the worker the call was last sent to."""
+    restarts: int = 0
+    """That worker's restart count when it was sent: a call of a worker replaced since is only re-issued."""
+    ref: ray.ObjectRef | None = None
 
     def describe(self) -> str:
         prompts = self.request.prompts if self.request is not None else [t.prompt for t in self.payload]
@@ -79,6 +86,10 @@ class _Call:
         ]
 
 
+POLL_S = 1.0
+"""How often a blocking `score` looks at the watchdog while it waits."""
+
+
 class RewardPool:
     """reward.num_workers RewardWorkers in one placement group; calls go round robin."""
 
@@ -88,43 +99,62 @@ class RewardPool:
             make_bundles(cfg.num_workers, cfg.cpus_per_worker, cfg.gpus_per_worker, cfg.resources),
             strategy="PACK", name=name,
         )
-        self.workers = [
-            RewardWorker.options(
-                num_cpus=cfg.cpus_per_worker, num_gpus=cfg.gpus_per_worker,
-                # Scoring is idempotent: Ray re-runs a call that a restart interrupted, on the restarted worker.
-                max_restarts=cfg.max_restarts, max_task_retries=cfg.max_restarts,
-                scheduling_strategy=self.placed.strategy_for_rank(i),
-            ).remote(cfg.functions, cfg.batch_size, cfg.max_outage_s)
-            for i in range(cfg.num_workers)
-        ]
+        self.workers = [self._start(i) for i in range(cfg.num_workers)]
+        self.restarts = [0] * cfg.num_workers
+        """Replacements started per worker."""
+        self.budgets = [RestartBudget(cfg.max_restarts, cfg.restart_window_s) for _ in self.workers]
+        self.starting = {i: w.__ray_ready__.remote() for i, w in enumerate(self.workers)}
+        """Workers still starting (index → their readiness): the watchdog's clock starts once they are up, so
+        loading a reward model does not count as a stall."""
+        self.watchdog = Watchdog(cfg.stall_timeout_s, cfg.stall_factor)
         self._turn = 0  # round robin position
         self.dead: set[int] = set()
-        """Workers that died for good (ActorDiedError: restarts used up, or killed without restart)."""
+        """Workers lost for good (restarts used up)."""
         self.calls: list[_Call] = []
+        self._held: list[Trajectory | TrajectoryRef] = []
+        """Results that finished while `score` waited for its own; the next `collect` returns them."""
 
-    def _send(self, payload, request: RolloutRequest | None, attempt: int, avoid: int | None = None) -> _Call:
-        """Send to the next live worker in round robin, other than `avoid` (a retry's failed worker) if
-        another one is alive."""
+    def _start(self, index: int) -> ray.actor.ActorHandle:
+        cfg = self.cfg
+        # No restarts by Ray: the pool replaces a lost worker itself, so restarts count per window and a
+        # stalled worker is handled like a dead one.
+        return RewardWorker.options(
+            num_cpus=cfg.cpus_per_worker, num_gpus=cfg.gpus_per_worker, max_restarts=0,
+            scheduling_strategy=self.placed.strategy_for_rank(index),
+        ).remote(cfg.functions, cfg.batch_size, cfg.max_outage_s)
+
+    def _send(self, call: _Call, avoid: int | None = None) -> _Call:
+        """Send `call` to the next live worker in round robin, other than `avoid` (the worker it failed or
+        was lost on) if another one is alive."""
         live = [w for w in range(len(self.workers)) if w not in self.dead]
         if not live:
-            raise RewardError(f"all {len(self.workers)} reward workers died; stopping the run")
+            raise RewardError(f"all {len(self.workers)} reward workers are lost (reward.max_restarts="
+                              f"{self.cfg.max_restarts} per reward.restart_window_s={self.cfg.restart_window_s}); "
+                              f"stopping the run")
         choices = [w for w in live if w != avoid] or live
-        worker = choices[self._turn % len(choices)]
+        call.worker = choices[self._turn % len(choices)]
         self._turn += 1
-        return _Call(payload, request, self.workers[worker].score.remote(payload), attempt, worker)
+        call.restarts = self.restarts[call.worker]
+        call.ref = self.workers[call.worker].score.remote(call.payload)
+        if call.worker not in self.starting:
+            self.watchdog.busy(call.worker)
+        return call
+
+    def _queue(self, trajectories: list[Trajectory]) -> None:
+        for i in range(0, len(trajectories), self.cfg.batch_size):
+            self.calls.append(self._send(_Call(trajectories[i : i + self.cfg.batch_size], None)))
 
     def submit(self, trajectories: list[Trajectory]) -> None:
         """Queue trajectories held by the caller, in calls of reward.batch_size; collect fills in their rewards."""
-        for i in range(0, len(trajectories), self.cfg.batch_size):
-            self.calls.append(self._send(trajectories[i : i + self.cfg.batch_size], None, attempt=0))
+        self._queue(trajectories)
 
     def submit_rollout(self, ref: ray.ObjectRef, request: RolloutRequest) -> None:
         """Queue the trajectories a rollout request returned, by reference; collect returns TrajectoryRefs."""
-        self.calls.append(self._send(ref, request, attempt=0))
+        self.calls.append(self._send(_Call(ref, request)))
 
     @property
     def pending(self) -> int:
-        return len(self.calls)
+        return len(self.calls) + len(self._held)
 
     @property
     def refs(self) -> list[ray.ObjectRef]:
@@ -133,47 +163,99 @@ class RewardPool:
 
     def collect(self, timeout_s: float | None = 0.0) -> list[Trajectory | TrajectoryRef]:
         """Scored trajectories of the calls that finished, waiting up to timeout_s for at least one
-        (None: until one is done). A failed call is logged and retried on another worker."""
-        scored, self.calls = self._finish(self.calls, timeout_s)
+        (None: until one is done). A failed call is logged and retried on another worker; a lost or
+        stalled worker is replaced and its calls issued again."""
+        scored = self._held + self._finish(timeout_s)
+        self._held = []
         return scored
 
     def score(self, trajectories: list[Trajectory]) -> None:
-        """Score trajectories held by the caller now (blocking, with the same retries), apart from the
-        calls in flight: e.g. an evaluation between training steps."""
-        calls = [self._send(trajectories[i : i + self.cfg.batch_size], None, attempt=0)
-                 for i in range(0, len(trajectories), self.cfg.batch_size)]
-        while calls:
-            _, calls = self._finish(calls, timeout_s=None)
+        """Score trajectories held by the caller now (blocking, with the same retries and deadlines), e.g. an
+        evaluation between training steps; other calls that finish meanwhile wait for the next `collect`."""
+        mine = {id(t) for t in trajectories}
+        self._queue(trajectories)
+        while any(t.reward is None for t in trajectories):
+            self._held += [t for t in self._finish(POLL_S) if id(t) not in mine]
 
-    def _finish(self, calls: list[_Call], timeout_s: float | None) -> tuple[list, list[_Call]]:
-        """(scored trajectories of the finished calls, the calls still in flight or retried)."""
-        if not calls:
-            return [], []
-        refs = [c.ref for c in calls]
-        done, _ = ray.wait(refs, num_returns=1, timeout=timeout_s)
-        if done:  # every call that has finished by now, not only the first one
-            done, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+    def _finish(self, timeout_s: float | None) -> list[Trajectory | TrajectoryRef]:
+        """Scored trajectories of the calls that finished; the others stay in `calls` (retried, re-issued)."""
+        done: list[ray.ObjectRef] = []
+        if self.calls:
+            refs = self.refs
+            done, _ = ray.wait(refs, num_returns=1, timeout=timeout_s)
+            if done:  # every call that has finished by now, not only the first one
+                done, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
         done_set = set(done)
-        scored, still = [], []
-        for call in calls:
-            if call.ref not in done_set:
-                still.append(call)
-                continue
+        scored, progressed = [], set()
+        for call in [c for c in self.calls if c.ref in done_set]:
             try:
                 scored += call.finish(ray.get(call.ref))
-            except Exception as e:  # the reward raised inside the worker (RayTaskError) or the worker died
-                if isinstance(e, ray.exceptions.ActorDiedError):
-                    self.dead.add(call.worker)
-                if call.attempt >= self.cfg.max_retries:
-                    raise RewardError(
-                        f"reward failed {call.attempt + 1} times on {call.describe()}; stopping the run. "
-                        f"Last error:\n{e}"
-                    ) from None
-                where = "on another worker" if len(self.workers) - len(self.dead) > 1 else "on the same worker"
-                log.warning("reward call on %s failed (attempt %d of %d, worker %d); retrying %s:\n%s",
-                            call.describe(), call.attempt + 1, self.cfg.max_retries + 1, call.worker, where, e)
-                still.append(self._send(call.payload, call.request, call.attempt + 1, avoid=call.worker))
-        return scored, still
+            except ray.exceptions.RayActorError as e:  # the worker died, or was killed as stalled
+                self._worker_lost(call, e)
+            except Exception as e:  # the reward raised inside the worker (RayTaskError)
+                self._retry(call, e)
+            else:
+                self.calls.remove(call)
+                progressed.add(call.worker)
+        for worker in progressed:
+            self.watchdog.progressed(worker, still_busy=any(c.worker == worker for c in self.calls))
+        self._watch_started()
+        self._replace_stalled()
+        return scored
+
+    def _retry(self, call: _Call, error: Exception) -> None:
+        if call.attempt >= self.cfg.max_retries:
+            raise RewardError(
+                f"reward failed {call.attempt + 1} times on {call.describe()}; stopping the run. Last error:\n{error}"
+            ) from None
+        where = "on another worker" if len(self.workers) - len(self.dead) > 1 else "on the same worker"
+        log.warning("reward call on %s failed (attempt %d of %d, worker %d); retrying %s:\n%s",
+                    call.describe(), call.attempt + 1, self.cfg.max_retries + 1, call.worker, where, error)
+        call.attempt += 1
+        self._send(call, avoid=call.worker)
+
+    def _worker_lost(self, call: _Call, error: Exception) -> None:
+        """The worker of `call` is gone: replace it (at the first of its calls to tell), then issue the call
+        again. The reward did not fail, so no retry is spent."""
+        worker = call.worker
+        if call.restarts == self.restarts[worker] and worker not in self.dead:
+            self._replace(worker, f"reward worker {worker} on {self.placed.node_label(worker)} died while scoring "
+                                  f"{call.describe()}: {str(error).strip().splitlines()[0]}")
+        self._send(call, avoid=worker)
+
+    def _replace_stalled(self) -> None:
+        """A worker past the watchdog's deadline is reported (node, what it was scoring) and replaced like a
+        dead one: killing it fails its calls, which `_worker_lost` then issues again."""
+        for worker, silent_s in self.watchdog.overdue():
+            scoring = "; ".join(c.describe() for c in self.calls if c.worker == worker)
+            self._replace(worker, (
+                f"reward worker {worker} on {self.placed.node_label(worker)} stalled: finished nothing for "
+                f"{silent_s:.0f}s (deadline {self.watchdog.deadline_s():.0f}s, reward.stall_timeout_s="
+                f"{self.cfg.stall_timeout_s}) while scoring {scoring}; re-issuing its calls"
+            ))
+
+    def _replace(self, worker: int, why: str) -> None:
+        """Kill `worker` and start its replacement in the same bundle, while its restart budget lasts."""
+        ray.kill(self.workers[worker], no_restart=True)
+        self.watchdog.forget(worker)
+        self.starting.pop(worker, None)
+        if not self.budgets[worker].take():
+            self.dead.add(worker)
+            log.error("%s; its restarts are used up (reward.max_restarts=%d per reward.restart_window_s=%s): "
+                      "going on without it", why, self.cfg.max_restarts, self.cfg.restart_window_s)
+            return
+        self.restarts[worker] += 1
+        self.workers[worker] = self._start(worker)
+        self.starting[worker] = self.workers[worker].__ray_ready__.remote()
+        log.error("%s; replacing it (restart %d)", why, self.restarts[worker])
+
+    def _watch_started(self) -> None:
+        """Start the watchdog's clock of each worker that finished starting and has calls."""
+        for worker, ready in list(self.starting.items()):
+            if ray.wait([ready], timeout=0)[0]:
+                del self.starting[worker]
+                if any(c.worker == worker for c in self.calls):
+                    self.watchdog.busy(worker)
 
     def shutdown(self) -> None:
         for w in self.workers:

@@ -27,6 +27,7 @@ from ray.exceptions import RayActorError, RayTaskError
 from rayflow.cfg.policy import CFGPolicy
 from rayflow.config import RolloutConfig
 from rayflow.distributed.placement import make_bundles, place, resolve_gpus
+from rayflow.distributed.process_group import CollectiveError
 from rayflow.rollout.rank import RolloutWorkerSpec
 from rayflow.rollout.worker import RolloutWorker
 from rayflow.types import RolloutRequest, Trajectory
@@ -48,6 +49,19 @@ def _summary(error: Exception) -> str:
     return " ... ".join(dict.fromkeys([lines[0], lines[-1]])) if lines else type(error).__name__
 
 
+def _replica_fault(ref: ray.ObjectRef) -> Exception | None:
+    """The error of a finished rank call that puts the replica out of service: its rank died
+    (RayActorError), or its collective failed because a peer died or stalled (CollectiveError). None
+    for a success or a request's own error (e.g. a ConfigError, raised alike on every rank)."""
+    try:
+        ray.get(ref, timeout=0)
+    except RayActorError as e:
+        return e
+    except RayTaskError as e:
+        return e.cause if isinstance(e.cause, CollectiveError) else None
+    return None
+
+
 class RolloutFuture:
     """One request in flight on a replica. `ref` (rank 0's trajectories) can be handed on without waiting."""
 
@@ -58,8 +72,10 @@ class RolloutFuture:
         self.ref = ref
 
     def done(self) -> bool:
+        """Every rank finished, or one is lost or left a collective: then its peers may never finish (a
+        stopped rank neither answers nor dies), and `wait` reports the replica at once."""
         ready, _ = ray.wait(self.refs, num_returns=len(self.refs), timeout=0)
-        return len(ready) == len(self.refs)
+        return len(ready) == len(self.refs) or any(_replica_fault(ref) is not None for ref in ready)
 
     def wait(self, timeout: float | None = None) -> None:
         """Until every rank finished; raises the request's error, or ReplicaError if a rank died."""
@@ -225,14 +241,18 @@ class RolloutReplica:
                     self._result(failed, rank_of[failed])
                 except Exception as e:
                     raise ReplicaError(self._dead) from e
+            fault = _replica_fault(ready[0])
+            if fault is not None:
+                rank = self.describe_rank(rank_of[ready[0]])
+                if isinstance(fault, RayActorError):
+                    self._dead = f"rollout replica {self.name!r}: {rank} died during {what}: {_summary(fault)}"
+                else:  # a collective of the replica's own group failed: the group is broken for good
+                    late = ", ".join(self.describe_rank(rank_of[r]) for r in pending) or "a peer"
+                    self._dead = (f"rollout replica {self.name!r}: {rank} left a collective during {what} because "
+                                  f"{late} died or stalled ({fault})")
+                raise ReplicaError(self._dead) from None
             try:
                 values[ready[0]] = ray.get(ready[0])
-            except RayActorError as e:
-                self._dead = (
-                    f"rollout replica {self.name!r}: {self.describe_rank(rank_of[ready[0]])} died during {what}: "
-                    f"{_summary(e)}"
-                )
-                raise ReplicaError(self._dead) from None
             except Exception:
                 if failed is None:
                     failed = ready[0]
@@ -254,11 +274,13 @@ class RolloutReplica:
             raise e.cause from e
 
     def shutdown(self) -> None:
-        """Close the process group where the ranks still answer, kill the ranks, free the placement group.
+        """Close the process groups of a replica in service, kill the ranks, free the placement group. A replica
+        out of service is killed at once: a stalled rank would not answer, and killing frees its groups too.
         Idempotent."""
         if self.placed is None:
             return
-        ray.wait([w.close.remote() for w in self.workers], num_returns=len(self.workers), timeout=5.0)
+        if self._dead is None:
+            ray.wait([w.close.remote() for w in self.workers], num_returns=len(self.workers), timeout=5.0)
         for w in self.workers:
             ray.kill(w, no_restart=True)
         self.placed.remove()

@@ -15,10 +15,10 @@ Ordering rules and version protocol:
 4. `wait(v)` returns once version v is staged on every rank (raising the first receiver's error).
 5. A replica that joins later (restarted or added) is brought into a new group generation with
    everyone else, and receives the current version before it serves a request.
-6. A receiver that dies does not stop the sync: the broadcast that met it, and every one queued
-   until the next group generation, raises ReceiversLost in `wait`. The driver forms a new
-   generation without the dead ranks, and the newest version is broadcast again to it (ranks that
-   already hold it skip re-staging).
+6. A receiver that dies, or does not answer within the collective timeout (stalled), does not stop
+   the sync: the broadcast that met it, and every one queued until the next group generation, raises
+   ReceiversLost in `wait`. The driver forms a new generation without the lost ranks, and the newest
+   version is broadcast again to it (ranks that already hold it skip re-staging).
 
 In "merged" mode the actor holds the base transformer with one LoRA slot, folds each pushed adapter
 into the weights of the adapted linears (W + ΔW, peft's merge) and broadcasts those instead.
@@ -41,8 +41,13 @@ from rayflow.sync.broadcast import send
 from rayflow.sync.buckets import Packed, WirePush, from_wire, make_manifest, pack_all
 
 
+RECEIVER_GRACE_S = 10.0
+"""After a failed broadcast, receivers get the collective timeout plus this to fail their own side (they
+are in the same collective); one still silent then is stalled."""
+
+
 class ReceiversLost(RuntimeError):
-    """Receivers of the weight-sync group died; the newest version goes to the next group generation."""
+    """Receivers of the weight-sync group died or stalled; the newest version goes to the next group generation."""
 
 
 @dataclass(frozen=True)
@@ -51,6 +56,12 @@ class SyncSpec:
     bucket_mb: float = 64.0
     verify_checksum: bool = False
     timeout_s: float = 300.0
+
+    @property
+    def broadcast_deadline_s(self) -> float:
+        """The longest a broadcast takes before it is delivered or fails: its collectives' timeout, then as long
+        (and a grace) for the receivers to answer."""
+        return 2 * self.timeout_s + RECEIVER_GRACE_S
 
     @property
     def bucket_bytes(self) -> int:
@@ -208,31 +219,38 @@ class WeightSyncActor:
             received = [r.receive_weights.remote(manifest, self.spec.bucket_bytes) for r in self.receivers]
             try:
                 send(self.group, packed)
-                ray.get(received)
+                # A stopped receiver neither answers nor dies: without a deadline this would wait forever,
+                # holding the lock a new group generation needs.
+                ray.get(received, timeout=self.spec.timeout_s)
             except Exception as e:
-                dead = self._dead_receivers(received)
-                if not dead:
+                # After a timeout every receiver has had its time; else the survivors get theirs now.
+                timed_out = isinstance(e, ray.exceptions.GetTimeoutError)
+                lost = self._lost_receivers(received, 0.0 if timed_out else self.spec.timeout_s + RECEIVER_GRACE_S)
+                if not lost:
                     raise
                 raise ReceiversLost(
-                    f"receivers {dead} of the weight-sync group (ranks 1..{len(self.receivers)}) died during the "
-                    f"broadcast of version {manifest.version}"
+                    f"receivers {lost} of the weight-sync group (ranks 1..{len(self.receivers)}) died or stalled "
+                    f"during the broadcast of version {manifest.version}"
                 ) from e
         broadcast_s = time.perf_counter() - start
         return SyncReport(manifest.version, manifest.nbytes, copy_s + broadcast_s, copy_s, broadcast_s)
 
-    def _dead_receivers(self, received: list[ray.ObjectRef]) -> list[int]:
-        """Group ranks whose receive call failed because their actor died (survivors get the collective
-        timeout to finish or fail theirs)."""
-        ray.wait(received, num_returns=len(received), timeout=self.spec.timeout_s)
-        dead = []
+    def _lost_receivers(self, received: list[ray.ObjectRef], wait_s: float) -> list[int]:
+        """Group ranks whose receive call failed because their actor died, or that did not answer within
+        `wait_s` more seconds (stalled)."""
+        ready, _ = ray.wait(received, num_returns=len(received), timeout=wait_s)
+        lost = []
         for rank, ref in enumerate(received, start=1):
             try:
-                ray.get(ref, timeout=0)
+                if ref in ready:
+                    ray.get(ref)
+                else:
+                    lost.append(rank)
             except ray.exceptions.RayActorError:
-                dead.append(rank)
+                lost.append(rank)
             except Exception:
                 pass
-        return dead
+        return lost
 
     def close(self) -> None:
         with self._lock:
