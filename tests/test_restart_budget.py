@@ -2,7 +2,7 @@
 a replica that keeps dying still runs out of restarts."""
 
 from rayflow.rollout.pool import RolloutPool
-from rayflow.rollout.restart_budget import RestartBudget
+from rayflow.distributed.restart_budget import RestartBudget
 
 
 class Clock:

@@ -23,7 +23,7 @@ import torch
 from rayflow.cfg.policy import CFGPolicy
 from rayflow.config import RolloutConfig
 from rayflow.rollout.rank import RolloutWorkerSpec
-from rayflow.rollout.restart_budget import RestartBudget
+from rayflow.distributed.restart_budget import RestartBudget
 from rayflow.rollout.replica import ReplicaError, RolloutFuture, RolloutReplica
 from rayflow.types import RolloutRequest, Trajectory
 
