@@ -48,24 +48,15 @@ class RolloutPool:
         """Replacements still loading, by the index of the replica they replace."""
 
     @classmethod
-    def start(cls, spec: RolloutWorkerSpec, rollout: RolloutConfig, name: str = "rollout") -> "RolloutPool":
-        """Start every replica (their actors load concurrently) without waiting: other roles can load meanwhile."""
+    def create(cls, spec: RolloutWorkerSpec, rollout: RolloutConfig, name: str = "rollout") -> "RolloutPool":
+        """Start every replica (their actors load concurrently), then wait for all of them."""
         def start(replica_name: str) -> RolloutReplica:
             return RolloutReplica(spec, rollout, name=replica_name)
 
         replicas = [start(f"{name}-{i}") for i in range(rollout.num_replicas)]
-        return cls(replicas, start, rollout.max_restarts, rollout.restart_window_s)
-
-    @classmethod
-    def create(cls, spec: RolloutWorkerSpec, rollout: RolloutConfig, name: str = "rollout") -> "RolloutPool":
-        """Start every replica, then wait for all of them."""
-        return cls.start(spec, rollout, name).wait_ready()
-
-    def wait_ready(self) -> "RolloutPool":
-        """Block until every replica's ranks loaded and joined (a failure names the replica and rank)."""
-        for replica in self.replicas:
+        for replica in replicas:
             replica.wait_ready()
-        return self
+        return cls(replicas, start, rollout.max_restarts, rollout.restart_window_s)
 
     # -- replacing dead replicas ---------------------------------------------------------------------
     def replace(self, replica: RolloutReplica) -> bool:

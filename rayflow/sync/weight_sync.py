@@ -28,10 +28,8 @@ WAIT_GRACE_S = 10.0
 
 
 class WeightSync:
-    def __init__(self, cfg: SyncConfig, rollout_spec: RolloutWorkerSpec, replicas: list[RolloutReplica] | None,
+    def __init__(self, cfg: SyncConfig, rollout_spec: RolloutWorkerSpec, replicas: list[RolloutReplica],
                  timeout_s: float = 300.0, name: str = "rayflow-weight-sync"):
-        """Place and start the actor and form its group with `replicas`; with None the group forms at the
-        first `connect` (the actor's start then overlaps the replicas' loading)."""
         gpus = resolve_gpus(cfg.gpus)
         self.placed = place(make_bundles(1, cfg.cpus, gpus, cfg.resources), "PACK", name=name)
         spec = SyncSpec(cfg.mode, cfg.bucket_mb, cfg.verify_checksum, timeout_s)
@@ -42,8 +40,6 @@ class WeightSync:
         self.deadline_s = spec.broadcast_deadline_s + WAIT_GRACE_S
         """How long to `wait` for a version: past the actor's own verdict on its broadcast (ReceiversLost)."""
         self.generation = 0
-        if replicas is None:
-            return
         try:
             self.connect(replicas)
         except BaseException:
