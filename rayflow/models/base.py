@@ -82,6 +82,13 @@ class DiffusionModel(ABC):
     device: torch.device
     dtype: torch.dtype
 
+    def __init__(self, pipe, device: torch.device, dtype: torch.dtype):
+        """`pipe`: the family's diffusers pipeline (text encoders and VAE None when loaded transformer-only)."""
+        self.pipe = pipe
+        self.transformer = pipe.transformer
+        self.device = device
+        self.dtype = dtype
+
     @classmethod
     @abstractmethod
     def load(cls, path: str, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from rayflow.models import pooled
-from rayflow.models.base import DiffusionModel, PromptEmbeds, Schedule, register_model
+from rayflow.models.base import PromptEmbeds, Schedule, register_model
 from rayflow.models.sd3 import decode_vae, load_pipeline
 
 # FluxPipeline.__call__'s default guidance_scale: the embedded guidance when no policy passes one.
@@ -22,7 +22,7 @@ DEFAULT_EMBEDDED_GUIDANCE = 3.5
 
 
 @register_model
-class FluxModel(DiffusionModel):
+class FluxModel(pooled.PooledTextModel):
     pipeline_class = "FluxPipeline"
     default_cfg_policy = "embedded"
     # Attention q/k/v/out of the double-stream blocks (and q/k/v of the single-stream ones) and the
@@ -38,26 +38,12 @@ class FluxModel(DiffusionModel):
         "to_add_out",
     )
 
-    def __init__(self, pipe, device: torch.device, dtype: torch.dtype):
-        self.pipe = pipe
-        self.transformer = pipe.transformer
-        self.device = device
-        self.dtype = dtype
-        config = self.transformer.config
-        self._pooled_dim = config.pooled_projection_dim
-        pooled.check_fits(self._pooled_dim, config.joint_attention_dim, self.pipeline_class)
-
     @classmethod
     def load(cls, path: str, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
              transformer_only: bool = False) -> "FluxModel":
         from diffusers import FluxPipeline
 
         return cls(load_pipeline(FluxPipeline, path, device, dtype, transformer_only), torch.device(device), dtype)
-
-    @classmethod
-    def size_multiple(cls) -> int:
-        # VAE downsamples 8x, latents are packed 2x2.
-        return 16
 
     @torch.no_grad()
     def encode_prompt(self, prompts: list[str]) -> PromptEmbeds:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from rayflow.models.base import PromptEmbeds
+from rayflow.models.base import DiffusionModel, PromptEmbeds
 
 
 def check_fits(pooled_dim: int, seq_dim: int, pipeline_class: str) -> None:
@@ -30,3 +30,18 @@ def pack(embeds: torch.Tensor, pooled: torch.Tensor) -> PromptEmbeds:
 def unpack(cond: PromptEmbeds, pooled_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The inverse of `pack`: (sequence [B, L, D], pooled [B, P])."""
     return cond.embeds[:, 1:], cond.embeds[:, 0, :pooled_dim]
+
+
+class PooledTextModel(DiffusionModel):
+    """A family whose transformer takes a pooled text embedding besides the sequence (SD3, FLUX.1)."""
+
+    def __init__(self, pipe, device: torch.device, dtype: torch.dtype):
+        super().__init__(pipe, device, dtype)
+        config = self.transformer.config
+        self._pooled_dim = config.pooled_projection_dim
+        check_fits(self._pooled_dim, config.joint_attention_dim, self.pipeline_class)
+
+    @classmethod
+    def size_multiple(cls) -> int:
+        # The VAE downsamples 8x and the transformer takes 2x2 patches of latents (SD3 patches, FLUX packs).
+        return 16

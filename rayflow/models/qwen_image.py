@@ -30,12 +30,6 @@ class QwenImageModel(DiffusionModel):
         "to_add_out",
     )
 
-    def __init__(self, pipe, device: torch.device, dtype: torch.dtype):
-        self.pipe = pipe
-        self.transformer = pipe.transformer
-        self.device = device
-        self.dtype = dtype
-
     @classmethod
     def load(cls, path: str, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
              transformer_only: bool = False) -> "QwenImageModel":

@@ -13,7 +13,7 @@ import inspect
 import torch
 
 from rayflow.models import pooled
-from rayflow.models.base import DiffusionModel, PromptEmbeds, Schedule, register_model
+from rayflow.models.base import PromptEmbeds, Schedule, register_model
 
 # The text modules a learner (transformer_only) never loads.
 _TEXT_AND_VAE = ("text_encoder", "text_encoder_2", "text_encoder_3", "tokenizer", "tokenizer_2", "tokenizer_3", "vae")
@@ -57,7 +57,7 @@ def decode_vae(vae, image_processor, latents: torch.Tensor) -> torch.Tensor:
 
 
 @register_model
-class SD3Model(DiffusionModel):
+class SD3Model(pooled.PooledTextModel):
     pipeline_class = "StableDiffusion3Pipeline"
     # flow_grpo's SD3 LoRA targets (scripts/train_sd3.py): joint attention q/k/v/out and the context projections.
     default_cfg_policy = "standard"
@@ -72,26 +72,12 @@ class SD3Model(DiffusionModel):
         "attn.to_v",
     )
 
-    def __init__(self, pipe, device: torch.device, dtype: torch.dtype):
-        self.pipe = pipe
-        self.transformer = pipe.transformer
-        self.device = device
-        self.dtype = dtype
-        config = self.transformer.config
-        self._pooled_dim = config.pooled_projection_dim
-        pooled.check_fits(self._pooled_dim, config.joint_attention_dim, self.pipeline_class)
-
     @classmethod
     def load(cls, path: str, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
              transformer_only: bool = False) -> "SD3Model":
         from diffusers import StableDiffusion3Pipeline
 
         return cls(load_pipeline(StableDiffusion3Pipeline, path, device, dtype, transformer_only), torch.device(device), dtype)
-
-    @classmethod
-    def size_multiple(cls) -> int:
-        # VAE downsamples 8x, the transformer patches 2x2 latents.
-        return 16
 
     @torch.no_grad()
     def encode_prompt(self, prompts: list[str]) -> PromptEmbeds:
