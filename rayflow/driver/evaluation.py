@@ -1,5 +1,6 @@
 """Evaluation between training steps: deterministic (ODE) samples of fixed prompts and seeds under the
-current rollout weights, their mean reward, and an image grid, logged as eval/*."""
+current rollout weights, their mean reward and the mean of each reward component and metric (eval/<name>,
+e.g. eval/shapes_accuracy), and an image grid, logged as eval/*."""
 
 from __future__ import annotations
 
@@ -33,7 +34,11 @@ class Evaluator:
     def run(self, step: int, monitor: Monitor) -> dict[str, float]:
         trajectories = [t for f in self.rollout.map(self.requests) for t in f.result()]
         self.rewards.score(trajectories)
-        scalars = {"eval/reward_mean": float(torch.tensor([t.reward for t in trajectories]).mean())}
+        scalars = {
+            "eval/reward_mean": float(torch.tensor([t.reward for t in trajectories]).mean()),
+            **{f"eval/{name}": float(torch.tensor([t.rewards[name] for t in trajectories]).mean())
+               for name in trajectories[0].rewards},
+        }
         monitor.log(step, scalars, advance=False)
         monitor.log_images(step, "eval/images", image_grid([t.image for t in trajectories]))
         return scalars
