@@ -40,9 +40,9 @@ UNCONDITIONAL = " "
 class PretrainConfig:
     seed: int = 0
     """Weights, scenes, noise and sigmas all follow from it."""
-    vae_steps: int = 600
+    vae_steps: int = 1800
     vae_batch: int = 8
-    vae_lr: float = 1e-3
+    vae_lr: float = 2e-3
     vae_shape_weight: float = 5.0
     """Weight of a shape's pixels in the reconstruction loss (the background's is 1)."""
     steps: int = 1500
@@ -82,7 +82,7 @@ def train_vae(vae, cfg: PretrainConfig, steps: int) -> list[float]:
         loss.backward()
         opt.step()
         losses.append(loss.item())
-        if step % 50 == 0:
+        if step % 100 == 0:
             print(f"vae step {step}: loss {loss.item():.5f}", flush=True)
     vae.eval().requires_grad_(False)
     return losses

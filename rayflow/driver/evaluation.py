@@ -25,9 +25,12 @@ class Evaluator:
         prompts = load_prompts(cfg.data.eval_prompts, cfg.data.max_prompt_chars) if cfg.data.eval_prompts else train_prompts[:num_prompts]
         T = cfg.sampling.num_steps
         params = dataclasses.replace(cfg.sampling, sde_type="ode", sde_step_indices=None, return_step_indices=[T])
-        # One request per prompt, seed = its index: the same images every evaluation but for the weights.
+        # One request per prompt, seeds i·n .. i·n + n − 1 for prompt i (n = data.eval_seeds): the same images
+        # every evaluation but for the weights.
+        n = cfg.data.eval_seeds
         self.requests = [
-            RolloutRequest(f"eval-{i}", [p], [i], [EVAL_GROUP_ID], [i], params) for i, p in enumerate(prompts)
+            RolloutRequest(f"eval-{i}", [p] * n, [i] * n, [EVAL_GROUP_ID] * n, list(range(i * n, (i + 1) * n)), params)
+            for i, p in enumerate(prompts)
         ]
         self.rollout, self.rewards = rollout, rewards
 

@@ -4,8 +4,8 @@
     models/shapes-qwen-image/   a diffusers directory (QwenImagePipeline.from_pretrained loads it)
         rayflow_shapes.json     how it was made: spec, seed, steps, and the sha256 of every weight file
 
-`shapes_model_path()` checks the shipped copy against its manifest and names the command that rebuilds it
-when it is missing or corrupt.
+`check_shapes_base` (run by the preflight) checks the shipped copy against its manifest and names the
+command that rebuilds it when it is missing or corrupt.
 """
 
 from __future__ import annotations
@@ -40,10 +40,12 @@ def build_shapes_pipeline(seed: int):
     return build_tiny_qwen_image(SHAPES_SPEC, seed, extra_corpus=vocabulary_corpus())
 
 
-def shapes_model_path(path: str = SHAPES_MODEL_DIR) -> str:
-    """`path` after checking every weight file against the manifest; FileNotFoundError or ValueError naming
-    the command that rebuilds it otherwise."""
+def check_shapes_base(path: str) -> None:
+    """If `path` is where the shipped base lives, or holds its manifest, check every weight file against the
+    manifest: FileNotFoundError or ValueError naming the command that rebuilds it. Other paths pass."""
     manifest = os.path.join(path, MANIFEST)
+    if os.path.abspath(path) != SHAPES_MODEL_DIR and not os.path.isfile(manifest):
+        return
     if not os.path.isfile(manifest):
         raise FileNotFoundError(f"shapes base: {manifest} is missing; rebuild it with `{REBUILD_COMMAND}`")
     with open(manifest) as f:
@@ -55,4 +57,3 @@ def shapes_model_path(path: str = SHAPES_MODEL_DIR) -> str:
         if sha256_file(file) != digest:
             raise ValueError(f"shapes base: {file} is corrupt (its sha256 differs from {MANIFEST}); "
                              f"rebuild it with `{REBUILD_COMMAND}`")
-    return path
