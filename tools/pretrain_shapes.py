@@ -94,9 +94,9 @@ def encode_pool(pipe, n: int) -> tuple[torch.Tensor, list[str]]:
     latents, prompts = [], []
     for first in range(0, n, 256):
         pixels, batch_prompts = scene_batch(first, min(256, n - first))
-        latents.append(pipe.vae.encode(pixels).latent_dist.mode()[:, :, 0])  # [b, z, 8, 8]
+        latents.append(pipe.vae.encode(pixels).latent_dist.mode()[:, :, 0])  # [b, z, 16, 16]
         prompts += batch_prompts
-    z = torch.cat(latents)  # [n, z, 8, 8]
+    z = torch.cat(latents)  # [n, z, 16, 16]
     mean, std = z.mean(dim=(0, 2, 3)), z.std(dim=(0, 2, 3))
     pipe.vae.register_to_config(latents_mean=mean.tolist(), latents_std=std.tolist())
     z = (z - mean[:, None, None]) / std[:, None, None]
@@ -150,7 +150,7 @@ def save(pipe, out: str, cfg: PretrainConfig, seconds: float, cpu_seconds: float
     tmp = out.rstrip("/") + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     pipe.to(torch.float16).save_pretrained(tmp)
-    files = {os.path.relpath(os.path.join(d, f), tmp): None for d, _, fs in os.walk(tmp) for f in fs}
+    files = [os.path.relpath(os.path.join(d, f), tmp) for d, _, fs in os.walk(tmp) for f in fs]
     manifest = {
         "config": asdict(cfg), "spec": asdict(SHAPES_SPEC), "pretrain_seconds": round(seconds), "pretrain_cpu_seconds": round(cpu_seconds),
         "files": {name: sha256_file(os.path.join(tmp, name)) for name in sorted(files)},
