@@ -22,5 +22,9 @@ setup(
         # The `ocr` reward: PP-OCRv4 det/rec ONNX models inside the wheel (the package supports Python < 3.13).
         "rapidocr-onnxruntime>=1.4,<1.5; python_version < '3.13'",
     ],
-    extras_require={"test": ["pytest>=8", "pytest-timeout", "requests", "pyyaml", "jsonschema", "wandb"], "wandb": ["wandb"]},
+    extras_require={
+        "test": ["pytest>=8", "pytest-timeout", "requests", "pyyaml", "jsonschema", "wandb", "matplotlib"],
+        "wandb": ["wandb"],
+        "plot": ["matplotlib"],  # tools/plot_run.py
+    },
 )

@@ -416,6 +416,8 @@ class DataConfig:
     YAML is relative to the YAML's directory; on the command line, to the working directory."""
     eval_prompts: str | None = None
     """Evaluation prompts; null: the first 4 training prompts."""
+    eval_seeds: int = 1
+    """Samples of each evaluation prompt (fixed seeds), so an accuracy is measured on more than one image each."""
     shuffle: bool = True
     """Shuffle the prompts every epoch (with trainer.seed)."""
     max_prompt_chars: int = 4096
@@ -423,6 +425,7 @@ class DataConfig:
 
     def validate(self, prefix: str = "data") -> None:
         _need(self.max_prompt_chars >= 1, f"{prefix}.max_prompt_chars", self.max_prompt_chars, "an integer >= 1")
+        _need(self.eval_seeds >= 1, f"{prefix}.eval_seeds", self.eval_seeds, "an integer >= 1")
 
 
 @dataclass
@@ -446,6 +449,8 @@ class TrainerConfig:
     """Stop the run after this many optimizer steps in a row skipped for a non-finite gradient norm (0: never)."""
     eval_every: int = 10
     """Evaluate (ODE, fixed prompts and seeds, an image grid) every this many steps (0: never)."""
+    eval_at_start: bool = False
+    """Also evaluate the untrained policy, as step 0 of a new run: the baseline the eval curve starts from."""
     resume: str = "auto"
     """"auto" continues the run named run_name from its newest checkpoint, if it has one; "never" starts over
     (and refuses a run directory that holds checkpoints); or the path of a checkpoint (or of a run's checkpoints)."""

@@ -1,5 +1,6 @@
 """Evaluation between training steps: deterministic (ODE) samples of fixed prompts and seeds under the
-current rollout weights (or the EMA of trainer.ema_decay), their mean reward, and an image grid, logged as eval/*."""
+current rollout weights (or the EMA of trainer.ema_decay), their mean reward and the mean of each reward component
+and metric (eval/<name>, e.g. eval/shapes_accuracy), and an image grid, logged as eval/*."""
 
 from __future__ import annotations
 
@@ -27,9 +28,12 @@ class Evaluator:
         prompts = load_prompts(cfg.data.eval_prompts, cfg.data.max_prompt_chars) if cfg.data.eval_prompts else train_prompts[:num_prompts]
         T = cfg.sampling.num_steps
         params = dataclasses.replace(cfg.sampling, sde_type="ode", sde_step_indices=None, return_step_indices=[T])
-        # One request per prompt, seed = its index: the same images every evaluation but for the weights.
+        # One request per prompt, seeds i·n .. i·n + n − 1 for prompt i (n = data.eval_seeds): the same images
+        # every evaluation but for the weights.
+        n = cfg.data.eval_seeds
         self.requests = [
-            RolloutRequest(f"eval-{i}", [p], [i], [EVAL_GROUP_ID], [i], params) for i, p in enumerate(prompts)
+            RolloutRequest(f"eval-{i}", [p] * n, [i] * n, [EVAL_GROUP_ID] * n, list(range(i * n, (i + 1) * n)), params)
+            for i, p in enumerate(prompts)
         ]
         self.generate, self.rewards = generate, rewards
 
@@ -37,7 +41,11 @@ class Evaluator:
         """`weights`: synced-slot tensors to sample under instead of the rollout weights (the EMA adapter)."""
         trajectories = self.generate(self.requests, weights)
         self.rewards.score(trajectories)
-        scalars = {"eval/reward_mean": float(torch.tensor([t.reward for t in trajectories]).mean())}
+        scalars = {
+            "eval/reward_mean": float(torch.tensor([t.reward for t in trajectories]).mean()),
+            **{f"eval/{name}": float(torch.tensor([t.rewards[name] for t in trajectories]).mean())
+               for name in trajectories[0].rewards},
+        }
         monitor.log(step, scalars, advance=False)
         monitor.log_images(step, "eval/images", image_grid([t.image for t in trajectories]))
         return scalars

@@ -122,6 +122,8 @@ class Trainer:
         clock = _Clock()
         training: list[ray.ObjectRef] | None = None
         batch: list[TrajectoryRef] = []
+        if cfg.trainer.eval_at_start and self.version == 0:
+            self.evaluator.run(0, self.monitor)
         while self.version < cfg.trainer.total_steps:
             self._promote_replacements()
             self._admit()

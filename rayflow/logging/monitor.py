@@ -40,7 +40,8 @@ SCALAR_TAGS = (
     "perf/rollout_idle",
     "perf/learner_idle",
 )
-"""Plus reward/<component> for every reward function, and eval/reward_mean."""
+"""Plus reward/<component> for every reward function and reward/<metric> for every metric a reward reports
+(e.g. reward/shapes_accuracy), and eval/reward_mean and eval/<component or metric>."""
 
 # Exported to Ray's metrics (Prometheus names): gauges of the latest value, counters of totals.
 _GAUGES = ("reward/mean", "loss/policy", "staleness/mean", "staleness/max", "perf/images_per_s", "perf/step_s",

@@ -7,12 +7,23 @@ by construction, for the tiny offline model and for the real one alike.
 
 from __future__ import annotations
 
+import json
 import math
+import os
 
 import numpy as np
 import torch
 
 from rayflow.models.base import DiffusionModel, PromptEmbeds, Schedule, load_pipeline, register_model
+
+
+def _vae_scale_of(path: str, default: int) -> int:
+    """2 ** (spatial halvings) of the VAE whose config is under `path`/vae, as the pipeline computes it."""
+    config = os.path.join(path, "vae", "config.json")
+    if not os.path.isfile(config):
+        return default
+    with open(config) as f:
+        return 2 ** len(json.load(f).get("temperal_downsample", [False, True, True]))
 
 
 @register_model
@@ -43,6 +54,10 @@ class QwenImageModel(DiffusionModel):
         device = torch.device(device)
         pipe = load_pipeline(path, device, dtype, skip=skipped)
         pipe.set_progress_bar_config(disable=True)
+        if pipe.vae is None:
+            # Without a VAE the pipeline assumes Qwen-Image's 8x; a smaller VAE (the shapes base's 4x) would
+            # give learners another latent grid than the rollouts.
+            pipe.vae_scale_factor = _vae_scale_of(path, default=pipe.vae_scale_factor)
         for module in (pipe.transformer, pipe.vae, pipe.text_encoder):
             if module is not None:
                 module.requires_grad_(False).eval()

@@ -55,6 +55,8 @@ class TinyQwenImageSpec:
     transformer_head_dim: int = 32
     vae_base_dim: int = 8
     vae_z_dim: int = 4
+    vae_downsamples: int = 3
+    """Spatial halvings of the VAE (1 to 3): images are 2**vae_downsamples times the latents' size."""
 
 
 SPECS = {
@@ -64,8 +66,8 @@ SPECS = {
 }
 
 
-def _corpus() -> list[str]:
-    lines = [_TEMPLATE_PREFIX + "a photo<|im_end|>\n<|im_start|>assistant\n"] * 50
+def _corpus(extra: tuple[str, ...] = ()) -> list[str]:
+    lines = list(extra) + [_TEMPLATE_PREFIX + "a photo<|im_end|>\n<|im_start|>assistant\n"] * 50
     for colour in COLOURS:
         for obj in OBJECTS:
             lines.append(f"a {colour} {obj}, a photo of a {obj} that is {colour}. a {colour} {obj} on a {colour} background")
@@ -73,8 +75,9 @@ def _corpus() -> list[str]:
     return lines
 
 
-def build_tokenizer(vocab_size: int):
-    """A byte-level BPE tokenizer with the Qwen chat special tokens, wrapped as Qwen2Tokenizer."""
+def build_tokenizer(vocab_size: int, extra_corpus: tuple[str, ...] = ()):
+    """A byte-level BPE tokenizer with the Qwen chat special tokens, wrapped as Qwen2Tokenizer; `extra_corpus`
+    lines join its training corpus (a world's prompts, so that their words are whole tokens)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import Qwen2Tokenizer
 
@@ -87,7 +90,7 @@ def build_tokenizer(vocab_size: int):
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(_corpus(), trainer=trainer)
+    tok.train_from_iterator(_corpus(extra_corpus), trainer=trainer)
     wrapped = Qwen2Tokenizer(
         tokenizer_object=tok,
         bos_token=None,
@@ -143,8 +146,9 @@ def build_text_encoder(spec: TinyQwenImageSpec, tokenizer):
     return Qwen2_5_VLForConditionalGeneration(config).eval()
 
 
-def build_tiny_qwen_image(spec: TinyQwenImageSpec, seed: int):
-    """Build a QwenImagePipeline in memory; the same seed gives the same weights."""
+def build_tiny_qwen_image(spec: TinyQwenImageSpec, seed: int, extra_corpus: tuple[str, ...] = ()):
+    """Build a QwenImagePipeline in memory; the same seed gives the same weights. `extra_corpus`: see
+    build_tokenizer."""
     from diffusers import (
         AutoencoderKLQwenImage,
         FlowMatchEulerDiscreteScheduler,
@@ -152,7 +156,7 @@ def build_tiny_qwen_image(spec: TinyQwenImageSpec, seed: int):
         QwenImageTransformer2DModel,
     )
 
-    tokenizer = build_tokenizer(spec.vocab_size)
+    tokenizer = build_tokenizer(spec.vocab_size, extra_corpus)
     torch.manual_seed(seed)
     text_encoder = build_text_encoder(spec, tokenizer)
     torch.manual_seed(seed + 1)
@@ -172,9 +176,9 @@ def build_tiny_qwen_image(spec: TinyQwenImageSpec, seed: int):
     vae = AutoencoderKLQwenImage(
         base_dim=spec.vae_base_dim,
         z_dim=spec.vae_z_dim,
-        dim_mult=[1, 2, 2, 2],
+        dim_mult=[1, 2, 2, 2][: spec.vae_downsamples + 1],
         num_res_blocks=1,
-        temperal_downsample=[False, True, True],
+        temperal_downsample=[False, True, True][: spec.vae_downsamples],
         latents_mean=[0.0] * spec.vae_z_dim,
         latents_std=[1.0] * spec.vae_z_dim,
     )

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
 import torch
@@ -7,10 +8,21 @@ import torch
 from rayflow.errors import ConfigError
 
 
+@dataclass
+class RewardOutput:
+    """What a reward returns when it also reports figures about each image that are watched, not trained on."""
+
+    scores: torch.Tensor
+    """[B] float32: the reward."""
+    metrics: dict[str, torch.Tensor]
+    """name -> [B] float32, logged as reward/<name> (batch mean), e.g. shapes_accuracy."""
+
+
 class RewardFn(Protocol):
-    def __call__(self, images: torch.Tensor, prompts: list[str], metadata: list[dict] | None = None) -> torch.Tensor:
+    def __call__(self, images: torch.Tensor, prompts: list[str], metadata: list[dict] | None = None
+                 ) -> torch.Tensor | RewardOutput:
         """images [B, H, W, 3] uint8, one prompt and one metadata dict (prompt_id, group_id, seed) per
-        image -> rewards [B] float32."""
+        image -> rewards [B] float32 (or a RewardOutput with metrics beside them)."""
 
 
 _REWARDS: dict[str, Callable[..., RewardFn]] = {}

@@ -8,7 +8,7 @@ import torch
 
 from rayflow.config import RewardFnConfig
 from rayflow.rewards.normalize import component_names
-from rayflow.rewards.registry import make_reward, reward_factory
+from rayflow.rewards.registry import RewardOutput, make_reward, reward_factory
 from rayflow.types import Trajectory
 
 
@@ -33,24 +33,38 @@ class WeightedReward:
 
     def __call__(self, images: torch.Tensor, prompts: list[str], metadata: list[dict] | None = None
                  ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """images [B, H, W, 3] uint8 -> (total [B], {component: [B]})."""
-        parts = {}
+        """images [B, H, W, 3] uint8 -> (total [B], {component or metric: [B]}). The metrics a reward reports
+        (RewardOutput) are in the dict beside the components, and not in the total."""
+        parts, metrics = {}, {}
         for name, _, fn in self.components:
-            values = torch.as_tensor(fn(images, prompts, metadata), dtype=torch.float32)
-            if values.shape != (len(prompts),):
-                raise ValueError(f"reward {name!r} returned shape {tuple(values.shape)} for {len(prompts)} images")
-            if not torch.isfinite(values).all():
-                raise ValueError(f"reward {name!r} returned non-finite values {values.tolist()} for prompts "
-                                 f"{sorted(set(prompts))[:3]}; a reward must be a finite number for every image")
-            parts[name] = values
+            out = fn(images, prompts, metadata)
+            if isinstance(out, RewardOutput):
+                for metric, values in out.metrics.items():
+                    metrics[metric] = _checked(f"{name}'s metric {metric}", values, prompts)
+                out = out.scores
+            parts[name] = _checked(name, out, prompts)
+        clash = sorted(set(parts) & set(metrics))
+        if clash:
+            raise ValueError(f"reward metrics {clash} have the names of reward components; rename the metrics")
         total = torch.zeros(len(prompts), dtype=torch.float32)
         for name, weight, _ in self.components:
             total += weight * parts[name]
-        return total, parts
+        return total, {**parts, **metrics}
 
     def score(self, trajectories: list[Trajectory]) -> None:
         """Fill in .reward and .rewards of each trajectory from its image and prompt."""
         assign_rewards(trajectories, *self(*reward_inputs(trajectories)))
+
+
+def _checked(name: str, values, prompts: list[str]) -> torch.Tensor:
+    """`values` as [B] float32, or a ValueError naming the reward when its shape or values are wrong."""
+    values = torch.as_tensor(values, dtype=torch.float32)
+    if values.shape != (len(prompts),):
+        raise ValueError(f"reward {name!r} returned shape {tuple(values.shape)} for {len(prompts)} images")
+    if not torch.isfinite(values).all():
+        raise ValueError(f"reward {name!r} returned non-finite values {values.tolist()} for prompts "
+                         f"{sorted(set(prompts))[:3]}; a reward must be a finite number for every image")
+    return values
 
 
 def with_outage_budget(fn: RewardFnConfig, max_outage_s: float) -> dict:

@@ -1,0 +1,126 @@
+"""The `shapes` reward: GenEval's check of a shapes-world prompt (rayflow.worlds.shapes) on a decoded image.
+
+Shapes are found by colour segmentation (each pixel to the nearest palette colour or the background,
+within a distance) and 4-connected components; a component's kind comes from how it fills its bounding
+box (a triangle about half, a circle and a square most of it) and whether it fills the box's corners
+(a square does, a circle does not). The reward is the fraction of the prompt's requirements met:
+
+    per object   its shape is there; in its colour (when named); as many as the number word says
+    position     an object of the first kind sits in that third of the image (left, right, top, bottom)
+    relation     an object of the first kind is above / below / left of / right of one of the second
+
+`shapes_accuracy` (1 when every requirement is met, GenEval's per-prompt "correct") is reported beside it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from rayflow.rewards.registry import RewardOutput, register_reward
+from rayflow.worlds.shapes import BACKGROUND, COLOURS, IMAGE_SIZE, SHAPE_RADIUS, ObjectSpec, Requirements, parse_prompt
+
+_PALETTE = np.array([BACKGROUND, *COLOURS.values()], dtype=np.float32)  # [1 + K, 3]
+_NAMES = [None, *COLOURS]
+MAX_COLOUR_DISTANCE = 90.0
+"""A pixel farther than this (RGB, 0..255) from every palette colour and the background belongs to nothing."""
+MIN_AREA_FRACTION = 0.25
+"""A component smaller than this fraction of a drawn square's area is noise, not a shape."""
+
+
+@dataclass(frozen=True)
+class Detection:
+    """A shape found in an image: kind, colour name, centroid (x, y) as fractions of the width and height."""
+
+    shape: str
+    colour: str
+    x: float
+    y: float
+
+
+def label_components(mask: np.ndarray) -> list[np.ndarray]:
+    """4-connected components of a boolean mask [H, W], each as a boolean mask [H, W]."""
+    h, w = mask.shape
+    off = h * w  # larger than every pixel's own label
+    labels = np.where(mask, np.arange(h * w).reshape(h, w), off)
+    while True:  # each pass gives every pixel the smallest label among itself and its 4 neighbours
+        padded = np.pad(labels, 1, constant_values=off)
+        smallest = np.minimum.reduce([labels, padded[:-2, 1:-1], padded[2:, 1:-1], padded[1:-1, :-2], padded[1:-1, 2:]])
+        smallest = np.where(mask, smallest, off)
+        if (smallest == labels).all():
+            return [labels == label for label in np.unique(labels[mask])]
+        labels = smallest
+
+
+def classify(component: np.ndarray) -> str:
+    """The kind of one component [H, W] bool: by its fill of the bounding box and of the box's corners."""
+    ys, xs = np.nonzero(component)
+    box = component[ys.min() : ys.max() + 1, xs.min() : xs.max() + 1]
+    if box.mean() < 0.68:  # a triangle fills half its box; a circle π/4 of it
+        return "triangle"
+    k = max(1, min(box.shape) // 4)
+    corners = np.concatenate([box[:k, :k].ravel(), box[:k, -k:].ravel(), box[-k:, :k].ravel(), box[-k:, -k:].ravel()])
+    return "square" if corners.mean() > 0.5 else "circle"
+
+
+def detect(image: np.ndarray) -> list[Detection]:
+    """The shapes in one image [H, W, 3] uint8, in no particular order."""
+    h, w, _ = image.shape
+    distance = np.linalg.norm(image[:, :, None, :].astype(np.float32) - _PALETTE, axis=-1)  # [H, W, 1 + K]
+    nearest = np.where(distance.min(axis=-1) <= MAX_COLOUR_DISTANCE, distance.argmin(axis=-1), 0)  # [H, W]
+    min_area = MIN_AREA_FRACTION * (2 * SHAPE_RADIUS * h / IMAGE_SIZE) ** 2
+    found = []
+    for index in range(1, len(_NAMES)):
+        for component in label_components(nearest == index):
+            if component.sum() >= min_area:
+                ys, xs = np.nonzero(component)
+                found.append(Detection(classify(component), _NAMES[index], (xs.mean() + 0.5) / w, (ys.mean() + 0.5) / h))
+    return found
+
+
+def _matches(spec: ObjectSpec, found: list[Detection]) -> list[Detection]:
+    return [d for d in found if d.shape == spec.shape and spec.colour in (None, d.colour)]
+
+
+_SIDE = {"on the left": lambda d: d.x < 1 / 3, "on the right": lambda d: d.x > 2 / 3,
+         "at the top": lambda d: d.y < 1 / 3, "at the bottom": lambda d: d.y > 2 / 3}
+_MARGIN = 0.1
+"""Centroids closer than this (fraction of the image) along the relation's axis are not above / left of each other."""
+_RELATION = {"above": lambda a, b: b.y - a.y > _MARGIN, "below": lambda a, b: a.y - b.y > _MARGIN,
+             "to the left of": lambda a, b: b.x - a.x > _MARGIN, "to the right of": lambda a, b: a.x - b.x > _MARGIN}
+
+
+def requirements_met(req: Requirements, found: list[Detection]) -> list[bool]:
+    """One bool per requirement of `req` (see the module doc) for the detected shapes."""
+    met = []
+    for spec in req.objects:
+        met.append(any(d.shape == spec.shape for d in found))
+        matches = _matches(spec, found)
+        if spec.colour is not None:
+            met.append(bool(matches))
+        if spec.exact:
+            met.append(len(matches) == spec.count)
+    first = _matches(req.objects[0], found)
+    if req.position is not None:
+        met.append(any(_SIDE[req.position](d) for d in first))
+    if req.relation is not None:
+        second = _matches(req.objects[1], found)
+        met.append(any(_RELATION[req.relation](a, b) for a in first for b in second))
+    return met
+
+
+@register_reward("shapes")
+class ShapesReward:
+    """Fraction of the prompt's requirements met in [0, 1]; metric shapes_accuracy: 1 if all are met, else 0."""
+
+    @staticmethod
+    def check_prompt(prompt: str) -> None:
+        parse_prompt(prompt)
+
+    def __call__(self, images: torch.Tensor, prompts: list[str], metadata: list[dict] | None = None) -> RewardOutput:
+        met = [requirements_met(parse_prompt(p), detect(image.numpy())) for image, p in zip(images, prompts)]
+        fraction = torch.tensor([sum(m) / len(m) for m in met], dtype=torch.float32)  # [B]
+        correct = torch.tensor([float(all(m)) for m in met], dtype=torch.float32)  # [B]
+        return RewardOutput(fraction, {"shapes_accuracy": correct})

@@ -1,0 +1,91 @@
+"""The shapes world and the `shapes` reward, on drawn scenes whose answers are known."""
+
+import random
+
+import pytest
+import torch
+
+from rayflow.config import RewardFnConfig
+from rayflow.rewards import make_reward
+from rayflow.rewards.shapes import detect
+from rayflow.rewards.validation import check_prompt_file
+from rayflow.rewards.weighted import WeightedReward
+from rayflow.worlds.shapes import (
+    CATEGORIES, ObjectSpec, Placed, Requirements, parse_prompt, prompt_of, render, sample_requirements, sample_scene,
+)
+
+
+def score(prompt: str, scene: list[Placed]) -> tuple[float, float]:
+    """(reward, shapes_accuracy) of one drawn scene."""
+    out = make_reward("shapes")(torch.from_numpy(render(scene))[None], [prompt])
+    return float(out.scores[0]), float(out.metrics["shapes_accuracy"][0])
+
+
+def test_parse_reads_every_category():
+    assert parse_prompt("two blue squares") == Requirements((ObjectSpec("square", "blue", 2, exact=True),))
+    assert parse_prompt("a circle") == Requirements((ObjectSpec("circle", None, 1, exact=False),))
+    assert parse_prompt("a green triangle above a yellow circle") == Requirements(
+        (ObjectSpec("triangle", "green", 1, False), ObjectSpec("circle", "yellow", 1, False)), relation="above")
+    assert parse_prompt("A red circle on the left.") == Requirements((ObjectSpec("circle", "red", 1, False),),
+                                                                      position="on the left")
+    assert parse_prompt("a red circle and a blue square").objects[1] == ObjectSpec("square", "blue", 1, False)
+    rng = random.Random(0)
+    for category in CATEGORIES:
+        req = sample_requirements(rng, category)
+        assert parse_prompt(prompt_of(req)) == req
+
+
+@pytest.mark.parametrize("prompt, word", [
+    ("a purple circle", "unknown colour 'purple'"), ("two red hexagons", "unknown shape 'hexagons'"),
+    ("two red circle", "mixes a count of 2"), ("many red circles", "unknown number word 'many'"),
+    ("a red circle near a blue square", "cannot read object phrase"),
+])
+def test_parse_names_what_it_cannot_read(prompt, word):
+    with pytest.raises(ValueError, match=word):
+        parse_prompt(prompt)
+
+
+def test_bad_prompt_file_is_named_with_its_line(tmp_path):
+    path = tmp_path / "prompts.txt"
+    path.write_text("a red circle\n# comment\ntwo blue squares\nthree red hexagons\n")
+    with pytest.raises(ValueError, match=rf"{path}:4: shapes prompt 'three red hexagons': unknown shape"):
+        check_prompt_file(["shapes"], str(path))
+
+
+def test_scenes_are_deterministic_and_true_to_their_prompts():
+    assert sample_scene(7) == sample_scene(7)
+    for seed in range(40):
+        prompt, scene = sample_scene(seed)
+        assert score(prompt, scene) == (1.0, 1.0), (prompt, scene)
+
+
+def test_detect_finds_kind_colour_and_place():
+    scene = [Placed("circle", "red", 0, 0), Placed("square", "blue", 1, 2), Placed("triangle", "yellow", 2, 1)]
+    found = sorted((d.shape, d.colour, round(d.x * 3 - 0.5), round(d.y * 3 - 0.5)) for d in detect(render(scene)))
+    assert found == [("circle", "red", 0, 0), ("square", "blue", 2, 1), ("triangle", "yellow", 1, 2)]
+
+
+@pytest.mark.parametrize("prompt, scene, expected", [
+    ("a red circle", [Placed("circle", "red", 1, 1)], (1.0, 1.0)),
+    # wrong colour: the circle is there (1 of 2 requirements)
+    ("a red circle", [Placed("circle", "green", 1, 1)], (0.5, 0.0)),
+    # wrong count: shape and colour right, count wrong (2 of 3)
+    ("two blue squares", [Placed("square", "blue", 0, 0)], (2 / 3, 0.0)),
+    ("two blue squares", [Placed("square", "blue", 0, 0), Placed("square", "blue", 2, 2)], (1.0, 1.0)),
+    # swapped position: both objects right (4 of 5), the relation wrong
+    ("a green triangle above a yellow circle", [Placed("triangle", "green", 2, 1), Placed("circle", "yellow", 0, 1)],
+     (0.8, 0.0)),
+    ("a green triangle above a yellow circle", [Placed("triangle", "green", 0, 1), Placed("circle", "yellow", 2, 1)],
+     (1.0, 1.0)),
+    ("a red circle on the left", [Placed("circle", "red", 1, 2)], (2 / 3, 0.0)),
+    ("a square", [Placed("triangle", "red", 1, 1)], (0.0, 0.0)),
+])
+def test_reward_on_known_answers(prompt, scene, expected):
+    assert score(prompt, scene) == pytest.approx(expected)
+
+
+def test_accuracy_is_logged_beside_the_reward_not_summed_into_it():
+    images = torch.from_numpy(render([Placed("circle", "green", 1, 1)]))[None].repeat(2, 1, 1, 1)
+    total, parts = WeightedReward([RewardFnConfig(name="shapes", weight=2.0)])(images, ["a red circle", "a circle"])
+    assert total.tolist() == [1.0, 2.0]
+    assert parts["shapes"].tolist() == [0.5, 1.0] and parts["shapes_accuracy"].tolist() == [0.0, 1.0]
