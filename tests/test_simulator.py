@@ -32,10 +32,12 @@ def test_synchronous_step_is_the_sum_of_its_phases():
 def test_asynchronous_steady_state_is_the_slower_of_rollout_and_training(roll, train):
     # With one step of staleness allowed, rollout of batch v+1 overlaps training on batch v: the step is
     # bounded by whichever of the two pipelines is slower (the learner also pushes after each batch).
-    costs = Costs(rollout_request_s=roll, reward_request_s=0.0, train_batch_s=train, push_s=PUSH)
+    costs = Costs(rollout_request_s=roll, reward_request_s=0.0, train_batch_s=train, push_s=PUSH,
+                  overhead_request_s=0.05, overhead_batch_s=0.1)
     shape = Shape(batch_size=16, group_size=8, micro_batch_size=8, max_staleness=1)
     p = simulate(costs, shape, steps=60)
-    assert p.step_s == pytest.approx(max(2 * roll, train + PUSH), rel=1e-9)
+    # The orchestration's overheads ride on their paths: per request on the replica, per batch on the learner.
+    assert p.step_s == pytest.approx(max(2 * (roll + 0.05), train + 0.1 + PUSH), rel=1e-9)
     assert 0 < p.staleness_mean <= 1 and p.regenerated == 0
     idle_side = p.rollout_idle if train + PUSH > 2 * roll else p.learner_idle
     assert idle_side > 0.1  # the faster side waits

@@ -6,10 +6,11 @@ one rollout request (rollout.micro_batch_size samples), scoring it, and one batc
 (the reference trainer's own functions). Medians after warm-up.
 
 simulator: the costs above, then real runs (the distributed Trainer) at rollout.num_replicas x
-async.max_staleness in {1, 2} x {0, 1}. The synchronous single-replica run calibrates what the
-reference cannot measure: the weight push and broadcast (its perf/push_s and perf/sync_s) and the
-driver's overhead per request (the value that makes the model's step time equal that run's). The
-three other shapes are predicted with nothing fitted to them, and compared with their medians.
+async.max_staleness in (1, 0), (1, 1), (2, 0), (2, 1), (3, 1). The single-replica runs calibrate what
+the reference cannot measure: the weight push and broadcast (perf/push_s and perf/sync_s of the
+synchronous run), the orchestration's overhead per batch on the learner's path (the learner-bound
+asynchronous run) and per request (the synchronous run). The three other shapes are predicted with
+nothing fitted to them, and compared with their medians.
 """
 
 from __future__ import annotations
@@ -27,8 +28,8 @@ from rayflow.config import RayflowConfig, load_config
 from rayflow.planning.simulator import Costs, Shape, simulate
 
 SIMULATOR_ERROR_GOAL = 0.15
-SHAPES = ((1, 0), (1, 1), (2, 0), (2, 1))
-"""(rollout.num_replicas, async.max_staleness) of the validation runs; the first calibrates."""
+SHAPES = ((1, 0), (1, 1), (2, 0), (2, 1), (3, 1))
+"""(rollout.num_replicas, async.max_staleness) of the validation runs; the first two calibrate."""
 
 
 def run_overrides(args) -> list[str]:
@@ -84,13 +85,13 @@ def bench_costs(args) -> dict:
                     "per-request overhead are not measured here (bench.py simulator calibrates them on a real run)"}
 
 
-def _calibrate_overhead(costs: Costs, shape: Shape, real_step_s: float) -> float:
-    """The driver's per-request overhead that makes the model's step time equal `real_step_s` (bisection:
-    the step time grows with it)."""
+def _calibrate(costs: Costs, shape: Shape, real_step_s: float, field: str) -> float:
+    """The value of the overhead `field` that makes the model's step time equal `real_step_s` (bisection: the
+    step time grows with it)."""
     low, high = 0.0, real_step_s
     for _ in range(40):
         mid = (low + high) / 2
-        predicted = simulate(dataclasses.replace(costs, overhead_request_s=mid), shape).step_s
+        predicted = simulate(dataclasses.replace(costs, **{field: mid}), shape).step_s
         low, high = (mid, high) if predicted < real_step_s else (low, mid)
     return (low + high) / 2
 
@@ -126,15 +127,19 @@ def bench_simulator(args, start_local_ray: Callable) -> dict:
     finally:
         ray.shutdown()
 
-    first = real[SHAPES[0]]
-    costs = Costs(**measured, push_s=first["perf/push_s"], broadcast_s=max(0.0, first["perf/sync_s"] - first["perf/push_s"]))
-    costs = dataclasses.replace(
-        costs, overhead_request_s=_calibrate_overhead(costs, shape_of(configs[SHAPES[0]], cores), first["perf/step_s"]))
+    sync, overlapped = real[SHAPES[0]], real[SHAPES[1]]
+    costs = Costs(**measured, push_s=sync["perf/push_s"], broadcast_s=max(0.0, sync["perf/sync_s"] - sync["perf/push_s"]))
+    # The learner-bound asynchronous run fixes the overhead on the learner's path (its step is that path alone);
+    # then the synchronous run, where every piece is in series, fixes the per-request overhead.
+    costs = dataclasses.replace(costs, overhead_batch_s=_calibrate(
+        costs, shape_of(configs[SHAPES[1]], cores), overlapped["perf/step_s"], "overhead_batch_s"))
+    costs = dataclasses.replace(costs, overhead_request_s=_calibrate(
+        costs, shape_of(configs[SHAPES[0]], cores), sync["perf/step_s"], "overhead_request_s"))
     rows = []
     for key, cfg in configs.items():
         predicted = simulate(costs, shape_of(cfg, cores))
         rows.append({
-            "replicas": key[0], "max_staleness": key[1], "calibration": key == SHAPES[0],
+            "replicas": key[0], "max_staleness": key[1], "calibration": key in SHAPES[:2],
             "real_step_s": real[key]["perf/step_s"], "predicted_step_s": predicted.step_s,
             "error": predicted.step_s / real[key]["perf/step_s"] - 1,
             "real_idle": {"rollout": real[key]["perf/rollout_idle"], "learner": real[key]["perf/learner_idle"]},

@@ -17,8 +17,9 @@ The model follows rayflow/driver/trainer.py and rayflow/driver/queue.py:
 
 Contention: with `cores` set (CPU runs, one thread per actor) every busy actor runs at
 min(1, cores / busy actors) of its speed (processor sharing); with `cores` None each actor has its
-own device (GPUs). The driver's own cost per request (Ray calls, serialisation, polling) is
-`overhead_request_s`, charged to the request's replica.
+own device (GPUs). The orchestration's own costs are `overhead_request_s` per request (Ray calls,
+serialisation, polling; charged to the request's replica) and `overhead_batch_s` per batch (forming it,
+the learners fetching its trajectories; charged to the learner).
 
 Costs are seconds of one actor alone on its device. What the model leaves out: the rollout's
 partial-version steps, stragglers within a replica, evaluation and checkpoints, restarts.
@@ -55,6 +56,8 @@ class Costs:
     """From the push until the new version is on every rollout replica."""
     overhead_request_s: float = 0.0
     """The driver's per-request cost (Ray calls, fetching results), on the request's replica."""
+    overhead_batch_s: float = 0.0
+    """The per-batch cost on the learner's path (forming the batch, the learners fetching its trajectories)."""
 
     @classmethod
     def from_dict(cls, data: dict, source: str = "costs") -> "Costs":
@@ -268,7 +271,8 @@ class _Simulation:
         batch = [self.groups.pop(gid) for gid in ready[:needed]]
         self.staleness += [self.version - v for g in batch for v in g.versions]
         self.training = True
-        self._run("learner", _Job(self.c.train_batch_s, lambda: self._run("learner", _Job(self.c.push_s, self._pushed))))
+        train = self.c.train_batch_s + self.c.overhead_batch_s
+        self._run("learner", _Job(train, lambda: self._run("learner", _Job(self.c.push_s, self._pushed))))
 
     def _pushed(self) -> None:
         self.version += 1
