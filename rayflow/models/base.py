@@ -64,6 +64,11 @@ class Schedule:
     timesteps: torch.Tensor
 
 
+JOINT_ATTENTION_TARGETS = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out")
+"""LoRA targets of diffusers' joint (MMDiT) attention: the image stream's q/k/v/out and the text stream's
+projections, by their module names in QwenImageTransformer2DModel and FluxTransformer2DModel."""
+
+
 class DiffusionModel(ABC):
     """A flow-matching pipeline split into the pieces an RL loop calls separately.
 

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from rayflow.models import pooled
-from rayflow.models.base import PromptEmbeds, Schedule, register_model
+from rayflow.models.base import JOINT_ATTENTION_TARGETS, PromptEmbeds, Schedule, register_model
 from rayflow.models.sd3 import decode_vae, load_pipeline
 
 # FluxPipeline.__call__'s default guidance_scale: the embedded guidance when no policy passes one.
@@ -27,16 +27,7 @@ class FluxModel(pooled.PooledTextModel):
     default_cfg_policy = "embedded"
     # Attention q/k/v/out of the double-stream blocks (and q/k/v of the single-stream ones) and the
     # context projections: the attention set flow_grpo and DanceGRPO train on FLUX.1.
-    lora_target_modules = (
-        "to_q",
-        "to_k",
-        "to_v",
-        "to_out.0",
-        "add_q_proj",
-        "add_k_proj",
-        "add_v_proj",
-        "to_add_out",
-    )
+    lora_target_modules = JOINT_ATTENTION_TARGETS
 
     @classmethod
     def load(cls, path: str, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,

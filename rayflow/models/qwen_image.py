@@ -14,7 +14,7 @@ import os
 import numpy as np
 import torch
 
-from rayflow.models.base import DiffusionModel, PromptEmbeds, Schedule, load_pipeline, register_model
+from rayflow.models.base import JOINT_ATTENTION_TARGETS, DiffusionModel, PromptEmbeds, Schedule, load_pipeline, register_model
 
 
 def _vae_scale_of(path: str, default: int) -> int:
@@ -30,16 +30,7 @@ def _vae_scale_of(path: str, default: int) -> int:
 class QwenImageModel(DiffusionModel):
     pipeline_class = "QwenImagePipeline"
     default_cfg_policy = "true_cfg"
-    lora_target_modules = (
-        "to_q",
-        "to_k",
-        "to_v",
-        "to_out.0",
-        "add_q_proj",
-        "add_k_proj",
-        "add_v_proj",
-        "to_add_out",
-    )
+    lora_target_modules = JOINT_ATTENTION_TARGETS
 
     @classmethod
     def load(cls, path: str, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,

@@ -156,6 +156,8 @@ def build_tiny_qwen_image(spec: TinyQwenImageSpec, seed: int, extra_corpus: tupl
         QwenImageTransformer2DModel,
     )
 
+    from rayflow.models.published import QWEN_IMAGE  # published imports this module's tokenizer builder
+
     tokenizer = build_tokenizer(spec.vocab_size, extra_corpus)
     torch.manual_seed(seed)
     text_encoder = build_text_encoder(spec, tokenizer)
@@ -188,17 +190,7 @@ def build_tiny_qwen_image(spec: TinyQwenImageSpec, seed: int, extra_corpus: tupl
     with torch.no_grad():
         vae.decoder.conv_out.weight.mul_(4.0)
     # Qwen-Image's own scheduler config (dynamic exponential shift, terminal sigma 0.02).
-    scheduler = FlowMatchEulerDiscreteScheduler(
-        num_train_timesteps=1000,
-        shift=1.0,
-        use_dynamic_shifting=True,
-        base_shift=0.5,
-        max_shift=0.9,
-        base_image_seq_len=256,
-        max_image_seq_len=8192,
-        shift_terminal=0.02,
-        time_shift_type="exponential",
-    )
+    scheduler = FlowMatchEulerDiscreteScheduler(**QWEN_IMAGE.config("scheduler"))
     return QwenImagePipeline(
         scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, transformer=transformer
     )
