@@ -451,6 +451,10 @@ class TrainerConfig:
     """Evaluate (ODE, fixed prompts and seeds, an image grid) every this many steps (0: never)."""
     eval_at_start: bool = False
     """Also evaluate the untrained policy, as step 0 of a new run: the baseline the eval curve starts from."""
+    time_limit_s: float | None = None
+    """Stop after the step during which this run's training time (perf/train_s: its steps' wall time, evaluations
+    excluded, counted from this start or resume) passes this many seconds, evaluating and checkpointing there as
+    at total_steps; null: no limit (total_steps only)."""
     resume: str = "auto"
     """"auto" continues the run named run_name from its newest checkpoint, if it has one; "never" starts over
     (and refuses a run directory that holds checkpoints); or the path of a checkpoint (or of a run's checkpoints)."""
@@ -483,6 +487,8 @@ class TrainerConfig:
         _need(self.keep_checkpoints >= 1, f"{prefix}.keep_checkpoints", self.keep_checkpoints, "an integer >= 1")
         _need(self.max_skipped_steps >= 0, f"{prefix}.max_skipped_steps", self.max_skipped_steps, "an integer >= 0 (0: never stop)")
         _need(self.eval_every >= 0, f"{prefix}.eval_every", self.eval_every, "an integer >= 0")
+        _need(self.time_limit_s is None or self.time_limit_s > 0, f"{prefix}.time_limit_s", self.time_limit_s,
+              "null (no limit) or seconds > 0")
         _need(0 <= self.ema_decay < 1, f"{prefix}.ema_decay", self.ema_decay, "a float in [0, 1) (0: no EMA)")
         _need(self.ema_every >= 1, f"{prefix}.ema_every", self.ema_every, "an integer >= 1")
         _need(self.gpu_memory_gib is None or self.gpu_memory_gib > 0, f"{prefix}.gpu_memory_gib", self.gpu_memory_gib,

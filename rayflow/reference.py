@@ -8,7 +8,7 @@ and seeds → same rewards, losses and LoRA). One step reads top to bottom:
 It checkpoints every trainer.save_every steps (and at the end) under <trainer.output_dir>/<trainer.run_name>/checkpoints
 and, with trainer.resume=auto and the same run_name, continues from the newest one, bit-identically to a run never stopped.
 
-    python -m rayflow.reference --config recipes/flowgrpo_qwen_image.yaml trainer.total_steps=20
+    python -m rayflow.reference --config recipes/flowgrpo_tiny.yaml trainer.total_steps=20
 """
 
 from __future__ import annotations

@@ -280,7 +280,7 @@ def test_autoscaler_adds_rollout_and_learner_nodes_and_the_submitted_recipe_comp
         submit = [
             sys.executable, "-m", "ray.scripts.scripts", "job", "submit", "--address", cluster.dashboard_url,
             "--working-dir", ".", "--runtime-env", "cluster/runtime_env.yaml", "--",
-            sys.executable, "recipes/flowgrpo_qwen_image.py", f"model.path={tiny_model_dir}",
+            sys.executable, "recipes/flowgrpo_qwen_image.py", "--config", "recipes/flowgrpo_tiny.yaml", f"model.path={tiny_model_dir}",
             f"trainer.output_dir={tmp_path}", "trainer.run_name=run", *SMALL_RUN, *placement,
         ]
         job = subprocess.run(submit, cwd=REPO, env=cluster.env, capture_output=True, text=True, timeout=300)

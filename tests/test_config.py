@@ -118,6 +118,7 @@ def test_user_interpolation_resolves(tmp_path):
         (["sampling.sde_type=cps", "algorithm.ratio_norm=true"], "algorithm.ratio_norm", True, "false unless sampling.sde_type=sde"),
         (["trainer.ema_decay=1.0"], "trainer.ema_decay", 1.0, "[0, 1)"),
         (["trainer.ema_every=0"], "trainer.ema_every", 0, ">= 1"),
+        (["trainer.time_limit_s=0"], "trainer.time_limit_s", 0.0, "seconds > 0"),
         (["reward.functions=[{name: nope}]"], "reward.functions[0].name", "nope", "'color'"),
         (["async.over_stale=later"], "async.over_stale", "later", "'regenerate' or 'drop'"),
     ],

@@ -36,7 +36,7 @@ def test_a_stopped_job_leaves_its_last_complete_checkpoint(tiny_model_dir, tmp_p
     root = checkpoint_root(str(out))
     with FakeAutoscalingCluster(head_cpus=6) as cluster:
         job(cluster, "submit", "--no-wait", "--submission-id", "rayflow-stop-test", "--working-dir", ".",
-            "--runtime-env", "cluster/runtime_env.yaml", "--", "python", "recipes/flowgrpo_qwen_image.py",
+            "--runtime-env", "cluster/runtime_env.yaml", "--", "python", "recipes/flowgrpo_qwen_image.py", "--config", "recipes/flowgrpo_tiny.yaml",
             f"model.path={tiny_model_dir}", f"trainer.output_dir={tmp_path}", "trainer.run_name=stopped", "trainer.total_steps=1000",
             "trainer.save_every=1", "trainer.keep_checkpoints=3", *SMALL)
         wait_for(lambda: len(list_checkpoints(root)) >= 2, 300, "two checkpoints")

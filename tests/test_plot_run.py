@@ -32,3 +32,41 @@ def test_plot_run_draws_the_logged_panels(tmp_path):
     done = subprocess.run([sys.executable, "tools/plot_run.py", str(empty), "--out", str(tmp_path / "x.png")], cwd=REPO,
                           capture_output=True, text=True)
     assert done.returncode != 0 and "holds none of the plotted tags" in done.stderr
+
+
+def test_plot_run_grids_before_and_after(tmp_path):
+    """--grids reads back the first and last eval/images exactly (PNG is lossless) and labels rows with the
+    run's evaluation prompts."""
+    import numpy as np
+
+    sys.path.insert(0, os.path.join(REPO, "tools"))
+    from plot_run import eval_prompts, read_grids
+
+    run = tmp_path / "run"
+    prompts = tmp_path / "eval.txt"
+    prompts.write_text("a red circle\ntwo blue squares\n")
+    (run).mkdir()
+    (run / "config.yaml").write_text(f"data:\n  eval_prompts: {prompts}\n")
+    rng = np.random.default_rng(0)
+    grids = {step: rng.integers(0, 256, (2 * 8, 3 * 8, 3), dtype=np.uint8) for step in (0, 20, 40)}
+    writer = SummaryWriter(str(run / "tensorboard"))
+    for step in (20, 0, 40):
+        writer.add_image("eval/images", grids[step], step, dataformats="HWC")
+        writer.add_scalar("eval/shapes_accuracy", step / 100, step)
+    writer.close()
+    read = read_grids(str(run / "tensorboard"))
+    assert [s for s, _ in read] == [0, 20, 40]
+    assert all(np.array_equal(image, grids[s]) for s, image in read)
+    assert eval_prompts(str(run)) == ["a red circle", "two blue squares"]
+    done = subprocess.run([sys.executable, "tools/plot_run.py", str(run), "--out", str(tmp_path / "fig.png"),
+                           "--grids", str(tmp_path / "grids.png")], cwd=REPO, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert Image.open(tmp_path / "grids.png").size[0] > 2 * 3 * 8  # both grids, with the prompts beside
+    one = tmp_path / "one"
+    writer = SummaryWriter(str(one / "tensorboard"))
+    writer.add_image("eval/images", grids[0], 0, dataformats="HWC")
+    writer.add_scalar("eval/shapes_accuracy", 0.1, 0)
+    writer.close()
+    done = subprocess.run([sys.executable, "tools/plot_run.py", str(one), "--out", str(tmp_path / "f.png"),
+                           "--grids", str(tmp_path / "g.png")], cwd=REPO, capture_output=True, text=True)
+    assert done.returncode != 0 and "holds 1 eval/images grid(s)" in done.stderr

@@ -43,7 +43,7 @@ def test_nft_recipe_runs_end_to_end_from_any_directory_on_loopback_only(tiny_mod
     out = tmp_path / "nft"
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     run = subprocess.Popen([
-        sys.executable, os.path.join(REPO, "recipes", "diffusion_nft_qwen_image.py"),
+        sys.executable, os.path.join(REPO, "recipes", "diffusion_nft_qwen_image.py"), "--config", os.path.join(REPO, "recipes", "diffusion_nft_tiny.yaml"),
         f"model.path={tiny_model_dir}", f"trainer.output_dir={tmp_path}", "trainer.run_name=nft",
         "trainer.total_steps=2", "trainer.eval_every=1", "algorithm.prompts_per_step=1", "algorithm.group_size=2",
         "learner.micro_batch_size=1", "learner.world_size=2", "rollout.cfg_parallel_size=2", "rollout.micro_batch_size=2",
@@ -92,5 +92,5 @@ def test_a_benchmark_runs_from_outside_the_repository(tiny_model_dir, tmp_path):
     )
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(out.read_text())
-    assert report["setup"]["recipe"] == os.path.join(REPO, "recipes", "flowgrpo_qwen_image.yaml")
+    assert report["setup"]["recipe"] == os.path.join(REPO, "recipes", "flowgrpo_tiny.yaml")
     assert report["rollout_request_s"] > 0 and report["train_batch_s"] > 0

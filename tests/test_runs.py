@@ -60,7 +60,7 @@ def test_the_recipe_and_the_reference_say_a_complete_run_is_complete_before_ray_
     run = [f"model.path={tiny_model_dir}", f"trainer.output_dir={finished_run.parent}", f"trainer.run_name={finished_run.name}",
            "trainer.total_steps=2", "algorithm.prompts_per_step=1", "algorithm.group_size=4", "sampling.num_steps=4",
            "learner.micro_batch_size=2", "rollout.micro_batch_size=4"]
-    for argv in ([os.path.join(REPO_ROOT, "recipes", "flowgrpo_qwen_image.py"), *run],
+    for argv in ([os.path.join(REPO_ROOT, "recipes", "flowgrpo_qwen_image.py"), "--config", GRPO, *run],
                  ["-m", "rayflow.reference", "--config", GRPO, *run]):
         result = run_from(tmp_path, *argv)  # outside the repository
         assert result.returncode == 0, result.stderr[-3000:]

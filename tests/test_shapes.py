@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from rayflow.config import RewardFnConfig
+from rayflow.errors import ConfigError
 from rayflow.rewards import make_reward
 from rayflow.rewards.shapes import detect
 from rayflow.rewards.validation import check_prompt_file
@@ -89,3 +90,13 @@ def test_accuracy_is_logged_beside_the_reward_not_summed_into_it():
     total, parts = WeightedReward([RewardFnConfig(name="shapes", weight=2.0)])(images, ["a red circle", "a circle"])
     assert total.tolist() == [1.0, 2.0]
     assert parts["shapes"].tolist() == [0.5, 1.0] and parts["shapes_accuracy"].tolist() == [0.0, 1.0]
+
+
+def test_strict_reward_is_the_per_prompt_correct_and_a_bad_kwarg_is_named():
+    """kwargs {strict: true}: the score is GenEval's binary 'correct' (flow_grpo's only_strict), the
+    fraction of requirements no longer counts."""
+    images = torch.from_numpy(render([Placed("circle", "green", 1, 1)]))[None].repeat(2, 1, 1, 1)
+    out = make_reward("shapes", strict=True)(images, ["a red circle", "a circle"])
+    assert out.scores.tolist() == [0.0, 1.0] and out.metrics["shapes_accuracy"].tolist() == [0.0, 1.0]
+    with pytest.raises(ConfigError, match=r"strict: got 'yes'; allowed: true or false"):
+        make_reward("shapes", strict="yes")

@@ -97,7 +97,7 @@ def test_cli_predicts_from_a_cost_file_and_names_a_missing_basis(tmp_path, capsy
     costs = tmp_path / "costs.json"
     costs.write_text(json.dumps({"benchmark": "costs", "rollout_request_s": ROLL, "reward_request_s": REWARD,
                                  "train_batch_s": TRAIN, "setup": {}}))
-    args = ["--costs", str(costs), "--config", recipe("flowgrpo_qwen_image.yaml")]
+    args = ["--costs", str(costs), "--config", recipe("flowgrpo_tiny.yaml")]
     assert simulate_main([*args, "--replicas", "1", "2", "--staleness", "0"]) == 0
     out = capsys.readouterr().out.splitlines()
     assert [line.split()[0] for line in out[1:]] == ["replicas=1", "replicas=2"]

@@ -107,6 +107,22 @@ def test_asynchronous_run_overlaps_and_stays_within_the_staleness_bound(ray_sess
     assert any(name.startswith("events.out.tfevents") for name in events)
 
 
+def test_time_limit_stops_after_the_step_that_passes_it_evaluating_and_checkpointing_there(ray_session, tiny_model_dir, tmp_path):
+    """A limit far below one step's time: the run ends after step 1 of 50, and evaluates and checkpoints there
+    although neither eval_every nor save_every falls on step 1."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    cfg = small_cfg(GRPO, tiny_model_dir, tmp_path, "trainer.total_steps=50", "trainer.eval_every=25",
+                    "trainer.save_every=25", "trainer.time_limit_s=0.001", "logging.progress_bar=false")
+    history = run_trainer(cfg)
+    assert len(history) == 1
+    assert history[0]["perf/train_s"] == history[0]["perf/step_s"] >= 0.001
+    assert load_checkpoint(step_dir(checkpoint_root(cfg.trainer.run_dir), 1)).version == 1
+    events = EventAccumulator(cfg.trainer.logdir)
+    events.Reload()
+    assert [e.step for e in events.Scalars("eval/reward_mean")] == [1]
+
+
 @pytest.mark.parametrize("max_restarts, max_staleness", [(0, 0), (1, 0), (1, 1)])
 def test_a_dead_rollout_replica_is_replaced_or_routed_around(ray_session, tiny_model_dir, tmp_path, max_restarts,
                                                              max_staleness):

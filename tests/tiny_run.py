@@ -5,7 +5,7 @@ import os
 from rayflow.config import RayflowConfig, load_config
 from rayflow.paths import recipe as recipe_path
 
-GRPO, NFT = recipe_path("flowgrpo_qwen_image.yaml"), recipe_path("diffusion_nft_qwen_image.yaml")
+GRPO, NFT = recipe_path("flowgrpo_tiny.yaml"), recipe_path("diffusion_nft_tiny.yaml")  # the tiny random-weight model
 
 
 def small_cfg(recipe: str, model_dir: str, out_dir, *overrides: str) -> RayflowConfig:

@@ -2,18 +2,19 @@
 
     python tools/bench.py rollout --json bench_rollout.json [--arch qwen_image|sd3 --size small --height 192 --width 192 --steps 20 --batch 4]
     python tools/bench.py sync --json bench_sync.json [--lora-rank 128 --bucket-mb 64 --repeats 10]
-    python tools/bench.py pipeline --json bench_pipeline.json [--recipe recipes/flowgrpo_qwen_image.yaml --steps 20]
+    python tools/bench.py pipeline --json bench_pipeline.json [--recipe recipes/flowgrpo_tiny.yaml --steps 20]
     python tools/bench.py gpu --json bench_gpu.json [--depth N] | gpu --device cpu --tiny (smoke test); see tools/gpu_bench.py
     python tools/bench.py startup --json bench_startup.json [--repeats 3]      command to first step, by phase
     python tools/bench.py costs --json costs.json [--recipe ... --steps 8]      the simulator's costs; see tools/sim_bench.py
     python tools/bench.py simulator --json bench_sim.json [--steps 16]         the simulator against real runs
+    python tools/bench.py learning --json bench_learning.json [--budget-s 180]  algorithms on the shapes world; see tools/learning_bench.py
 
 sync: a learner's rollout adapter (the "small" tiny model, LoRA rank 128) pushed through the
 WeightSyncActor to two W = 1 rollout replicas, in lora and in merged mode, against one raw
 torch.distributed broadcast of the same bytes on the same group; bytes per mode; how long learner
 rank 0 is blocked per push against one copy of the tensors.
 
-pipeline: steady-state step time of the default recipe with async.max_staleness 0 against 1, and
+pipeline: steady-state step time of the tiny recipe (flowgrpo_tiny.yaml) with async.max_staleness 0 against 1, and
 the synchronous run against the single-process reference trainer (rayflow.reference).
 
 rollout: CFG-parallel rollout on a local Ray, two CFG branches (Qwen-Image true CFG), one torch
@@ -53,6 +54,7 @@ from rayflow.types import RolloutRequest, SamplingParams
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the sibling gpu_bench.py, however bench.py is run
 import gpu_bench  # noqa: E402
+import learning_bench  # noqa: E402
 import sim_bench  # noqa: E402
 
 LATENCY_GOAL, LATENCY_LIMIT, THROUGHPUT_GOAL = 1.6, 2.0, 0.9
@@ -186,7 +188,7 @@ def bench_sync(args: argparse.Namespace) -> dict:
     from rayflow.rollout import RolloutReplica, RolloutWorkerSpec
     from rayflow.sync.weight_sync import WeightSync
 
-    cfg = load_config(recipe("flowgrpo_qwen_image.yaml"), [
+    cfg = load_config(recipe("flowgrpo_tiny.yaml"), [
         f"model.path={path}", f"learner.lora_rank={args.lora_rank}", f"learner.lora_alpha={args.lora_rank}",
         "algorithm.prompts_per_step=1", "algorithm.group_size=2", "learner.micro_batch_size=2",
         "rollout.micro_batch_size=2", "sampling.num_steps=2", f"sync.bucket_mb={args.bucket_mb}", "trainer.output_dir=/tmp/rayflow-bench",
@@ -295,7 +297,7 @@ def _time_one_copy(worker) -> float:
 
 
 def bench_pipeline(args: argparse.Namespace) -> dict:
-    """Steady-state step time of the default recipe's shape: max_staleness 0 against 1, and synchronous
+    """Steady-state step time of the tiny recipe's shape: max_staleness 0 against 1, and synchronous
     mode against the single-process reference trainer."""
     load_before = os.getloadavg()[0]
     from rayflow.config import load_config
@@ -362,7 +364,7 @@ def bench_startup(args: argparse.Namespace) -> dict:
     import subprocess
     import tempfile
 
-    command = [sys.executable, recipe(args.recipe_script), "trainer.total_steps=1", "trainer.eval_every=0",
+    command = [sys.executable, recipe(args.recipe_script), "--config", args.config, "trainer.total_steps=1", "trainer.eval_every=0",
                "trainer.save_every=0", "logging.progress_bar=false", "logging.tensorboard=false", *args.overrides]
     runs = []
     for attempt in range(args.repeats + 1):  # the first run builds and caches the tiny model
@@ -421,28 +423,32 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     sync.add_argument("--bucket-mb", type=float, default=64.0)
     sync.add_argument("--repeats", type=int, default=5)
     pipeline = _subcommand(sub, "pipeline", "step time: max_staleness 0 vs 1, and against the reference trainer", model=False)
-    pipeline.add_argument("--recipe", default=recipe("flowgrpo_qwen_image.yaml"), help="a recipe YAML (default: the repository's FlowGRPO recipe)")
+    pipeline.add_argument("--recipe", default=recipe("flowgrpo_tiny.yaml"), help="a recipe YAML (default: FlowGRPO on the tiny model)")
     pipeline.add_argument("--steps", type=int, default=20)
     pipeline.add_argument("--warmup", type=int, default=4, help="first steps left out of the medians")
     pipeline.add_argument("overrides", nargs="*", help="extra dotlist overrides for the recipe")
     for name, help, steps in (("costs", "the simulator's costs on this machine (reference pieces, one thread)", 8),
                               ("simulator", "tools/simulate.py's model against real runs at 1-2 replicas x staleness 0-1", 16)):
         costs = _subcommand(sub, name, help, model=False)
-        costs.add_argument("--recipe", default=recipe("flowgrpo_qwen_image.yaml"))
+        costs.add_argument("--recipe", default=recipe("flowgrpo_tiny.yaml"))
         costs.add_argument("--steps", type=int, default=steps)
         costs.add_argument("--warmup", type=int, default=3, help="first steps left out of the medians")
         costs.add_argument("overrides", nargs="*", help="extra dotlist overrides for the recipe")
     startup = _subcommand(sub, "startup", "seconds from the command to the end of its first step, by phase", model=False)
     startup.add_argument("--recipe-script", default="flowgrpo_qwen_image.py", help="a recipe launcher in recipes/")
+    startup.add_argument("--config", default=recipe("flowgrpo_tiny.yaml"), help="the recipe YAML it runs (default: the tiny model's)")
     startup.add_argument("--repeats", type=int, default=3)
     startup.add_argument("overrides", nargs="*", help="extra dotlist overrides for the recipe")
+    learning_bench.add_arguments(_subcommand(sub, "learning", "FlowGRPO, its 2-step window, DiffusionNFT x staleness 0, 1 on the shapes world",
+                                             model=False))
     gpu_bench.add_arguments(_subcommand(sub, "gpu", "one GPU: rollout vs diffusers, learner vs bare, bf16 log-prob drift, memory vs plan",
                               model=False))
     return parser.parse_args(argv)
 
 
 BENCHMARKS = {"rollout": bench_rollout, "sync": bench_sync, "pipeline": bench_pipeline, "gpu": gpu_bench.run,
-              "startup": bench_startup, "costs": sim_bench.bench_costs, "simulator": lambda args: sim_bench.bench_simulator(args, start_local_ray)}
+              "startup": bench_startup, "costs": sim_bench.bench_costs, "simulator": lambda args: sim_bench.bench_simulator(args, start_local_ray),
+              "learning": lambda args: learning_bench.bench_learning(args, start_local_ray)}
 
 
 def main(argv: list[str] | None = None) -> None:

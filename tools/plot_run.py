@@ -1,12 +1,16 @@
-"""Plot a run's TensorBoard scalars with matplotlib: reward, accuracy, KL, staleness and step time.
+"""Plot a run's TensorBoard scalars with matplotlib: reward, accuracy, KL, staleness and step time; and
+its first and last evaluation grids side by side (the same prompts and seeds before and after).
 
-    python tools/plot_run.py RUN_DIR --out fig.png
+    python tools/plot_run.py RUN_DIR --out fig.png [--grids grids.png]
 
 RUN_DIR is a run directory (<trainer.output_dir>/<run_name>, whose tensorboard/ holds the events) or the
-events directory itself. A panel whose tags the run did not log is left out.
+events directory itself. A panel whose tags the run did not log is left out. The grids' rows are labelled
+with the evaluation prompts when RUN_DIR holds the run's config.yaml (one row per prompt when
+data.eval_seeds > 1).
 """
 
 import argparse
+import io
 import os
 import sys
 
@@ -28,6 +32,59 @@ def read_scalars(events_dir: str) -> dict[str, tuple[list[int], list[float]]]:
     acc.Reload()
     return {tag: ([e.step for e in acc.Scalars(tag)], [e.value for e in acc.Scalars(tag)])
             for tag in acc.Tags()["scalars"]}
+
+
+def read_grids(events_dir: str, tag: str = "eval/images") -> list[tuple[int, "numpy.ndarray"]]:
+    """(step, [H, W, 3] uint8 image) of every logged `tag` image, in step order."""
+    import numpy
+    from PIL import Image
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(events_dir, size_guidance={"images": 0})
+    acc.Reload()
+    if tag not in acc.Tags()["images"]:
+        return []
+    return sorted((e.step, numpy.asarray(Image.open(io.BytesIO(e.encoded_image_string)).convert("RGB")))
+                  for e in acc.Images(tag))
+
+
+def eval_prompts(run_dir: str) -> list[str] | None:
+    """The evaluation prompts of the run's config.yaml, or None when it has none (or is absent)."""
+    from omegaconf import OmegaConf
+
+    from rayflow.data.prompts import load_prompts
+
+    path = os.path.join(run_dir, "config.yaml")
+    if not os.path.isfile(path):
+        return None
+    prompts = OmegaConf.load(path).data.get("eval_prompts")
+    return load_prompts(prompts) if prompts and os.path.isfile(prompts) else None
+
+
+def plot_grids(before: tuple[int, "numpy.ndarray"], after: tuple[int, "numpy.ndarray"], out: str, title: str,
+               prompts: list[str] | None = None) -> None:
+    """The two grids side by side, titled with their steps; rows labelled with `prompts` when the grid has
+    one row per prompt."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    height, width = before[1].shape[:2]
+    label = prompts is not None and len(prompts) > 0 and height % len(prompts) == 0
+    fig, axes = plt.subplots(1, 2, figsize=(2 * width / 100 + (2.6 if label else 0.4), height / 100 + 0.6), squeeze=False)
+    for i, (ax, (step, image)) in enumerate(zip(axes[0], (before, after))):
+        ax.imshow(image, interpolation="nearest")
+        ax.set_title(f"step {step}", fontsize=9)
+        ax.set_xticks([])
+        row = height / len(prompts) if label else 0
+        ax.set_yticks([row * (k + 0.5) for k in range(len(prompts))] if label and i == 0 else [])
+        if label and i == 0:
+            ax.set_yticklabels(prompts, fontsize=7)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
 
 
 def plot(scalars: dict[str, tuple[list[int], list[float]]], out: str, title: str) -> int:
@@ -61,13 +118,22 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("run_dir", help="a run directory (or its tensorboard/ directory)")
     parser.add_argument("--out", required=True, help="the PNG to write")
+    parser.add_argument("--grids", default=None, help="also write the first and last eval/images grids side by side here")
     args = parser.parse_args(argv)
     events = os.path.join(args.run_dir, "tensorboard")
     events = events if os.path.isdir(events) else args.run_dir
+    title = os.path.basename(os.path.normpath(args.run_dir))
     scalars = read_scalars(events)
-    if not plot(scalars, args.out, os.path.basename(os.path.normpath(args.run_dir))):
+    if not plot(scalars, args.out, title):
         sys.exit(f"error: {events} holds none of the plotted tags ({', '.join(t for _, ts in PANELS for t in ts)})")
     print(f"wrote {args.out}")
+    if args.grids:
+        grids = read_grids(events)
+        if len(grids) < 2:
+            sys.exit(f"error: --grids: {events} holds {len(grids)} eval/images grid(s); two evaluations are needed "
+                     "(trainer.eval_at_start and trainer.eval_every)")
+        plot_grids(grids[0], grids[-1], args.grids, title, eval_prompts(args.run_dir))
+        print(f"wrote {args.grids}")
 
 
 if __name__ == "__main__":

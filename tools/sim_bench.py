@@ -1,7 +1,7 @@
 """bench.py costs and bench.py simulator: the costs the simulator (rayflow/planning/simulator.py) is fed
 with, measured on this machine, and the simulator checked against real runs.
 
-costs: the default recipe's pieces timed in one process with one thread, as one actor of a run has:
+costs: the tiny recipe's (flowgrpo_tiny.yaml) pieces timed in one process with one thread, as one actor of a run has:
 one rollout request (rollout.micro_batch_size samples), scoring it, and one batch's optimizer steps
 (the reference trainer's own functions). Medians after warm-up.
 

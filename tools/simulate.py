@@ -1,7 +1,7 @@
 """Predict a run's step time, throughput, idle shares and staleness from measured costs, without running it.
 
     # shapes of a recipe on this machine, from costs measured here (tools/bench.py costs --json costs.json)
-    python tools/simulate.py --costs costs.json --config recipes/flowgrpo_qwen_image.yaml --replicas 1 2 --staleness 0 1 --cores 2
+    python tools/simulate.py --costs costs.json --config recipes/flowgrpo_tiny.yaml --replicas 1 2 --staleness 0 1 --cores 2
 
     # size a GPU cluster: every split of N GPUs into rollout replicas and learner ranks
     python tools/simulate.py --costs cluster/costs/qwen_image_h100_estimate.json \

@@ -35,7 +35,7 @@ class Evaluator:
             RolloutRequest(f"eval-{i}", [p] * n, [i] * n, [EVAL_GROUP_ID] * n, list(range(i * n, (i + 1) * n)), params)
             for i, p in enumerate(prompts)
         ]
-        self.generate, self.rewards = generate, rewards
+        self.generate, self.rewards, self.seeds = generate, rewards, n
 
     def run(self, step: int, monitor: Monitor, weights: ray.ObjectRef | None = None) -> dict[str, float]:
         """`weights`: synced-slot tensors to sample under instead of the rollout weights (the EMA adapter)."""
@@ -47,5 +47,7 @@ class Evaluator:
                for name in trajectories[0].rewards},
         }
         monitor.log(step, scalars, advance=False)
-        monitor.log_images(step, "eval/images", image_grid([t.image for t in trajectories]))
+        # With several seeds, one row per prompt and one column per seed (plot_run.py --grids labels the rows).
+        columns = self.seeds if self.seeds > 1 else 4
+        monitor.log_images(step, "eval/images", image_grid([t.image for t in trajectories], columns=columns))
         return scalars

@@ -71,6 +71,8 @@ class Trainer:
         self.normalized_means: dict[str, float] = {}
         """Batch mean of each reward component after its normalisation (logged as reward/<name>/normalized)."""
         self.history: list[dict[str, float]] = []
+        self.train_s = 0.0
+        """This start's training time so far: its steps' wall time, evaluations excluded (trainer.time_limit_s)."""
         self.rollouts: list[RolloutFuture] = []
         self.waiting: list[RolloutRequest] = []
         """Requests with no live replica to serve them while replacements start."""
@@ -119,12 +121,12 @@ class Trainer:
     def run(self) -> list[dict[str, float]]:
         """Train until trainer.total_steps optimizer steps; returns each step's logged scalars."""
         cfg = self.cfg
-        clock = _Clock()
         training: list[ray.ObjectRef] | None = None
         batch: list[TrajectoryRef] = []
         if cfg.trainer.eval_at_start and self.version == 0:
             self.evaluator.run(0, self.monitor)
-        while self.version < cfg.trainer.total_steps:
+        clock = _Clock()
+        while self.version < cfg.trainer.total_steps and not self.out_of_time:
             self._promote_replacements()
             self._admit()
             if training is None:
@@ -322,16 +324,26 @@ class Trainer:
             "perf/push_s": push_s,
             **clock.lap(images=len(batch)),
         }
+        self.train_s += scalars["perf/step_s"]
+        scalars["perf/train_s"] = self.train_s
         self.history.append(scalars)
         self.monitor.log(self.version, scalars)
         self.skips.observe(int(metrics["train/skipped_steps"]) - self.skips.total, self.version - 1, cfg.algorithm.steps_per_batch)
         if not cfg.logging.progress_bar:
             log.info("step %d  reward %.4f  loss %+.5f  staleness %.2f  %.2fs", self.version, scalars["reward/mean"],
                      scalars["loss/policy"], scalars["staleness/mean"], scalars["perf/step_s"])
-        if cfg.trainer.eval_every and self.version % cfg.trainer.eval_every == 0:
-            self.evaluator.run(self.version, self.monitor, self._eval_weights())
-        if is_save_step(self.version, cfg.trainer.save_every, cfg.trainer.total_steps):
+        stopping = self.out_of_time and self.version < cfg.trainer.total_steps
+        if cfg.trainer.eval_every and (self.version % cfg.trainer.eval_every == 0 or stopping):
+            with clock.excluded():  # neither this step's time nor the next one's
+                self.evaluator.run(self.version, self.monitor, self._eval_weights())
+        if is_save_step(self.version, cfg.trainer.save_every, cfg.trainer.total_steps) or stopping:
             self._save()
+
+    @property
+    def out_of_time(self) -> bool:
+        """trainer.time_limit_s has passed (the loop ends after this step)."""
+        limit = self.cfg.trainer.time_limit_s
+        return limit is not None and self.train_s >= limit
 
     def _eval_weights(self) -> ray.ObjectRef | None:
         """With trainer.ema_decay > 0, the "ema" adapter as the rollout ranks' slot holds it (flow_grpo evaluates
@@ -428,6 +440,17 @@ class _Clock:
         self.rollout_idle += dt * (not self._rollout_busy)
         self.learner_idle += dt * (not self._learner_busy)
         self._rollout_busy, self._learner_busy = rollout_busy, learner_busy
+
+    @contextlib.contextmanager
+    def excluded(self):
+        """The block's wall time counts toward no step (and no idle share): evaluation."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            paused = time.perf_counter() - start
+            self.start += paused
+            self.last += paused
 
     def lap(self, images: int) -> dict[str, float]:
         self.tick(self._rollout_busy, self._learner_busy)

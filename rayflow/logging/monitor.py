@@ -35,6 +35,7 @@ SCALAR_TAGS = (
     "rollout/replica_restarts",
     "perf/images_per_s",
     "perf/step_s",
+    "perf/train_s",
     "perf/sync_s",
     "perf/push_s",
     "perf/rollout_idle",

@@ -113,7 +113,14 @@ def requirements_met(req: Requirements, found: list[Detection]) -> list[bool]:
 
 @register_reward("shapes")
 class ShapesReward:
-    """Fraction of the prompt's requirements met in [0, 1]; metric shapes_accuracy: 1 if all are met, else 0."""
+    """The fraction of the prompt's requirements met in [0, 1], or with strict=True 1 when all are met and 0
+    otherwise (flow_grpo trains GenEval on the strict reward: its only_strict); metric shapes_accuracy: the
+    strict one, whichever is trained on."""
+
+    def __init__(self, strict: bool = False):
+        if not isinstance(strict, bool):
+            raise TypeError(f"strict: got {strict!r}; allowed: true or false")
+        self.strict = strict
 
     @staticmethod
     def check_prompt(prompt: str) -> None:
@@ -123,4 +130,4 @@ class ShapesReward:
         met = [requirements_met(parse_prompt(p), detect(image.numpy())) for image, p in zip(images, prompts)]
         fraction = torch.tensor([sum(m) / len(m) for m in met], dtype=torch.float32)  # [B]
         correct = torch.tensor([float(all(m)) for m in met], dtype=torch.float32)  # [B]
-        return RewardOutput(fraction, {"shapes_accuracy": correct})
+        return RewardOutput(correct if self.strict else fraction, {"shapes_accuracy": correct})
