@@ -68,18 +68,23 @@ def test_detect_finds_kind_colour_and_place():
 
 @pytest.mark.parametrize("prompt, scene, expected", [
     ("a red circle", [Placed("circle", "red", 1, 1)], (1.0, 1.0)),
-    # wrong colour: the circle is there (1 of 2 requirements)
-    ("a red circle", [Placed("circle", "green", 1, 1)], (0.5, 0.0)),
-    # wrong count: shape and colour right, count wrong (2 of 3)
-    ("two blue squares", [Placed("square", "blue", 0, 0)], (2 / 3, 0.0)),
+    # wrong colour: the circle is there, and nothing else (2 of 3 requirements)
+    ("a red circle", [Placed("circle", "green", 1, 1)], (2 / 3, 0.0)),
+    # wrong count: shape and colour right; the count, and so the number of shapes in all, wrong (2 of 4)
+    ("two blue squares", [Placed("square", "blue", 0, 0)], (0.5, 0.0)),
+    # something else drawn too: every other requirement met (3 of 4), not correct
+    ("a red circle", [Placed("circle", "red", 1, 1), Placed("square", "blue", 0, 0)], (2 / 3, 0.0)),
+    # tiling the image with every kind and colour meets "a ..." and the position, but not "nothing else"
+    ("a blue triangle on the left", [Placed(k, c, r, 0) for r, (k, c) in enumerate([("triangle", "blue"), ("circle", "red"),
+                                                                                     ("square", "green")])], (0.75, 0.0)),
     ("two blue squares", [Placed("square", "blue", 0, 0), Placed("square", "blue", 2, 2)], (1.0, 1.0)),
-    # swapped position: both objects right (4 of 5), the relation wrong
+    # swapped position: both objects right, nothing else (5 of 6), the relation wrong
     ("a green triangle above a yellow circle", [Placed("triangle", "green", 2, 1), Placed("circle", "yellow", 0, 1)],
-     (0.8, 0.0)),
+     (5 / 6, 0.0)),
     ("a green triangle above a yellow circle", [Placed("triangle", "green", 0, 1), Placed("circle", "yellow", 2, 1)],
      (1.0, 1.0)),
-    ("a red circle on the left", [Placed("circle", "red", 1, 2)], (2 / 3, 0.0)),
-    ("a square", [Placed("triangle", "red", 1, 1)], (0.0, 0.0)),
+    ("a red circle on the left", [Placed("circle", "red", 1, 2)], (0.75, 0.0)),
+    ("a square", [Placed("triangle", "red", 1, 1)], (0.5, 0.0)),  # one shape, as asked, of the wrong kind
 ])
 def test_reward_on_known_answers(prompt, scene, expected):
     assert score(prompt, scene) == pytest.approx(expected)
@@ -88,8 +93,8 @@ def test_reward_on_known_answers(prompt, scene, expected):
 def test_accuracy_is_logged_beside_the_reward_not_summed_into_it():
     images = torch.from_numpy(render([Placed("circle", "green", 1, 1)]))[None].repeat(2, 1, 1, 1)
     total, parts = WeightedReward([RewardFnConfig(name="shapes", weight=2.0)])(images, ["a red circle", "a circle"])
-    assert total.tolist() == [1.0, 2.0]
-    assert parts["shapes"].tolist() == [0.5, 1.0] and parts["shapes_accuracy"].tolist() == [0.0, 1.0]
+    assert total.tolist() == pytest.approx([4 / 3, 2.0])
+    assert parts["shapes"].tolist() == pytest.approx([2 / 3, 1.0]) and parts["shapes_accuracy"].tolist() == [0.0, 1.0]
 
 
 def test_strict_reward_is_the_per_prompt_correct_and_a_bad_kwarg_is_named():

@@ -8,6 +8,9 @@ box (a triangle about half, a circle and a square most of it) and whether it fil
     per object   its shape is there; in its colour (when named); as many as the number word says
     position     an object of the first kind sits in that third of the image (left, right, top, bottom)
     relation     an object of the first kind is above / below / left of / right of one of the second
+    nothing else as many shapes in all as the prompt asks for ("a" is one): a scene of the world holds
+                 the prompt's objects only, and without this a policy learns to tile the image with
+                 shapes of every kind and colour, which meets every "a ..." and every position at once
 
 `shapes_accuracy` (1 when every requirement is met, GenEval's per-prompt "correct") is reported beside it.
 """
@@ -108,6 +111,7 @@ def requirements_met(req: Requirements, found: list[Detection]) -> list[bool]:
     if req.relation is not None:
         second = _matches(req.objects[1], found)
         met.append(any(_RELATION[req.relation](a, b) for a in first for b in second))
+    met.append(len(found) == sum(spec.count for spec in req.objects))
     return met
 
 

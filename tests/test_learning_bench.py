@@ -1,0 +1,30 @@
+"""tools/bench.py learning: its summary of an eval curve, and the inputs it refuses (the runs themselves are
+the benchmark; tests/test_trainer.py covers the time limit they stop on)."""
+
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
+import bench  # noqa: E402
+from learning_bench import summarize  # noqa: E402
+
+
+def test_summary_reports_start_end_best_and_the_training_time_the_target_was_first_reached():
+    curve = [{"step": 0, "train_s": 0.0, "accuracy": 0.10}, {"step": 10, "train_s": 31.0, "accuracy": 0.25},
+             {"step": 20, "train_s": 60.5, "accuracy": 0.35}, {"step": 30, "train_s": 92.0, "accuracy": 0.30}]
+    assert summarize(curve, target=0.3) == {
+        "start_accuracy": 0.10, "end_accuracy": 0.30, "best_accuracy": 0.35, "best_at_step": 20,
+        "gain_points": pytest.approx(20.0), "time_to_target_s": 60.5,
+    }
+    assert summarize(curve, target=0.5)["time_to_target_s"] is None
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["learning", "--budget-s", "0"], "--budget-s: got 0.0; allowed: seconds > 0"),
+    (["learning", "--staleness", "-1"], "--staleness: got [-1]; allowed: integers >= 0"),
+])
+def test_inputs_that_cannot_be_met_are_named(argv, message):
+    with pytest.raises(SystemExit, match=message.replace("[", r"\[").replace("]", r"\]")):
+        bench.main(argv)
