@@ -135,6 +135,7 @@ class WeightSync:
         """The learners restarted from a checkpoint of `version`: the versions after it are void. A new actor (so no
         push of the lost learners reaches the rollouts) and a new group; every rank of the live `replicas` drops the
         newer versions it holds (RolloutRank.rewind). The caller pushes `version` next."""
+        ray.kill(self.actor)  # first: it broadcasts none of those versions after the ranks forgot them
         ray.get([w.rewind_weights.remote(version) for r in replicas if r.alive for w in r.workers])
         self._replace_actor(replicas)
 
