@@ -3,6 +3,8 @@ run before another step, naming its cause; a killed weight-sync actor or learner
 last; with one actor of each kind killed, a synchronous run stays equal, step for step, to the single-process
 reference trainer."""
 
+from typing import Callable
+
 import pytest
 import ray
 import torch
@@ -48,7 +50,7 @@ def run_to(trainer: Trainer, step: int) -> None:
     trainer.run()
 
 
-def kill_after_steps(trainer: Trainer, monkeypatch, schedule: dict[int, list]) -> None:
+def kill_after_steps(trainer: Trainer, monkeypatch, schedule: dict[int, Callable[[], list]]) -> None:
     """After step k is done (logged, checkpointed), kill the actors `schedule[k]()` returns; once, even if a rewind
     trains step k again."""
     step_done = trainer._step_done
