@@ -187,6 +187,11 @@ class LearnerConfig:
     stall_timeout_s: float = 1800.0
     """Watchdog floor for a train step: one not done after max(this, rollout.stall_factor x the longest measured
     step) stops the run loudly, naming the late ranks (continue from the last checkpoint with trainer.resume=auto)."""
+    max_restarts: int = 3
+    """Times the learner group is started again in its bundles after a rank died (within restart_window_s), the run
+    rewound to the newest checkpoint; then the run stops, naming the rank."""
+    restart_window_s: float = 3600.0
+    """max_restarts counts restarts within any this many seconds (0: over the whole run)."""
 
     @property
     def sharded(self) -> bool:
@@ -198,6 +203,8 @@ class LearnerConfig:
         _need(self.lr > 0, f"{prefix}.lr", self.lr, "a float > 0")
         _need(self.weight_decay >= 0, f"{prefix}.weight_decay", self.weight_decay, "a float >= 0")
         _need(self.stall_timeout_s > 0, f"{prefix}.stall_timeout_s", self.stall_timeout_s, "seconds > 0")
+        _need(self.max_restarts >= 0, f"{prefix}.max_restarts", self.max_restarts, "an integer >= 0")
+        _need(self.restart_window_s >= 0, f"{prefix}.restart_window_s", self.restart_window_s, "seconds >= 0 (0: the whole run)")
         _need(
             len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas),
             f"{prefix}.betas", self.betas, "two floats in [0, 1)",
@@ -400,6 +407,11 @@ class SyncConfig:
     null: 1 when the cluster has GPUs, else 0."""
     resources: dict[str, float] = field(default_factory=dict)
     """Custom Ray resources per weight-sync actor (e.g. {"gpu_node": 1} to keep them on one node type)."""
+    max_restarts: int = 3
+    """Times a weight-sync actor that died is replaced (within restart_window_s): the group is re-formed with the
+    rollout ranks and the learners push the current version again. Then the run stops, naming the actor's death."""
+    restart_window_s: float = 3600.0
+    """max_restarts counts restarts within any this many seconds (0: over the whole run)."""
 
     def validate(self, prefix: str = "sync") -> None:
         _need(self.mode in ("lora", "merged"), f"{prefix}.mode", self.mode, "'lora' or 'merged'")
@@ -407,6 +419,8 @@ class SyncConfig:
         _need(self.apply_at in ("step", "request"), f"{prefix}.apply_at", self.apply_at, "'step' or 'request'")
         _need(self.cpus >= 0, f"{prefix}.cpus", self.cpus, "a float >= 0")
         _need(self.gpus is None or self.gpus >= 0, f"{prefix}.gpus", self.gpus, "null or a float >= 0")
+        _need(self.max_restarts >= 0, f"{prefix}.max_restarts", self.max_restarts, "an integer >= 0")
+        _need(self.restart_window_s >= 0, f"{prefix}.restart_window_s", self.restart_window_s, "seconds >= 0 (0: the whole run)")
 
 
 @dataclass

@@ -21,7 +21,7 @@ from rayflow.data.prompts import PromptGroup
 from rayflow.errors import ConfigError
 from rayflow.learner.lora import TRAINED_ADAPTER, adapter_parameters, add_lora
 from rayflow.models import load_model
-from rayflow.rollout.rank import RolloutRank, RolloutWorkerSpec
+from rayflow.rollout.rank import VOID_VERSION, RolloutRank, RolloutWorkerSpec
 from rayflow.rollout.weights import StagedWeights
 from rayflow.sampling.denoise import advance, finish_rollout, generate, local_guided_velocity, start_rollout
 from rayflow.types import RolloutRequest, SamplingParams
@@ -189,6 +189,27 @@ def test_staged_versions_are_taken_in_order():
     assert staged.newest(default=2) == 3
     with pytest.raises(KeyError, match="not staged"):
         staged.take(1)
+
+
+def test_a_rewind_voids_newer_versions_until_the_checkpoints_version_arrives_again(tiny_model_dir):
+    """The learners restarted from version 2's checkpoint: a rank that applied version 3 (and staged 4) drops them,
+    takes version 2 again, and samples under it."""
+    model = lora_model(tiny_model_dir)
+    v2, v3 = random_adapter(model, seed=1), random_adapter(model, seed=2)
+    rank = RolloutRank(spec_for(tiny_model_dir), 0, 1)
+    rank.join(ThreadGroup(1).rank(0))
+    rank.apply_weights(3, v3)
+    rank.stage_weights(4, v3)
+    rank.rewind(3)  # the applied version is not after the checkpoint's: kept
+    assert rank.version == 3 and rank.staged.newest(default=3) == 3
+    rank.stage_weights(4, v3)
+    rank.rewind(2)
+    assert rank.version == VOID_VERSION and rank.staged.newest(default=VOID_VERSION) == VOID_VERSION
+    rank.stage_weights(2, v2)
+    (trajectory,) = rank.generate(request(steps=2, seeds=(11,)))
+    assert trajectory.versions.tolist() == [2, 2] and rank.version == 2
+    got = rank.get_adapter_weights()
+    assert all(torch.equal(got[n], v2[n]) for n in v2)
 
 
 def test_spec_from_config_takes_the_learners_lora_and_the_apply_policy():

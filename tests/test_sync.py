@@ -4,6 +4,7 @@ DiffusionNFT; verification failures; a late-joining replica; receivers that die 
 
 import dataclasses
 import os
+import re
 import signal
 import time
 
@@ -21,7 +22,7 @@ from rayflow.rollout.rank import RolloutWorkerSpec
 from rayflow.rollout.replica import RolloutReplica
 from rayflow.sync.broadcast import ReceiveBuffers
 from rayflow.sync.buckets import checksum, make_manifest, pack_all, plan_buckets
-from rayflow.sync.actor import ReceiversLost
+from rayflow.sync.actor import ReceiversLost, WeightSyncError
 from rayflow.sync.weight_sync import WeightSync
 from rayflow.types import RolloutRequest, SamplingParams
 from tiny_run import GRPO, NFT, small_cfg
@@ -149,10 +150,12 @@ def test_a_push_that_binds_other_modules_stops_the_sync_naming_them(rollout, tin
             ray.get(sync.push(10, payload))
             with pytest.raises(Exception, match=expected_error):
                 sync.wait(10, timeout_s=60)
-            # The asynchronous driver's per-step check raises the cause too (it never waits for a version).
+            # The asynchronous driver's watch raises the cause too (it never waits for a version).
+            failure = sync.failure(timeout_s=30)
+            assert isinstance(failure, WeightSyncError) and re.search(expected_error, str(failure))
             with pytest.raises(Exception, match=expected_error):
                 sync.lost_versions()
-            with pytest.raises(Exception, match="earlier failure"):
+            with pytest.raises(WeightSyncError, match="stopped at version 10: .*" + expected_error):
                 ray.get(sync.push(11, full))
     finally:
         sync.shutdown()

@@ -34,7 +34,7 @@ from rayflow.driver.watchdog import Watchdog
 from rayflow.learner.lora import EVAL_EMA_ADAPTER
 from rayflow.learner.minibatches import learner_batch
 from rayflow.learner.optim import SkippedSteps
-from rayflow.learner.worker import LearnerGroup, LearnerStalled
+from rayflow.learner.worker import LearnerError, LearnerGroup, LearnerStalled
 from rayflow.logging.monitor import Monitor
 from rayflow.rewards.normalize import training_rewards
 from rayflow.rewards.worker import RewardPool
@@ -58,9 +58,7 @@ class Trainer:
         self.cfg = cfg
         prompts = prompts if prompts is not None else load_prompts(cfg.data.prompts, cfg.data.max_prompt_chars)
         self.sampler = GroupSampler(prompts, cfg.algorithm.group_size, cfg.trainer.seed, cfg.data.shuffle)
-        self.queue = StalenessQueue(
-            cfg.algorithm.batch_size, cfg.algorithm.group_size, cfg.async_.max_staleness, cfg.async_.over_stale
-        )
+        self.queue = self._new_queue(accepted=0)
         self.version = 0
         self.synced = 0
         """The newest version staged on every rollout rank (waited for in synchronous mode)."""
@@ -127,6 +125,7 @@ class Trainer:
             self.evaluator.run(0, self.monitor)
         clock = _Clock()
         while self.version < cfg.trainer.total_steps and not self.out_of_time:
+            self._check_sync_failure(training_in_flight=training is not None)
             self._promote_replacements()
             self._admit()
             if training is None:
@@ -142,10 +141,15 @@ class Trainer:
                     self.learner_watchdog.busy("learners")
             clock.tick(rollout_busy=bool(self.rollouts), learner_busy=training is not None)
             self._serve(training)
-            if training is not None and _ready(training):
-                metrics = self.learners.get(training)[0]
-                training = None
-                self.learner_watchdog.progressed("learners", still_busy=False)
+            if training is not None and self.learners.settled(training):
+                try:
+                    metrics = self.learners.get(training)[0]
+                except LearnerError as e:
+                    self._restart_learners(e)
+                    continue
+                finally:
+                    training = None
+                    self.learner_watchdog.progressed("learners", still_busy=False)
                 self._step_done(metrics, batch, clock)
             elif training is not None and self.learner_watchdog.overdue():
                 self._learner_stalled(training)
@@ -219,9 +223,35 @@ class Trainer:
             for request in waiting:
                 self._send(request)
 
+    def _check_sync_failure(self, training_in_flight: bool) -> None:
+        """Every pass of the loop (asynchronous mode waits for no version): a failed push or broadcast ends the run
+        with its cause; a dead weight-sync actor is replaced."""
+        failure = self.sync.failure()
+        if failure is not None:
+            self._sync_failed(failure, push=not training_in_flight)
+
+    def _sync_failed(self, failure: BaseException, push: bool = True) -> None:
+        """Raise a stopped sync's failure; replace a dead weight-sync actor (sync.max_restarts), re-forming its group
+        with the rollout ranks, and push the current version again (`push`; else the train step in flight pushes
+        the next one)."""
+        if not isinstance(failure, ray.exceptions.RayActorError):
+            raise failure
+        self.sync.restart(self.rollout.replicas, failure)
+        if push:
+            self._push_weights()
+
+    def _push_weights(self) -> dict[str, float]:
+        """Learner rank 0 hands the current version to the weight-sync actor; the ranks' push timings."""
+        return self.learners.get(self.learners.push_weights(self.sync.actor))[0]
+
     def _check_sync(self) -> None:
         """A broadcast that met a dead receiver: find the dead replicas; a new sync group resends the newest version."""
-        if not self.sync.lost_versions():
+        try:
+            lost = self.sync.lost_versions()
+        except ray.exceptions.RayActorError as e:
+            self._sync_failed(e)
+            return
+        if not lost:
             return
         dead = [r for r in self.rollout.replicas if r.alive and not r.check_alive()]
         if not dead:
@@ -284,13 +314,13 @@ class Trainer:
             self._replica_died(replica)
 
     def _pending_refs(self, training: list[ray.ObjectRef] | None) -> list[ray.ObjectRef]:
-        return [f.refs[0] for f in self.rollouts] + self.rewards.refs + (training or [])
+        return [f.refs[0] for f in self.rollouts] + self.rewards.refs + (training or []) + [self.sync.watching]
 
     def _step_done(self, metrics: dict[str, float], batch: list[TrajectoryRef], clock: "_Clock") -> None:
         """An optimizer step finished: new version → push weights → log → eval → checkpoint."""
         cfg = self.cfg
         self.version += 1
-        push = self.learners.get(self.learners.push_weights(self.sync.actor))[0]
+        push = self._push_weights()
         push_s = sync_s = push["gather_s"] + push["push_s"]
         if cfg.async_.max_staleness == 0:
             sync_s += self._wait_synced()
@@ -361,6 +391,8 @@ class Trainer:
             except ReceiversLost as e:
                 log.warning("%s", e)
                 self._check_sync()
+            except ray.exceptions.RayActorError as e:  # the weight-sync actor died
+                self._sync_failed(e)
 
     # -- checkpoints -------------------------------------------------------------------------------
     def _save(self) -> None:
@@ -373,25 +405,75 @@ class Trainer:
         log.info("saved %s", path)
 
     def _resume(self) -> None:
-        path = resolve_resume(self.cfg.trainer.resume, checkpoint_root(self.cfg.trainer.run_dir))
+        self.resumed_from = resolve_resume(self.cfg.trainer.resume, checkpoint_root(self.cfg.trainer.run_dir))
+        """The checkpoint the run started from (None: from the start)."""
+        self.first_version = 0
+        if self.resumed_from is not None:
+            self._restore(self.resumed_from)
+            self.first_version = self.version
+            log.info("resumed from %s at step %d", self.resumed_from, self.version)
+
+    def _restore(self, path: str | None, rewind: bool = False) -> None:
+        """Continue from checkpoint `path` (None: from the start, the learners at version 0): learner state, data
+        position, skipped-step counters; the rollout ranks get the version's weights (`rewind`: they forget the newer
+        versions they hold first); then a new queue (admission counts every sample trained on so far) and the groups
+        in flight at the save, drawn again first."""
         if path is None:
-            return
-        ckpt = load_checkpoint(path, self.learners.identity)
-        self.learners.restore(ckpt)
-        self.skips.load(ckpt.counters)
-        self.sampler.load_state_dict(ckpt.data)
-        self.version = ckpt.version
-        # Admission counts every sample trained on so far (accepted + running <= (max_staleness + v + 1)·B).
-        self.queue.accepted = ckpt.version * self.cfg.algorithm.batch_size
-        # Groups in flight when the checkpoint was written are drawn again, first.
-        for gid in ckpt.data.get("pending_groups", []):
+            version, data, counters = 0, {"groups_drawn": 0, "seed": self.cfg.trainer.seed}, {}
+        else:
+            ckpt = load_checkpoint(path, self.learners.identity)
+            self.learners.restore(ckpt)
+            version, data, counters = ckpt.version, ckpt.data, ckpt.counters
+        self.skips.load(counters)
+        self.sampler.load_state_dict(data)
+        self.version = version
+        if rewind:
+            self.sync.rewind(version, self.rollout.replicas)
+        self._push_weights()
+        self.sync.wait(self.version, timeout_s=self.sync.deadline_s)
+        self.synced = self.version
+        self.queue = self._new_queue(accepted=version * self.cfg.algorithm.batch_size)
+        for gid in data.get("pending_groups", []):  # under the version's weights
             group = self.sampler.group(gid)
             self.queue.submitted(group)
             self._submit([group])
-        self.learners.get(self.learners.push_weights(self.sync.actor))
-        self.sync.wait(self.version, timeout_s=self.sync.deadline_s)
-        self.synced = self.version
-        log.info("resumed from %s at step %d", path, self.version)
+
+    def _new_queue(self, accepted: int) -> StalenessQueue:
+        """An empty queue whose admission counts `accepted` samples trained on so far."""
+        cfg = self.cfg
+        queue = StalenessQueue(cfg.algorithm.batch_size, cfg.algorithm.group_size, cfg.async_.max_staleness,
+                               cfg.async_.over_stale)
+        queue.accepted = accepted
+        return queue
+
+    def _restart_learners(self, died: LearnerError) -> None:
+        """A learner rank died. The learners hold the only copy of the optimizer state (sharded: the dead rank's
+        part is gone), so the group is started again in its bundles (learner.max_restarts) and the run rewinds to
+        the newest checkpoint: the work in flight is dropped, the weight-sync actor replaced (no push of the dead
+        ranks can reach the rollouts), the rollout ranks forget later versions, and the steps after it are trained
+        again. A rank that raised (not died) would raise again: the run stops."""
+        if not isinstance(died.__cause__, ray.exceptions.RayActorError):
+            raise died
+        self.learners.restart(died)
+        path = resolve_resume("auto", checkpoint_root(self.cfg.trainer.run_dir)) or self.resumed_from
+        log.error("%s; learner group restarted (restart %d), rewinding from step %d to %s", died, self.learners.restarts,
+                  self.version, path or "the start")
+        self._drop_in_flight()
+        lost = self.version
+        self._restore(path, rewind=True)
+        del self.history[self.version - self.first_version:]
+        self.monitor.rewind(self.version)
+        log.warning("rewound to step %d; steps %d..%d are trained again", self.version, self.version + 1, lost)
+
+    def _drop_in_flight(self) -> None:
+        """Wait for the rollouts and reward calls in flight (their replicas and workers serve requests in order) and
+        drop their results: they belong to the steps being rewound."""
+        refs = [f.refs[0] for f in self.rollouts]
+        ray.wait(refs, num_returns=len(refs), timeout=self.watchdog.deadline_s())
+        for future in self.rollouts:
+            self.watchdog.forget(future.replica)
+        self.rollouts, self.waiting = [], []
+        self.rewards.drain()
 
     def shutdown(self) -> None:
         for component in reversed(self.components):
@@ -415,11 +497,6 @@ class _Phases:
             yield
         finally:
             self.durations[name] = self.durations.get(name, 0.0) + time.perf_counter() - start
-
-
-def _ready(refs: list[ray.ObjectRef]) -> bool:
-    done, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
-    return len(done) == len(refs)
 
 
 @dataclasses.dataclass

@@ -6,6 +6,7 @@ driver-side LearnerGroup that places the ranks, slices batches and collects resu
     version, tensors = group.get(group.rollout_weights())[0]
     save_checkpoint(root, group.checkpoint(step, sampler.state_dict()), keep)
     group.restore(load_checkpoint(path, group.identity))
+    group.restart(error)                           # a rank died: new ranks in the same bundles (learner.max_restarts)
     group.shutdown()
 
 Remote calls return ObjectRefs in rank order; `get` waits for all of them and, when a rank died,
@@ -23,6 +24,7 @@ import torch
 from rayflow.checkpoint import Checkpoint, check_identity
 from rayflow.config import RayflowConfig
 from rayflow.distributed.placement import make_bundles, place, resolve_gpus
+from rayflow.distributed.restart_budget import RestartBudget
 from rayflow.distributed.process_group import Rendezvous, init_default_group
 from rayflow.learner.backend import LearnerBackend
 from rayflow.learner.parallelize import build_mesh
@@ -123,15 +125,23 @@ class LearnerGroup:
 
     def __init__(self, cfg: RayflowConfig, name: str = "rayflow-learner"):
         lc = cfg.learner
+        self.cfg, self.name = cfg, name
         self.world_size = lc.world_size
-        gpus = resolve_gpus(lc.gpus_per_rank)
-        self.placed = place(make_bundles(lc.world_size, lc.cpus_per_rank, gpus, lc.resources), lc.placement_strategy, name=name)
-        actor = ray.remote(LearnerWorker)
+        self.gpus = resolve_gpus(lc.gpus_per_rank)
+        self.placed = place(make_bundles(lc.world_size, lc.cpus_per_rank, self.gpus, lc.resources), lc.placement_strategy, name=name)
+        self.budget = RestartBudget(lc.max_restarts, lc.restart_window_s)
+        self.restarts = 0
+        """Times the group was started again after a rank died."""
+        self._start()
+
+    def _start(self) -> None:
+        """Spawn the ranks in the placement group's bundles and build the sharded model on each (version 0)."""
+        lc, actor = self.cfg.learner, ray.remote(LearnerWorker)
         self.workers = [
             actor.options(
-                num_cpus=lc.cpus_per_rank, num_gpus=gpus, scheduling_strategy=self.placed.strategy_for_rank(r),
-                name=f"{name}-{r}-{self.placed.pg.id.hex()[:8]}",
-            ).remote(cfg, r)
+                num_cpus=lc.cpus_per_rank, num_gpus=self.gpus, scheduling_strategy=self.placed.strategy_for_rank(r),
+                name=f"{self.name}-{r}-{self.placed.pg.id.hex()[:8]}-{self.restarts}",
+            ).remote(self.cfg, r)
             for r in range(lc.world_size)
         ]
         try:
@@ -141,6 +151,19 @@ class LearnerGroup:
         except BaseException:
             self.shutdown()
             raise
+
+    def restart(self, died: LearnerError) -> None:
+        """After a rank died: kill every rank (its peers are stuck in a collective) and start the group again in the
+        same bundles, at version 0 (the caller restores a checkpoint). Raises LearnerError once learner.max_restarts
+        per learner.restart_window_s are used up."""
+        lc = self.cfg.learner
+        if not self.budget.take():
+            raise LearnerError(f"{died}; the learner group's restarts are used up (learner.max_restarts={lc.max_restarts} "
+                               f"per learner.restart_window_s={lc.restart_window_s}); stopping the run") from died
+        for w in self.workers:
+            ray.kill(w)
+        self.restarts += 1
+        self._start()
 
     def train_step(self, batch: list[Trajectory] | list[TrajectoryRef]) -> list[ray.ObjectRef]:
         """Train one batch: algorithm.steps_per_batch optimizer steps, each rank on its slice of every
@@ -199,6 +222,19 @@ class LearnerGroup:
                     f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
                 ) from e
         return ray.get(refs)
+
+    def settled(self, refs: list[ray.ObjectRef]) -> bool:
+        """Whether per-rank `refs` are all done, or one failed (a rank that died leaves its peers waiting in a
+        collective: `get` then raises at once instead of after their timeout)."""
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+        if len(ready) == len(refs):
+            return True
+        for ref in ready:
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayError:
+                return True
+        return False
 
     def late_ranks(self, refs: list[ray.ObjectRef]) -> list[str]:
         """The ranks whose per-rank `refs` are not done yet, with their nodes."""

@@ -86,6 +86,7 @@ class Monitor:
             # A resumed run trains again the steps after its checkpoint that the stopped run had logged:
             # TensorBoard drops those (step > start_step) instead of showing them twice.
             self.writer = SummaryWriter(logdir, purge_step=start_step + 1 if start_step else None)
+        self.logdir = logdir
         self.wandb = None
         if cfg.wandb:
             import wandb
@@ -137,6 +138,18 @@ class Monitor:
                 refresh=False,
             )
             self.bar.update(1)
+
+    def rewind(self, step: int) -> None:
+        """The run went back to `step` (learners restarted from a checkpoint) and logs the later steps again:
+        TensorBoard drops the ones it holds, as for a resumed run; the progress bar goes back."""
+        if self.writer is not None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer.close()
+            self.writer = SummaryWriter(self.logdir, purge_step=step + 1)
+        if self.bar is not None:
+            self.bar.n = step
+            self.bar.refresh()
 
     def log_images(self, step: int, tag: str, grid: torch.Tensor) -> None:
         """grid [H, W, 3] uint8."""

@@ -177,6 +177,13 @@ class RewardPool:
         while any(t.reward is None for t in trajectories):
             self._held += [t for t in self._finish(POLL_S) if id(t) not in mine]
 
+    def drain(self) -> None:
+        """Wait for every call in flight (with the usual retries and replacements) and drop the results: the
+        trajectories belong to training steps that are being rewound."""
+        while self.calls:
+            self._finish(POLL_S)
+        self._held = []
+
     def _finish(self, timeout_s: float | None) -> list[Trajectory | TrajectoryRef]:
         """Scored trajectories of the calls that finished; the others stay in `calls` (retried, re-issued)."""
         done: list[ray.ObjectRef] = []

@@ -107,6 +107,10 @@ class TimedGroup:
             self.seconds += time.perf_counter() - start
 
 
+VOID_VERSION = -1
+"""A rank's version after a rewind past the weights it holds: older than any version the learners push."""
+
+
 def request_tag(request: RolloutRequest) -> int:
     """A number every rank derives from the request alone, to check that all ranks run the same one."""
     return zlib.crc32(request.request_id.encode())
@@ -173,6 +177,14 @@ class RolloutRank:
         if manifest.version <= self.version:
             return  # sent again to a new group generation (after a receiver died); this rank applied it already
         self.stage_weights(manifest.version, tensors)
+
+    def rewind(self, version: int) -> None:
+        """The learners restarted from a checkpoint of `version`: later versions are void. Staged ones are dropped;
+        if the applied one is later, this rank holds no valid version (VOID) until `version` is received again, which
+        is then staged and agreed on like any newer version."""
+        self.staged.drop_after(version)
+        if self.version > version:
+            self.version = VOID_VERSION
 
     def apply_weights(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
         """Load `tensors` now (call between requests, on every rank of the replica)."""

@@ -60,6 +60,11 @@ class StagedWeights:
         with self._lock:
             return max(self._by_version, default=default)
 
+    def drop_after(self, version: int) -> None:
+        """Forget every staged version newer than `version` (voided by a rewind of the learners)."""
+        with self._lock:
+            self._by_version = {v: t for v, t in self._by_version.items() if v <= version}
+
     def take(self, version: int) -> dict[str, torch.Tensor]:
         """Remove and return `version`, dropping every older one."""
         with self._lock:

@@ -60,6 +60,10 @@ class RolloutWorker:
         self.rank.stage_weights(version, tensors)
 
     @ray.method(concurrency_group="weights")
+    def rewind_weights(self, version: int) -> None:
+        self.rank.rewind(version)
+
+    @ray.method(concurrency_group="weights")
     def join_sync(self, rendezvous: Rendezvous, group_name: str, rank: int, size: int) -> None:
         """Join (a new generation of) the weight-sync group as `rank`; the previous generation is closed."""
         if self.sync_group is not None:

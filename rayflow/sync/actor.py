@@ -10,8 +10,10 @@ Ordering rules and version protocol:
    staged version at their next denoising-step boundary (or between requests) once ALL their ranks
    hold it, and tag later steps with it.
 3. Versions only grow: a push older than or equal to the last one is refused. Any failure (a
-   refused push, a receiver that does not bind what was sent) stops the sync: `wait` and every
-   later push raise it.
+   refused push, a receiver that does not bind what was sent) stops the sync: `wait`, `watch` and
+   every later push raise it as WeightSyncError, naming the version and the cause. The learner does
+   not wait for its push; the driver keeps one `watch` call in flight, so in asynchronous mode (which
+   does not wait for each version) a failed push or broadcast reaches it within a pass of its loop.
 4. `wait(v)` returns once version v is staged on every rank (raising the first receiver's error).
 5. A replica that joins later (restarted or added) is brought into a new group generation with
    everyone else, and receives the current version before it serves a request.
@@ -44,6 +46,17 @@ from rayflow.sync.buckets import Packed, WirePush, from_wire, make_manifest, pac
 RECEIVER_GRACE_S = 10.0
 """After a failed broadcast, receivers get the collective timeout plus this to fail their own side (they
 are in the same collective); one still silent then is stalled."""
+
+
+class WeightSyncError(RuntimeError):
+    """The weight sync stopped: a push was refused, or a broadcast failed other than by losing receivers."""
+
+
+def one_line(error: BaseException) -> str:
+    """`error` as type and first line; for a remote task's error, the task's own exception (not Ray's wrapper)."""
+    if isinstance(error, ray.exceptions.RayTaskError) and error.cause is not None:
+        error = error.cause
+    return f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0]}"
 
 
 class ReceiversLost(RuntimeError):
@@ -80,7 +93,7 @@ class SyncReport:
     """Notifying the receivers, the bucket broadcasts, and their verification and staging."""
 
 
-@ray.remote(max_concurrency=4)
+@ray.remote(max_concurrency=8)
 class WeightSyncActor:
     def __init__(self, spec: SyncSpec, rollout_spec: RolloutWorkerSpec):
         """`rollout_spec` says what the receivers hold (model and LoRA shape); merged mode folds with it."""
@@ -93,7 +106,8 @@ class WeightSyncActor:
         self.reports: dict[int, SyncReport] = {}
         self.lost: dict[int, ReceiversLost] = {}
         """Versions whose broadcast met a dead receiver (until a later generation delivers them)."""
-        self.error: BaseException | None = None
+        self.error: WeightSyncError | None = None
+        """Why the sync stopped (the version and the cause), once it has."""
         self._pending: queue.Queue = queue.Queue()
         self._done = threading.Condition()
         self._lock = threading.Lock()
@@ -130,7 +144,7 @@ class WeightSyncActor:
         broadcast; returns the version at once."""
         version = wire.manifest.version
         if self.error is not None:
-            raise RuntimeError(f"weight sync stopped after an earlier failure: {self.error}")
+            raise self.error
         start = time.perf_counter()
         try:
             if self.latest is not None and version <= self.latest[0]:
@@ -144,9 +158,8 @@ class WeightSyncActor:
                 manifest = make_manifest(version, merged, with_checksums=self.spec.verify_checksum)
                 packed = pack_all(manifest, merged, self.spec.bucket_bytes, self.device)
         except BaseException as e:
-            # The pusher may not wait for this call: make wait() report it, and stop the sync.
-            self._fail(e)
-            raise
+            # The pusher does not wait for this call: stop the sync, so that watch() and wait() report it.
+            raise self._fail(version, e) from e
         self.latest = (version, packed)
         self._pending.put((packed, time.perf_counter() - start))
         return version
@@ -173,7 +186,7 @@ class WeightSyncActor:
             return self.reports[version]
         if version in self.lost:
             raise self.lost[version]
-        raise RuntimeError(f"weight sync failed: {self.error}") from self.error
+        raise self.error
 
     def lost_versions(self) -> list[int]:
         """Versions whose broadcast met a dead receiver since the last group generation. Raises the sync's
@@ -182,8 +195,16 @@ class WeightSyncActor:
         old weights forever."""
         with self._done:
             if self.error is not None:
-                raise RuntimeError(f"weight sync failed: {self.error}") from self.error
+                raise self.error
             return sorted(self.lost)
+
+    def watch(self) -> None:
+        """Return only by raising: the sync's failure (WeightSyncError), once it stopped. The driver keeps one call
+        in flight and looks at it on every pass of its loop."""
+        with self._done:
+            while self.error is None:
+                self._done.wait()
+            raise self.error
 
     def _broadcast_loop(self) -> None:
         while True:
@@ -195,17 +216,21 @@ class WeightSyncActor:
                     self.lost[packed.manifest.version] = e
                     self._done.notify_all()
                 continue
-            except BaseException as e:  # surfaced by wait() and the next push
-                self._fail(e)
+            except BaseException as e:  # surfaced by watch(), wait() and the next push
+                self._fail(packed.manifest.version, e)
                 return
             with self._done:
                 self.reports[report.version] = report
                 self._done.notify_all()
 
-    def _fail(self, error: BaseException) -> None:
+    def _fail(self, version: int, cause: BaseException) -> WeightSyncError:
+        """Stop the sync: every waiter, watcher and later push raises the returned error."""
         with self._done:
-            self.error = error
+            if self.error is None:
+                self.error = WeightSyncError(f"weight sync stopped at version {version}: {one_line(cause)}")
+                self.error.__cause__ = cause
             self._done.notify_all()
+            return self.error
 
     def _broadcast(self, packed: Packed, copy_s: float) -> SyncReport:
         start = time.perf_counter()

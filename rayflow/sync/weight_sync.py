@@ -8,19 +8,29 @@
 When a receiver dies, or stalls (no answer within the collective timeout), `wait` raises
 rayflow.sync.actor.ReceiversLost (and `lost_versions` lists them) within `deadline_s`: `connect` the live
 replicas again and the newest version is broadcast to the new generation.
+
+`failure()` answers at once with what stopped the sync (WeightSyncError: a refused push, a failed
+broadcast; or the actor's death), from one `watch` call kept in flight. A dead actor is replaced in its
+bundle by `restart` (sync.max_restarts per sync.restart_window_s), which re-forms the group; the caller
+then pushes the current version again.
 """
 
 from __future__ import annotations
+
+import logging
 
 import ray
 import torch
 
 from rayflow.config import SyncConfig
 from rayflow.distributed.placement import make_bundles, place, resolve_gpus
+from rayflow.distributed.restart_budget import RestartBudget
 from rayflow.rollout.rank import RolloutWorkerSpec
 from rayflow.rollout.replica import RolloutReplica
-from rayflow.sync.actor import SyncReport, SyncSpec, WeightSyncActor
+from rayflow.sync.actor import SyncReport, SyncSpec, WeightSyncActor, WeightSyncError, one_line
 from rayflow.sync.buckets import to_wire
+
+log = logging.getLogger("rayflow")
 
 
 WAIT_GRACE_S = 10.0
@@ -30,21 +40,31 @@ WAIT_GRACE_S = 10.0
 class WeightSync:
     def __init__(self, cfg: SyncConfig, rollout_spec: RolloutWorkerSpec, replicas: list[RolloutReplica],
                  timeout_s: float = 300.0, name: str = "rayflow-weight-sync"):
-        gpus = resolve_gpus(cfg.gpus)
-        self.placed = place(make_bundles(1, cfg.cpus, gpus, cfg.resources), "PACK", name=name)
-        spec = SyncSpec(cfg.mode, cfg.bucket_mb, cfg.verify_checksum, timeout_s)
+        self.cfg = cfg
+        self.gpus = resolve_gpus(cfg.gpus)
+        self.placed = place(make_bundles(1, cfg.cpus, self.gpus, cfg.resources), "PACK", name=name)
+        self.spec = SyncSpec(cfg.mode, cfg.bucket_mb, cfg.verify_checksum, timeout_s)
+        self.rollout_spec = rollout_spec
         self.timeout_s = timeout_s
-        self.actor = WeightSyncActor.options(
-            num_cpus=cfg.cpus, num_gpus=gpus, scheduling_strategy=self.placed.strategy_for_rank(0)
-        ).remote(spec, rollout_spec)
-        self.deadline_s = spec.broadcast_deadline_s + WAIT_GRACE_S
+        self.deadline_s = self.spec.broadcast_deadline_s + WAIT_GRACE_S
         """How long to `wait` for a version: past the actor's own verdict on its broadcast (ReceiversLost)."""
         self.generation = 0
+        self.budget = RestartBudget(cfg.max_restarts, cfg.restart_window_s)
+        self.restarts = 0
+        """Replacements of a dead actor started."""
+        self._start_actor()
         try:
             self.connect(replicas)
         except BaseException:
             self.shutdown()
             raise
+
+    def _start_actor(self) -> None:
+        # No restarts by Ray: a new actor must join a new group generation, which `restart` forms.
+        self.actor = WeightSyncActor.options(
+            num_cpus=self.cfg.cpus, num_gpus=self.gpus, max_restarts=0, scheduling_strategy=self.placed.strategy_for_rank(0)
+        ).remote(self.spec, self.rollout_spec)
+        self._watch = self.actor.watch.remote()
 
     def connect(self, replicas: list[RolloutReplica]) -> None:
         """Form a new generation of the group: the actor as rank 0, every rank of every live replica after it.
@@ -79,12 +99,57 @@ class WeightSync:
         """Versions whose broadcast met a dead receiver since the last `connect`; raises the sync's failure."""
         return ray.get(self.actor.lost_versions.remote())
 
+    @property
+    def watching(self) -> ray.ObjectRef:
+        """The actor's `watch` call: finishes (with an error) only when the sync stops or the actor dies."""
+        return self._watch
+
+    def failure(self, timeout_s: float = 0.0) -> BaseException | None:
+        """What stopped the sync, or None while it runs (waiting up to `timeout_s`): WeightSyncError (a refused push,
+        a failed broadcast; its cause chained), or RayActorError (the actor died: `restart` it)."""
+        if not ray.wait([self._watch], timeout=timeout_s)[0]:
+            return None
+        try:
+            ray.get(self._watch)
+        except ray.exceptions.RayTaskError as e:
+            return e.cause or e
+        except ray.exceptions.RayError as e:
+            return e
+        raise AssertionError("WeightSyncActor.watch returned without a failure")
+
+    def restart(self, replicas: list[RolloutReplica], died: BaseException) -> None:
+        """Replace the dead actor in its bundle and form a new group generation with the live `replicas`; the
+        caller pushes the current version again. Raises WeightSyncError once sync.max_restarts per
+        sync.restart_window_s are used up."""
+        cause = one_line(died)
+        if not self.budget.take():
+            raise WeightSyncError(
+                f"the weight-sync actor died ({cause}) and its restarts are used up (sync.max_restarts="
+                f"{self.cfg.max_restarts} per sync.restart_window_s={self.cfg.restart_window_s}); stopping the run"
+            ) from died
+        self.restarts += 1
+        log.error("the weight-sync actor died (%s); replacing it (restart %d) and re-forming its group", cause, self.restarts)
+        self._replace_actor(replicas)
+
+    def rewind(self, version: int, replicas: list[RolloutReplica]) -> None:
+        """The learners restarted from a checkpoint of `version`: the versions after it are void. A new actor (so no
+        push of the lost learners reaches the rollouts) and a new group; every rank of the live `replicas` drops the
+        newer versions it holds (RolloutRank.rewind). The caller pushes `version` next."""
+        ray.kill(self.actor)  # first: it broadcasts none of those versions after the ranks forgot them
+        ray.get([w.rewind_weights.remote(version) for r in replicas if r.alive for w in r.workers])
+        self._replace_actor(replicas)
+
+    def _replace_actor(self, replicas: list[RolloutReplica]) -> None:
+        ray.kill(self.actor)
+        self._start_actor()
+        self.connect(replicas)
+
     def attach(self, replica: RolloutReplica, replicas: list[RolloutReplica]) -> None:
         """Bring a restarted or added `replica` (one of `replicas`) into the group, and stage the current
         version on it before it serves a request."""
         self.connect(replicas)
         current = ray.get(self.actor.current.remote())
-        if current is not None:
+        if current is not None and current[0] > 0:  # a new rank holds version 0 (the initial adapter) already
             ray.get(replica.stage_weights(*current))
 
     def shutdown(self) -> None:

@@ -1,0 +1,129 @@
+"""Actors killed in a running Trainer, and a weight broadcast that fails: a fault past recovery stops an asynchronous
+run before another step, naming its cause; a killed weight-sync actor or learner rank is replaced while its restarts
+last; with one actor of each kind killed, a synchronous run stays equal, step for step, to the single-process
+reference trainer."""
+
+from typing import Callable
+
+import pytest
+import ray
+import torch
+
+from rayflow import reference
+from rayflow.checkpoint import checkpoint_root, load_checkpoint, step_dir
+from rayflow.driver.trainer import Trainer
+from rayflow.learner.worker import LearnerError
+from rayflow.sync.actor import WeightSyncError
+from rayflow.sync.buckets import to_wire
+from tiny_run import GRPO, small_cfg
+
+STEPS = 4
+SYNCHRONOUS = ("trainer.eval_every=0", "logging.progress_bar=false", "async.max_staleness=0", "trainer.save_every=2",
+               f"trainer.total_steps={STEPS}")
+
+
+@pytest.fixture(scope="module")
+def undisturbed(tiny_model_dir, tmp_path_factory):
+    """The single-process reference trainer's STEPS synchronous steps: (history, final adapters)."""
+    cfg = small_cfg(GRPO, tiny_model_dir, tmp_path_factory.mktemp("faults") / "reference", *SYNCHRONOUS)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as conftest's _one_thread, which a module fixture runs before
+    try:
+        _, history = reference.train(cfg, log=lambda *_: None)
+    finally:
+        torch.set_num_threads(threads)
+    return history, load_checkpoint(step_dir(checkpoint_root(cfg.trainer.run_dir), STEPS)).adapters
+
+
+def assert_equal_to_undisturbed(trainer: Trainer, undisturbed) -> None:
+    expected, adapters = undisturbed
+    history = trainer.history
+    assert [h["reward/mean"] for h in history] == [r.reward_mean for r in expected]
+    assert [h["loss/policy"] for h in history] == [r.metrics["loss/policy"] for r in expected]
+    assert [h["train/grad_norm"] for h in history] == [r.grad_norm for r in expected]
+    final = load_checkpoint(step_dir(checkpoint_root(trainer.cfg.trainer.run_dir), STEPS)).adapters
+    assert all(torch.equal(final[n][k], v) for n in adapters for k, v in adapters[n].items())
+
+
+def run_to(trainer: Trainer, step: int) -> None:
+    trainer.cfg.trainer.total_steps = step
+    trainer.run()
+
+
+def kill_after_steps(trainer: Trainer, monkeypatch, schedule: dict[int, Callable[[], list]]) -> None:
+    """After step k is done (logged, checkpointed), kill the actors `schedule[k]()` returns; once, even if a rewind
+    trains step k again."""
+    step_done = trainer._step_done
+
+    def step_done_then_kill(*args):
+        step_done(*args)
+        for actor in schedule.pop(trainer.version, lambda: [])():
+            ray.kill(actor)
+
+    monkeypatch.setattr(trainer, "_step_done", step_done_then_kill)
+
+
+def test_faults_past_recovery_stop_an_asynchronous_run_before_another_step_naming_the_cause(
+        ray_session, tiny_model_dir, tmp_path):
+    cfg = small_cfg(GRPO, tiny_model_dir, tmp_path, "trainer.eval_every=0", "logging.progress_bar=false",
+                    "async.max_staleness=1", "learner.max_restarts=0")
+    trainer = Trainer(cfg)
+    try:
+        run_to(trainer, 1)
+        ray.kill(trainer.learners.workers[0])
+        with pytest.raises(LearnerError, match=r"learner rank 0/1 .*ActorDiedError.*restarts are used up "
+                                               r"\(learner.max_restarts=0 per learner.restart_window_s=3600"):
+            run_to(trainer, 3)
+        # A push whose adapter binds nothing on the rollout ranks: every receiver refuses it and the broadcast fails.
+        # Asynchronous rollouts would go on under version 1 while every group turned stale and was regenerated.
+        trainer.sync.actor.push.remote(to_wire(2, {"bogus.lora_A.weight": torch.zeros(2, 2)}))
+        assert trainer.sync.failure(timeout_s=60) is not None
+        with pytest.raises(WeightSyncError, match=r"stopped at version 2: ValueError: .*unexpected .*bogus"):
+            run_to(trainer, 3)
+        assert len(trainer.history) == 1  # raised before another step
+    finally:
+        trainer.shutdown()
+
+
+def test_a_killed_weight_sync_actor_or_learner_rank_is_replaced_in_an_asynchronous_run_while_restarts_last(
+        ray_session, tiny_model_dir, tmp_path, monkeypatch, caplog):
+    cfg = small_cfg(GRPO, tiny_model_dir, tmp_path, "trainer.eval_every=0", "logging.progress_bar=false",
+                    "async.max_staleness=1", "trainer.save_every=2", "trainer.total_steps=5", "sync.max_restarts=1",
+                    "sync.restart_window_s=0", "learner.max_restarts=1")
+    trainer = Trainer(cfg)
+    try:
+        kill_after_steps(trainer, monkeypatch, {
+            1: lambda: [trainer.sync.actor],
+            3: lambda: [trainer.learners.workers[0]],  # rewinds to step 2's checkpoint, with rollouts in flight
+            4: lambda: [trainer.sync.actor],
+        })
+        with pytest.raises(WeightSyncError, match=r"the weight-sync actor died \(ActorDiedError.*restarts are used up "
+                                                  r"\(sync.max_restarts=1 per sync.restart_window_s=0"):
+            trainer.run()
+        assert trainer.sync.restarts == 1 and trainer.learners.restarts == 1
+        assert "rewound to step 2; steps 3..3 are trained again" in caplog.text
+        # Each replacement got the current version: the rollouts followed the learner (else every group would have
+        # turned stale and been regenerated for ever), within the bound, up to the second death of the sync actor.
+        assert [h["staleness/max"] <= 1 for h in trainer.history] == [True] * 4
+    finally:
+        trainer.shutdown()
+
+
+def test_one_actor_of_each_kind_killed_during_a_synchronous_run_leaves_it_equal_to_an_undisturbed_one(
+        ray_session, tiny_model_dir, tmp_path, undisturbed, monkeypatch, caplog):
+    """A rollout rank and a reward worker after step 1, the weight-sync actor after step 2, a learner rank after
+    step 3 (the newest checkpoint is step 2's: step 3 is trained again)."""
+    trainer = Trainer(small_cfg(GRPO, tiny_model_dir, tmp_path, *SYNCHRONOUS))
+    try:
+        kill_after_steps(trainer, monkeypatch, {
+            1: lambda: [trainer.rollout.replicas[0].workers[0], trainer.rewards.workers[0]],
+            2: lambda: [trainer.sync.actor],
+            3: lambda: [trainer.learners.workers[0]],
+        })
+        trainer.run()
+        assert trainer.rollout.restarts == [1] and trainer.rewards.restarts == [1]
+        assert trainer.sync.restarts == 1 and trainer.learners.restarts == 1
+        assert "rewound to step 2; steps 3..3 are trained again" in caplog.text
+        assert_equal_to_undisturbed(trainer, undisturbed)
+    finally:
+        trainer.shutdown()
