@@ -47,6 +47,20 @@ def train_briefly(recipe, model_dir, out, *overrides):
     return model, latest_checkpoint(os.path.join(out, "checkpoints"))
 
 
+@pytest.fixture(scope="module")
+def trained(tiny_model_dir, tmp_path_factory):
+    """train_briefly(recipe, *overrides), run once per module for each recipe and overrides (deterministic runs,
+    whose model and checkpoint the tests only read)."""
+    runs = {}
+
+    def get(recipe, *overrides):
+        if (recipe, overrides) not in runs:
+            runs[recipe, overrides] = train_briefly(recipe, tiny_model_dir, str(tmp_path_factory.mktemp("run")), *overrides)
+        return runs[recipe, overrides]
+
+    return get
+
+
 def rayflow_latents(model, adapter):
     params = SamplingParams(height=SIZE, width=SIZE, num_steps=STEPS, guidance_scale=4.0, negative_prompt=" ",
                             sde_type="ode", return_step_indices=[STEPS])
@@ -63,8 +77,9 @@ def pipeline_latents(pipe):
 
 
 @pytest.mark.parametrize("recipe, adapter", [(GRPO, "default"), (NFT, "old"), (GRPO, "ema")])
-def test_exported_lora_loads_in_diffusers_and_samples_as_rayflow_does(tiny_model_dir, tiny_pipeline, tmp_path, recipe, adapter):
-    model, ckpt = train_briefly(recipe, tiny_model_dir, str(tmp_path / "run"), *["trainer.ema_decay=0.9"] * (adapter == "ema"))
+def test_exported_lora_loads_in_diffusers_and_samples_as_rayflow_does(tiny_model_dir, tiny_pipeline, trained, tmp_path, recipe,
+                                                                      adapter):
+    model, ckpt = trained(recipe, *["trainer.ema_decay=0.9"] * (adapter == "ema"))
     out = str(tmp_path / "lora")
     export_main([ckpt, "--out", out, "--adapter", adapter])
 
@@ -86,15 +101,15 @@ def test_exported_lora_loads_in_diffusers_and_samples_as_rayflow_does(tiny_model
     assert (ours_image.int() - lora_image.int()).abs().max() <= 1
 
 
-def test_export_refuses_an_adapter_the_checkpoint_lacks(tiny_model_dir, tmp_path, capsys):
-    _, ckpt = train_briefly(GRPO, tiny_model_dir, str(tmp_path / "run"))
+def test_export_refuses_an_adapter_the_checkpoint_lacks(trained, tmp_path, capsys):
+    _, ckpt = trained(GRPO)
     with pytest.raises(SystemExit):
         export_main([ckpt, "--out", str(tmp_path / "lora"), "--adapter", "old"])
     assert "has adapters ['default']" in capsys.readouterr().err
 
 
-def test_generate_with_lora_samples_under_the_exported_adapter(tiny_model_dir, tmp_path, capsys):
-    model, ckpt = train_briefly(GRPO, tiny_model_dir, str(tmp_path / "run"))
+def test_generate_with_lora_samples_under_the_exported_adapter(tiny_model_dir, trained, tmp_path, capsys):
+    model, ckpt = trained(GRPO)
     out, png, pt = str(tmp_path / "lora"), tmp_path / "x.png", tmp_path / "x.pt"
     export_main([os.path.dirname(ckpt), "--out", out])  # a run's checkpoints directory: its newest
     subprocess.run(

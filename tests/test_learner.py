@@ -171,61 +171,75 @@ def test_non_finite_grad_norm_skips_the_step_and_counts_it(mesh1, tiny_model_dir
     assert any(not torch.equal(after[k], trained[k]) for k in after)
 
 
+@pytest.fixture(scope="module")
+def learners2(ray_session, tiny_model_dir, tmp_path_factory):
+    """get(recipe, untrained) -> (config, world-size-2 LearnerGroup at lr 0.001). A group costs two actors' start-up:
+    a test that only compares the group with itself takes the one an earlier test trained (the newest of its recipe);
+    a test that needs the initial weights gets a new one. Every group is shut down with the module."""
+    newest, started = {}, []
+
+    def get(recipe: str, untrained: bool):
+        if untrained or recipe not in newest:
+            # Adam divides by the gradient's scale, so rounding differences in how ranks sum gradients move the
+            # LoRA by ~lr x relative rounding of the smallest gradients: lr 1e-3 keeps 3 steps well inside 1e-5.
+            cfg = small_cfg(recipe, tiny_model_dir, tmp_path_factory.mktemp("learners2"), "learner.world_size=2",
+                            "learner.lr=0.001")
+            newest[recipe] = cfg, LearnerGroup(cfg, name=f"test-learners2-{len(started)}")
+            started.append(newest[recipe][1])
+        return newest[recipe]
+
+    try:
+        yield get
+    finally:
+        for group in started:
+            group.shutdown()
+
+
 @pytest.mark.parametrize("recipe", [GRPO, NFT])
-def test_world_size_2_and_1_end_where_the_reference_does(ray_session, mesh1, tiny_model_dir, tmp_path, recipe):
-    # Adam divides by the gradient's scale, so rounding differences in how ranks sum gradients move the
-    # LoRA by ~lr x relative rounding of the smallest gradients: lr 1e-3 keeps 3 steps well inside 1e-5.
-    cfg2 = small_cfg(recipe, tiny_model_dir, tmp_path, "learner.world_size=2", "learner.lr=0.001")
+def test_world_size_2_and_1_end_where_the_reference_does(mesh1, learners2, tiny_model_dir, recipe):
+    cfg2, group = learners2(recipe, untrained=True)
     cfg1 = dataclasses.replace(cfg2, learner=dataclasses.replace(cfg2.learner, world_size=1, shard="always"))
-    group = LearnerGroup(cfg2, name=f"test-equivalence-{cfg2.algorithm.name}")
-    try:
-        ws1, run = LearnerBackend(cfg1, mesh1, CPU), reference.build_run(cfg1)
-        initial = adapter_state(run.model.transformer, "default")
-        for _ in range(STEPS):
-            batch, _ = reference.rollout(run)  # on-policy for all three: they hold the same LoRA
-            refs = group.train_step(batch)
-            m1 = ws1.train_step(batch)
-            m_ref, res = reference.learn(run, batch)
-            m2 = group.get(refs)[0]
-            for m in (m1, m2):
-                assert m["loss/policy"] == pytest.approx(m_ref["loss/policy"], rel=1e-4, abs=1e-6)
-                # Clipping and the skip decision use the global norm, not a rank's share of it.
-                assert m["train/grad_norm"] == pytest.approx(res.grad_norm, rel=1e-5)
-        ckpt = group.checkpoint(STEPS, data=SAMPLER_STATE)
-        assert ckpt.version == STEPS and sorted(ckpt.adapters) == lora.adapter_names(run.model.transformer)
-        for name in ckpt.adapters:
-            expected = adapter_state(run.model.transformer, name)
-            got1 = adapter_state(ws1.transformer, name)
-            for k, v in expected.items():
-                torch.testing.assert_close(ckpt.adapters[name][k], v, rtol=0, atol=1e-5)
-                torch.testing.assert_close(got1[k], v, rtol=0, atol=1e-5)
-        assert max((initial[k] - ckpt.adapters["default"][k]).abs().max() for k in initial) > 1e-3  # it trained
-        version, tensors = group.get(group.rollout_weights())[0]
-        assert version == STEPS and tensors.keys() == ckpt.adapters[group.rollout_adapter_name].keys()
-        assert all(torch.equal(tensors[k], v) for k, v in ckpt.adapters[group.rollout_adapter_name].items())
-    finally:
-        group.shutdown()
+    ws1, run = LearnerBackend(cfg1, mesh1, CPU), reference.build_run(cfg1)
+    initial = adapter_state(run.model.transformer, "default")
+    for _ in range(STEPS):
+        batch, _ = reference.rollout(run)  # on-policy for all three: they hold the same LoRA
+        refs = group.train_step(batch)
+        m1 = ws1.train_step(batch)
+        m_ref, res = reference.learn(run, batch)
+        m2 = group.get(refs)[0]
+        for m in (m1, m2):
+            assert m["loss/policy"] == pytest.approx(m_ref["loss/policy"], rel=1e-4, abs=1e-6)
+            # Clipping and the skip decision use the global norm, not a rank's share of it.
+            assert m["train/grad_norm"] == pytest.approx(res.grad_norm, rel=1e-5)
+    ckpt = group.checkpoint(STEPS, data=SAMPLER_STATE)
+    assert ckpt.version == STEPS and sorted(ckpt.adapters) == lora.adapter_names(run.model.transformer)
+    for name in ckpt.adapters:
+        expected = adapter_state(run.model.transformer, name)
+        got1 = adapter_state(ws1.transformer, name)
+        for k, v in expected.items():
+            torch.testing.assert_close(ckpt.adapters[name][k], v, rtol=0, atol=1e-5)
+            torch.testing.assert_close(got1[k], v, rtol=0, atol=1e-5)
+    assert max((initial[k] - ckpt.adapters["default"][k]).abs().max() for k in initial) > 1e-3  # it trained
+    version, tensors = group.get(group.rollout_weights())[0]
+    assert version == STEPS and tensors.keys() == ckpt.adapters[group.rollout_adapter_name].keys()
+    assert all(torch.equal(tensors[k], v) for k, v in ckpt.adapters[group.rollout_adapter_name].items())
 
 
-def test_world_size_2_resumes_bit_identically_and_reports_a_dead_rank(ray_session, tiny_model_dir, tmp_path, grpo_batches):
-    cfg = small_cfg(GRPO, tiny_model_dir, tmp_path, "learner.world_size=2")
-    group = LearnerGroup(cfg, name="test-resume")
-    try:
+def test_world_size_2_resumes_bit_identically_and_reports_a_dead_rank(learners2, grpo_batches, tmp_path):
+    _, group = learners2(GRPO, untrained=False)  # compared with itself only; this test ends it (kills a rank)
+    group.get(group.train_step(grpo_batches[0]))
+    path = save_checkpoint(str(tmp_path / "ckpt"), group.checkpoint(1, data=SAMPLER_STATE), keep=1)
+    uninterrupted = [group.get(group.train_step(b))[0] for b in grpo_batches]
+    final = group.checkpoint(3, data=SAMPLER_STATE).adapters["default"]
+    group.restore(load_checkpoint(path, group.identity))
+    resumed = [group.get(group.train_step(b))[0] for b in grpo_batches]
+    assert resumed == uninterrupted
+    again = group.checkpoint(3, data=SAMPLER_STATE).adapters["default"]
+    assert all(torch.equal(again[k], final[k]) for k in final)
+
+    ray.kill(group.workers[1])
+    with pytest.raises(LearnerError, match=r"learner rank 1/2 on 127\.0\.0\.1"):
         group.get(group.train_step(grpo_batches[0]))
-        path = save_checkpoint(str(tmp_path / "ckpt"), group.checkpoint(1, data=SAMPLER_STATE), keep=1)
-        uninterrupted = [group.get(group.train_step(b))[0] for b in grpo_batches]
-        final = group.checkpoint(3, data=SAMPLER_STATE).adapters["default"]
-        group.restore(load_checkpoint(path, group.identity))
-        resumed = [group.get(group.train_step(b))[0] for b in grpo_batches]
-        assert resumed == uninterrupted
-        again = group.checkpoint(3, data=SAMPLER_STATE).adapters["default"]
-        assert all(torch.equal(again[k], final[k]) for k in final)
-
-        ray.kill(group.workers[1])
-        with pytest.raises(LearnerError, match=r"learner rank 1/2 on 127\.0\.0\.1"):
-            group.get(group.train_step(grpo_batches[0]))
-    finally:
-        group.shutdown()
 
 
 def test_autocast_trains_fp32_lora_over_bf16_weights(mesh1, tiny_model_dir, tmp_path, grpo_batches):
