@@ -63,6 +63,8 @@ def test_synchronous_run_equals_the_reference_trainer_and_resumes_exactly(ray_se
         for key, value in expected[name].items():
             assert torch.equal(distributed[name][key], value), f"{name}/{key} differs from the reference"
 
+    if not extra:
+        return  # resume is checked on the variants below, whose checkpoints hold the most state (EMA, mini-batch order)
     # Resume from step 1's checkpoint in a fresh directory: steps 2 and 3 come out the same.
     resumed_dir = tmp_path / "resumed"
     shutil.copytree(step_dir(checkpoint_root(cfg.trainer.run_dir), 1), step_dir(checkpoint_root(str(resumed_dir)), 1))
