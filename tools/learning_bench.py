@@ -16,8 +16,11 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import statistics
 import sys
 import time
+
+from plot_run import read_scalars  # a sibling in tools/, on sys.path under bench.py
 
 from rayflow.config import load_config
 from rayflow.paths import recipe
@@ -44,13 +47,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def eval_curve(logdir: str, train_s: dict[int, float]) -> list[dict[str, float]]:
     """[{step, train_s, accuracy}] of every evaluation the run logged (train_s 0 at step 0)."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    events = EventAccumulator(logdir, size_guidance={"scalars": 0})
-    events.Reload()
-    if METRIC not in events.Tags()["scalars"]:
+    scalars = read_scalars(logdir)
+    if METRIC not in scalars:
         raise SystemExit(f"error: bench learning: {logdir} logged no {METRIC} (is the `shapes` reward configured?)")
-    return [{"step": e.step, "train_s": train_s.get(e.step, 0.0), "accuracy": e.value} for e in events.Scalars(METRIC)]
+    return [{"step": step, "train_s": train_s.get(step, 0.0), "accuracy": value} for step, value in zip(*scalars[METRIC])]
 
 
 def summarize(curve: list[dict[str, float]], target: float) -> dict:
@@ -87,7 +87,7 @@ def run_one(name: str, staleness: int, args: argparse.Namespace) -> dict:
     return {
         "config": name, "max_staleness": staleness, "overrides": [*overrides, *args.overrides],
         "steps": len(history), "train_s": history[-1]["perf/train_s"], "wall_s": time.perf_counter() - start,
-        "step_s_median": sorted(h["perf/step_s"] for h in history)[len(history) // 2],
+        "step_s_median": statistics.median_high(h["perf/step_s"] for h in history),
         "staleness_mean": sum(h["staleness/mean"] for h in history) / len(history),
         "load_average_before": load_before, **summarize(curve, args.target), "curve": curve,
     }
