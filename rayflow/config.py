@@ -174,6 +174,9 @@ class LearnerConfig:
     "always" shards even a single rank."""
     reshard_after_forward: bool = True
     """FSDP2: free the gathered parameters after the forward (False keeps them until the backward)."""
+    offload_optimizer_during_rollout: bool = False
+    """placement.mode=colocated: the optimizer state waits on the CPU while the device samples (memory for the
+    gathered weights and activations; costs a copy each way per step)."""
     gpus_per_rank: float | None = None
     """GPUs per learner rank; null: 1 when the cluster has GPUs, else 0."""
     cpus_per_rank: float = 1.0
@@ -423,6 +426,34 @@ class SyncConfig:
         _need(self.restart_window_s >= 0, f"{prefix}.restart_window_s", self.restart_window_s, "seconds >= 0 (0: the whole run)")
 
 
+PLACEMENT_MODES = ("disaggregated", "colocated")
+
+
+@dataclass
+class PlacementConfig:
+    mode: str = "disaggregated"
+    """"disaggregated": rollout ranks, learner ranks and the weight-sync actor on devices of their own, weights
+    broadcast after each step; "colocated": one actor per device holds the pipeline once, samples under the adapter
+    it trains, then trains (no broadcast; learner.world_size = rollout.num_replicas x rollout.cfg_parallel_size)."""
+    cpus_per_device: float = 1.0
+    """Colocated: CPUs reserved per device's actor (rollout.* and learner.cpus_per_rank / gpus_per_rank apply to
+    disaggregated placement only)."""
+    gpus_per_device: float | None = None
+    """Colocated: GPUs per device's actor; null: 1 when the cluster has GPUs, else 0."""
+    resources: dict[str, float] = field(default_factory=dict)
+    """Colocated: custom Ray resources per device's actor."""
+
+    def validate(self, prefix: str = "placement") -> None:
+        _need(self.mode in PLACEMENT_MODES, f"{prefix}.mode", self.mode, f"one of {list(PLACEMENT_MODES)}")
+        _need(self.cpus_per_device >= 0, f"{prefix}.cpus_per_device", self.cpus_per_device, "a float >= 0")
+        _need(self.gpus_per_device is None or self.gpus_per_device >= 0, f"{prefix}.gpus_per_device",
+              self.gpus_per_device, "null or a float >= 0")
+
+    @property
+    def colocated(self) -> bool:
+        return self.mode == "colocated"
+
+
 @dataclass
 class DataConfig:
     prompts: str = recipe("prompts/colors.txt")
@@ -545,6 +576,7 @@ class RayflowConfig:
     reward: RewardConfig = field(default_factory=RewardConfig)
     async_: AsyncConfig = field(default_factory=AsyncConfig)
     sync: SyncConfig = field(default_factory=SyncConfig)
+    placement: PlacementConfig = field(default_factory=PlacementConfig)
     data: DataConfig = field(default_factory=DataConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
@@ -556,6 +588,7 @@ class RayflowConfig:
                 section.validate(prefix=_key(f.name))
         self._validate_size()
         self._validate_algorithm()
+        self._validate_placement()
         minibatch = self.algorithm.batch_size // self.algorithm.num_minibatches
         if self.algorithm.num_minibatches > 1:
             _need(
@@ -574,6 +607,22 @@ class RayflowConfig:
             f"a divisor of the per-rank mini-batch (algorithm.group_size x prompts_per_step / num_minibatches / learner.world_size "
             f"= {self.algorithm.batch_size} / {self.algorithm.num_minibatches} / {self.learner.world_size})",
         )
+
+    def _validate_placement(self) -> None:
+        if not self.placement.colocated:
+            _need(not self.learner.offload_optimizer_during_rollout, "learner.offload_optimizer_during_rollout", True,
+                  "false unless placement.mode=colocated (disaggregated learners never sample)")
+            return
+        devices = self.rollout.num_replicas * self.rollout.cfg_parallel_size
+        where = "in placement.mode=colocated"
+        _need(self.learner.world_size == devices, "learner.world_size", self.learner.world_size,
+              f"rollout.num_replicas x rollout.cfg_parallel_size = {devices} {where} (each device holds one learner "
+              f"rank and one rollout rank)")
+        _need(self.async_.max_staleness == 0, "async.max_staleness", self.async_.max_staleness,
+              f"0 {where} (a device samples or trains, never both at once: there is nothing to overlap; "
+              f"placement.mode=disaggregated overlaps rollout and training)")
+        _need(self.sync.mode == "lora", "sync.mode", self.sync.mode,
+              f"'lora' {where} (rollouts sample under the learner's own adapter: nothing is merged or sent)")
 
     def _validate_size(self) -> None:
         from rayflow.models.base import model_class, pipeline_class_of
@@ -706,18 +755,39 @@ def from_dict(data: dict) -> RayflowConfig:
     return cfg
 
 
-def load_config(path: str | None = None, overrides: list[str] | None = None) -> RayflowConfig:
-    """Read a recipe YAML (optional), apply dotlist overrides, convert and validate."""
+BASE_KEY = "base"
+"""A recipe's top-level `base: other.yaml` (relative to the recipe): that recipe's keys, then this one's on top."""
+
+
+def _read_recipe(path: str, key: str = "--config", including: tuple[str, ...] = ()) -> DictConfig:
+    """A recipe YAML with its relative paths resolved against its own directory, merged over its `base` (if any)."""
     try:
-        base = OmegaConf.load(path) if path else OmegaConf.create({})
+        data = OmegaConf.load(path)
     except FileNotFoundError:
-        raise ConfigError("--config", path, "an existing YAML file") from None
+        raise ConfigError(key, path, "an existing YAML file") from None
     except (OmegaConfBaseException, OSError, yaml.YAMLError) as e:
         # Malformed YAML, or a top-level scalar.
-        raise ConfigError("--config", path, f"a YAML mapping of sections ({' '.join(str(e).split())})") from None
-    if not isinstance(base, DictConfig):
-        raise ConfigError("--config", path, "a YAML mapping of sections, not a list")
-    base = OmegaConf.create(_relative_to(OmegaConf.to_container(base, resolve=False), os.path.dirname(os.path.abspath(path))) if path else {})
+        raise ConfigError(key, path, f"a YAML mapping of sections ({' '.join(str(e).split())})") from None
+    if not isinstance(data, DictConfig):
+        raise ConfigError(key, path, "a YAML mapping of sections, not a list")
+    here = os.path.dirname(os.path.abspath(path))
+    data = OmegaConf.to_container(data, resolve=False)
+    base = data.pop(BASE_KEY, None)
+    data = OmegaConf.create(_relative_to(data, here))
+    if base is None:
+        return data
+    base_key = f"{path}: {BASE_KEY}"
+    if not isinstance(base, str):
+        raise ConfigError(base_key, base, "the path of another recipe YAML, relative to this one")
+    base_path = os.path.normpath(os.path.join(here, base))
+    if base_path in including + (os.path.abspath(path),):
+        raise ConfigError(base_key, base, "a recipe that does not include itself through its bases")
+    return OmegaConf.merge(_read_recipe(base_path, base_key, including + (os.path.abspath(path),)), data)
+
+
+def load_config(path: str | None = None, overrides: list[str] | None = None) -> RayflowConfig:
+    """Read a recipe YAML (optional; its `base`s first), apply dotlist overrides, convert and validate."""
+    base = _read_recipe(path) if path else OmegaConf.create({})
     try:
         data = OmegaConf.to_container(OmegaConf.merge(base, OmegaConf.from_dotlist(list(overrides or []))), resolve=False)
     except (OmegaConfBaseException, ValueError) as e:

@@ -121,6 +121,13 @@ def test_user_interpolation_resolves(tmp_path):
         (["trainer.time_limit_s=0"], "trainer.time_limit_s", 0.0, "seconds > 0"),
         (["reward.functions=[{name: nope}]"], "reward.functions[0].name", "nope", "'color'"),
         (["async.over_stale=later"], "async.over_stale", "later", "'regenerate' or 'drop'"),
+        (["placement.mode=hybrid"], "placement.mode", "hybrid", "['disaggregated', 'colocated']"),
+        (["placement.mode=colocated", "rollout.num_replicas=2"], "learner.world_size", 1,
+         "rollout.num_replicas x rollout.cfg_parallel_size = 2 in placement.mode=colocated"),
+        (["placement.mode=colocated", "async.max_staleness=1"], "async.max_staleness", 1, "0 in placement.mode=colocated"),
+        (["placement.mode=colocated", "sync.mode=merged"], "sync.mode", "merged", "'lora' in placement.mode=colocated"),
+        (["learner.offload_optimizer_during_rollout=true"], "learner.offload_optimizer_during_rollout", True,
+         "false unless placement.mode=colocated"),
     ],
 )
 def test_errors_name_key_value_and_allowed(overrides, key, value, allowed):
@@ -218,3 +225,24 @@ def test_paths_in_a_recipe_resolve_against_its_directory_and_overrides_against_t
 def test_run_name_and_resume_are_checked_at_load(overrides, key, allowed):
     err = config_error(overrides)
     assert (err.key, err.allowed) == (key, allowed)
+
+
+def test_a_recipe_base_is_merged_under_it_with_paths_relative_to_each_file(tmp_path):
+    """`base: other.yaml`: the base's keys (lists replaced whole), then the recipe's; each file's relative paths
+    resolve against its own directory; a base that includes itself is refused, naming the file and the key."""
+    (tmp_path / "gpu").mkdir()
+    (tmp_path / "base.yaml").write_text("data:\n  prompts: prompts/base.txt\nlearner:\n  lr: 0.5\n  world_size: 2\n"
+                                        "reward:\n  functions: [{name: color}, {name: brightness}]\n")
+    recipe = tmp_path / "gpu" / "one.yaml"
+    recipe.write_text("base: ../base.yaml\nlearner:\n  world_size: 1\nreward:\n  functions: [{name: color}]\n")
+    cfg = load_config(str(recipe))
+    assert (cfg.learner.lr, cfg.learner.world_size) == (0.5, 1)
+    assert [f.name for f in cfg.reward.functions] == ["color"]
+    assert cfg.data.prompts == str(tmp_path / "prompts" / "base.txt")
+    assert cfg.trainer.run_name.startswith("one-")
+    (tmp_path / "base.yaml").write_text("base: gpu/one.yaml\n")
+    err = config_error([], path=str(recipe))
+    assert err.key == f"{tmp_path / 'base.yaml'}: base" and "does not include itself" in err.allowed
+    recipe.write_text("base: missing.yaml\n")
+    err = config_error([], path=str(recipe))
+    assert (err.key, err.value) == (f"{recipe}: base", str(tmp_path / "gpu" / "missing.yaml"))

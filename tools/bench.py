@@ -2,7 +2,7 @@
 
     python tools/bench.py rollout --json bench_rollout.json [--arch qwen_image|sd3 --size small --height 192 --width 192 --steps 20 --batch 4]
     python tools/bench.py sync --json bench_sync.json [--lora-rank 128 --bucket-mb 64 --repeats 10]
-    python tools/bench.py pipeline --json bench_pipeline.json [--recipe recipes/flowgrpo_tiny.yaml --steps 20]
+    python tools/bench.py pipeline --json bench_pipeline.json [--recipe recipes/flowgrpo_tiny.yaml --steps 20] [--placement colocated]
     python tools/bench.py gpu --json bench_gpu.json [--depth N] | gpu --device cpu --tiny (smoke test); see tools/gpu_bench.py
     python tools/bench.py startup --json bench_startup.json [--repeats 3]      command to first step, by phase
     python tools/bench.py costs --json costs.json [--recipe ... --steps 8]      the simulator's costs; see tools/sim_bench.py
@@ -15,7 +15,8 @@ torch.distributed broadcast of the same bytes on the same group; bytes per mode;
 rank 0 is blocked per push against one copy of the tensors.
 
 pipeline: steady-state step time of the tiny recipe (flowgrpo_tiny.yaml) with async.max_staleness 0 against 1, and
-the synchronous run against the single-process reference trainer (rayflow.reference).
+the synchronous run against the single-process reference trainer (rayflow.reference); with --placement colocated,
+also placement.mode=colocated on the same number of devices (rollout ranks + learner ranks of the disaggregated run).
 
 rollout: CFG-parallel rollout on a local Ray, two CFG branches (Qwen-Image true CFG), one torch
 thread per rank, requests of rollout.micro_batch_size (4) samples. The model is the "small" tiny
@@ -316,16 +317,20 @@ def bench_pipeline(args: argparse.Namespace) -> dict:
     ray = start_local_ray(num_cpus=max(os.cpu_count() or 1, int(required_cpus(cfg) + 0.999)))
     from rayflow.driver.trainer import Trainer  # imports ray: after its environment is set
 
+    variants = {f"max_staleness_{k}": [f"async.max_staleness={k}"] for k in (0, 1)}
+    devices = cfg.rollout.num_replicas * cfg.rollout.cfg_parallel_size + cfg.learner.world_size
+    if args.placement == "colocated":  # the same devices, each holding a rollout and a learner rank
+        variants["colocated"] = ["placement.mode=colocated", "async.max_staleness=0", f"learner.world_size={devices}",
+                                 f"rollout.num_replicas={devices // cfg.rollout.cfg_parallel_size}"]
     runs = {}
     try:
-        for staleness in (0, 1):
-            run_cfg = load_config(args.recipe, [*overrides, f"async.max_staleness={staleness}",
-                                                f"trainer.output_dir=/tmp/rayflow-bench/staleness{staleness}",
+        for name, variant in variants.items():
+            run_cfg = load_config(args.recipe, [*overrides, *variant, f"trainer.output_dir=/tmp/rayflow-bench/{name}",
                                                 "trainer.resume=never"])
             shutil.rmtree(run_cfg.trainer.output_dir, ignore_errors=True)
             trainer = Trainer(run_cfg)
             try:
-                runs[staleness] = trainer.run()[args.warmup:]
+                runs[name] = trainer.run()[args.warmup:]
             finally:
                 trainer.shutdown()
     finally:
@@ -334,7 +339,13 @@ def bench_pipeline(args: argparse.Namespace) -> dict:
     def median(history: list[dict], key: str) -> float:
         return statistics.median(h[key] for h in history)
 
-    sync_s, async_s, ref_s = median(runs[0], "perf/step_s"), median(runs[1], "perf/step_s"), statistics.median(ref_steps)
+    sync_s, async_s, ref_s = (median(runs["max_staleness_0"], "perf/step_s"), median(runs["max_staleness_1"], "perf/step_s"),
+                              statistics.median(ref_steps))
+    colocated = {}
+    if "colocated" in runs:
+        colocated_s = median(runs["colocated"], "perf/step_s")
+        colocated = {"colocated": {"devices": devices, "step_s": colocated_s, "speedup_over_max_staleness_0": sync_s / colocated_s,
+                                   "speedup_over_max_staleness_1": async_s / colocated_s}}
     return {
         "benchmark": "pipeline",
         "command": " ".join(["python", *sys.argv]),
@@ -344,9 +355,10 @@ def bench_pipeline(args: argparse.Namespace) -> dict:
         "step_s": {"max_staleness_0": sync_s, "max_staleness_1": async_s, "reference": ref_s},
         "overlap_speedup": sync_s / async_s,
         "orchestration_overhead": sync_s / ref_s - 1,
-        "idle": {f"max_staleness_{k}": {"rollout": median(v, "perf/rollout_idle"), "learner": median(v, "perf/learner_idle")}
-                 for k, v in runs.items()},
-        "staleness_mean_at_1": statistics.mean(h["staleness/mean"] for h in runs[1]),
+        "idle": {name: {"rollout": median(v, "perf/rollout_idle"), "learner": median(v, "perf/learner_idle")}
+                 for name, v in runs.items() if name != "colocated"},
+        "staleness_mean_at_1": statistics.mean(h["staleness/mean"] for h in runs["max_staleness_1"]),
+        **colocated,
         "goals": {"overlap_speedup_at_least": PIPELINE_OVERLAP_GOAL, "overlap_met": sync_s / async_s >= PIPELINE_OVERLAP_GOAL,
                   "overhead_at_most": PIPELINE_OVERHEAD_GOAL, "overhead_met": sync_s / ref_s - 1 <= PIPELINE_OVERHEAD_GOAL},
         "note": "medians of per-step wall time after warm-up; the reference runs in this process with one thread",
@@ -426,6 +438,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     pipeline.add_argument("--recipe", default=recipe("flowgrpo_tiny.yaml"), help="a recipe YAML (default: FlowGRPO on the tiny model)")
     pipeline.add_argument("--steps", type=int, default=20)
     pipeline.add_argument("--warmup", type=int, default=4, help="first steps left out of the medians")
+    pipeline.add_argument("--placement", default="disaggregated", choices=("disaggregated", "colocated"),
+                          help="colocated: also run placement.mode=colocated on as many devices as the disaggregated "
+                               "run's rollout and learner ranks")
     pipeline.add_argument("overrides", nargs="*", help="extra dotlist overrides for the recipe")
     for name, help, steps in (("costs", "the simulator's costs on this machine (reference pieces, one thread)", 8),
                               ("simulator", "tools/simulate.py's model against real runs at 1-2 replicas x staleness 0-1", 16)):

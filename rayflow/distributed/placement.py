@@ -37,6 +37,8 @@ class PlacedGroup:
     pg: PlacementGroup
     rank_bundles: list[int]
     bundle_nodes: dict[int, str]
+    owned: bool = True
+    """False for a `view`: removing it leaves the placement group to its owner."""
 
     def strategy_for_rank(self, rank: int) -> PlacementGroupSchedulingStrategy:
         return PlacementGroupSchedulingStrategy(
@@ -54,8 +56,13 @@ class PlacedGroup:
         address = next((n["NodeManagerAddress"] for n in ray.nodes() if n["NodeID"] == node_id), "unknown address")
         return f"{address} (node id {node_id[:12]})"
 
+    def view(self, ranks: list[int]) -> "PlacedGroup":
+        """Ranks `ranks` of this group as ranks 0.. of a group that does not own the placement (colocated roles)."""
+        return PlacedGroup(self.pg, [self.rank_bundles[r] for r in ranks], self.bundle_nodes, owned=False)
+
     def remove(self) -> None:
-        remove_placement_group(self.pg)
+        if self.owned:
+            remove_placement_group(self.pg)
 
 
 def place(bundles: list[dict[str, float]], strategy: str = "PACK", name: str = "", timeout_s: float = 600.0) -> PlacedGroup:

@@ -19,14 +19,18 @@ def role_demand(cfg: RayflowConfig, cluster_has_gpus: bool) -> dict[str, dict[st
     def gpus(value: float | None) -> float:
         return value if value is not None else (1.0 if cluster_has_gpus else 0.0)
 
-    r, lr, rw, s = cfg.rollout, cfg.learner, cfg.reward, cfg.sync
+    r, lr, rw, s, p = cfg.rollout, cfg.learner, cfg.reward, cfg.sync, cfg.placement
     ranks = r.num_replicas * r.cfg_parallel_size
-    roles = {
-        "rollout": (ranks, r.cpus_per_rank, gpus(r.gpus_per_rank), r.resources),
-        "learner": (lr.world_size, lr.cpus_per_rank, gpus(lr.gpus_per_rank), lr.resources),
-        "reward": (rw.num_workers, rw.cpus_per_worker, rw.gpus_per_worker, rw.resources),
-        "sync": (1, s.cpus, gpus(s.gpus), s.resources),
-    }
+    reward = (rw.num_workers, rw.cpus_per_worker, rw.gpus_per_worker, rw.resources)
+    if p.colocated:  # a rollout rank and a learner rank per device; no weight-sync actor
+        roles = {"devices": (lr.world_size, p.cpus_per_device, gpus(p.gpus_per_device), p.resources), "reward": reward}
+    else:
+        roles = {
+            "rollout": (ranks, r.cpus_per_rank, gpus(r.gpus_per_rank), r.resources),
+            "learner": (lr.world_size, lr.cpus_per_rank, gpus(lr.gpus_per_rank), lr.resources),
+            "reward": reward,
+            "sync": (1, s.cpus, gpus(s.gpus), s.resources),
+        }
     out = {}
     for role, (count, cpus, gpu, extra) in roles.items():
         need = {"CPU": count * cpus, "GPU": count * gpu, **{k: count * v for k, v in extra.items()}}
@@ -40,8 +44,8 @@ def required_cpus(cfg: RayflowConfig) -> float:
 
 
 KNOBS = {
-    "CPU": "rollout.cpus_per_rank, learner.cpus_per_rank, reward.cpus_per_worker, sync.cpus (fractions are fine: a rank runs learner.threads_per_rank / rollout.threads_per_rank torch threads)",
-    "GPU": "rollout.num_replicas, rollout.cfg_parallel_size, learner.world_size, *.gpus_per_rank, reward.gpus_per_worker, sync.gpus",
+    "CPU": "rollout.cpus_per_rank, learner.cpus_per_rank, reward.cpus_per_worker, sync.cpus, placement.cpus_per_device (fractions are fine: a rank runs learner.threads_per_rank / rollout.threads_per_rank torch threads)",
+    "GPU": "rollout.num_replicas, rollout.cfg_parallel_size, learner.world_size, *.gpus_per_rank, reward.gpus_per_worker, sync.gpus, placement.gpus_per_device",
 }
 
 

@@ -28,6 +28,7 @@ from rayflow.algorithms.advantages import assign_advantages
 from rayflow.checkpoint import base_model_record, checkpoint_root, is_save_step, load_checkpoint, resolve_resume, save_checkpoint
 from rayflow.config import RayflowConfig, to_dict
 from rayflow.data.prompts import GroupSampler, PromptGroup, load_prompts
+from rayflow.distributed.colocated import ColocatedDevices
 from rayflow.driver.evaluation import Evaluator
 from rayflow.driver.queue import StalenessQueue
 from rayflow.driver.watchdog import Watchdog
@@ -93,14 +94,20 @@ class Trainer:
             # One role after the other. Starting every role's actors at once was tried (bench.py startup): no faster
             # on 2 cores, and on the fake autoscaling cluster a rollout actor then failed to import torch
             # ("partially initialized module 'torch'"), a cause not pinned down.
-            with phase("learners"):
-                self.learners = self._own(LearnerGroup(cfg))
-            with phase("rollout"):
-                self.rollout = self._own(RolloutPool.create(spec, cfg.rollout))
+            if cfg.placement.colocated:
+                with phase("devices"):
+                    devices = self._own(ColocatedDevices(cfg, spec))
+                self.learners, self.rollout, self.sync = devices.learners, devices.rollout, devices.weights
+            else:
+                with phase("learners"):
+                    self.learners = self._own(LearnerGroup(cfg))
+                with phase("rollout"):
+                    self.rollout = self._own(RolloutPool.create(spec, cfg.rollout))
             with phase("rewards"):
                 self.rewards = self._own(RewardPool(cfg.reward))
-            with phase("weight sync"):
-                self.sync = self._own(WeightSync(cfg.sync, spec, self.rollout.replicas, cfg.rollout.collective_timeout_s))
+            if not cfg.placement.colocated:
+                with phase("weight sync"):
+                    self.sync = self._own(WeightSync(cfg.sync, spec, self.rollout.replicas, cfg.rollout.collective_timeout_s))
             self.evaluator = Evaluator(cfg, prompts, self._generate, self.rewards)
             with phase("resume"):
                 self._resume()
@@ -314,7 +321,8 @@ class Trainer:
             self._replica_died(replica)
 
     def _pending_refs(self, training: list[ray.ObjectRef] | None) -> list[ray.ObjectRef]:
-        return [f.refs[0] for f in self.rollouts] + self.rewards.refs + (training or []) + [self.sync.watching]
+        watching = [self.sync.watching] if self.sync.watching is not None else []
+        return [f.refs[0] for f in self.rollouts] + self.rewards.refs + (training or []) + watching
 
     def _step_done(self, metrics: dict[str, float], batch: list[TrajectoryRef], clock: "_Clock") -> None:
         """An optimizer step finished: new version → push weights → log → eval → checkpoint."""
@@ -381,7 +389,7 @@ class Trainer:
         if self.cfg.trainer.ema_decay == 0:
             return None
         adapter = self.learners.get(self.learners.adapter_weights(EVAL_EMA_ADAPTER))[0]
-        return self.sync.actor.slot_tensors.remote(adapter)
+        return self.sync.slot_tensors(adapter)
 
     def _wait_synced(self) -> float:
         """Block until the newest version is on every live rollout rank; seconds the broadcast took."""

@@ -40,10 +40,11 @@ class LearnerBackend:
     by FlowGRPO) and cfg.trainer.seed — the sections the reference trainer reads too.
     """
 
-    def __init__(self, cfg: RayflowConfig, mesh: DeviceMesh, device: torch.device):
+    def __init__(self, cfg: RayflowConfig, mesh: DeviceMesh, device: torch.device, transformer_only: bool = True):
+        """`transformer_only`: no text encoder or VAE, which training never runs (colocated placement samples too)."""
         self.cfg = cfg
         self.mesh = mesh
-        self.model = load_policy_model(cfg, device, transformer_only=True)
+        self.model = load_policy_model(cfg, device, transformer_only=transformer_only)
         # Before sharding: the fingerprint reads whole base weights.
         self.identity = policy_identity(cfg, self.model)
         transformer = self.model.transformer

@@ -120,3 +120,22 @@ class SkippedSteps:
     def load(self, counters: dict[str, int]) -> None:
         self.total = counters.get("skipped_steps", 0)
         self.in_a_row = counters.get("consecutive_skipped", 0)
+
+
+def offload_optimizer_state(optimizer: torch.optim.Optimizer) -> list[tuple[dict, str, torch.device]]:
+    """Move every accelerator tensor of the optimizer's state (AdamW's moments) to the CPU, in place; returns where
+    each moved tensor was, for `reload_optimizer_state`. CPU tensors stay (AdamW's `step` must stay on the CPU), so
+    on a CPU-only run nothing moves. learner.offload_optimizer_during_rollout: memory a colocated device samples with."""
+    moved = []
+    for state in optimizer.state.values():
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor) and value.device.type != "cpu":
+                moved.append((state, key, value.device))
+                state[key] = value.to("cpu")
+    return moved
+
+
+def reload_optimizer_state(moved: list[tuple[dict, str, torch.device]]) -> None:
+    """Undo `offload_optimizer_state`: each moved tensor back to its device."""
+    for state, key, device in moved:
+        state[key] = state[key].to(device)

@@ -87,3 +87,22 @@ def reshard(transformer: nn.Module) -> None:
     for module in transformer.modules():
         if isinstance(module, FSDPModule):
             module.reshard()
+
+
+def gather_for_sampling(transformer: nn.Module) -> None:
+    """All-gather every FSDP group's parameters and keep them gathered through any number of forwards (colocated
+    placement samples between train steps: no collective per forward, so ranks may run different requests) until
+    `release_gathered`. Collective: every rank calls it at once. No-op for a plain module."""
+    for module in transformer.modules():
+        if isinstance(module, FSDPModule):
+            module.set_reshard_after_forward(False, recurse=False)
+            module.unshard()
+
+
+def release_gathered(transformer: nn.Module, reshard_after_forward: bool) -> None:
+    """Back to the sharded parameters the optimizer owns, and to learner.reshard_after_forward (`apply_fsdp` set it
+    explicitly on every group, the root included). Local: frees this rank's gathered copies."""
+    reshard(transformer)
+    for module in transformer.modules():
+        if isinstance(module, FSDPModule):
+            module.set_reshard_after_forward(reshard_after_forward, recurse=False)

@@ -23,7 +23,7 @@ import torch
 
 from rayflow.checkpoint import Checkpoint, check_identity
 from rayflow.config import RayflowConfig
-from rayflow.distributed.placement import make_bundles, place, resolve_gpus
+from rayflow.distributed.placement import PlacedGroup, make_bundles, place, resolve_gpus
 from rayflow.distributed.restart_budget import RestartBudget
 from rayflow.distributed.process_group import Rendezvous, init_default_group
 from rayflow.learner.backend import LearnerBackend
@@ -43,9 +43,10 @@ class LearnerStalled(LearnerError):
 class LearnerWorker:
     """One learner rank: owns its device, the default process group and a LearnerBackend."""
 
-    def __init__(self, cfg: RayflowConfig, rank: int):
+    def __init__(self, cfg: RayflowConfig, rank: int, whole_pipeline: bool = False):
+        """`whole_pipeline`: load the text encoder and VAE too (colocated placement samples with this model)."""
         torch.set_num_threads(cfg.learner.threads_per_rank)
-        self.cfg, self.rank = cfg, rank
+        self.cfg, self.rank, self.whole_pipeline = cfg, rank, whole_pipeline
         self.backend: LearnerBackend | None = None
 
     def rendezvous(self) -> Rendezvous:
@@ -59,7 +60,8 @@ class LearnerWorker:
         if device.type == "cuda":
             torch.cuda.set_device(device)
         init_default_group(rendezvous, self.rank, self.cfg.learner.world_size, device)
-        self.backend = LearnerBackend(self.cfg, build_mesh(device, self.cfg.learner.world_size), device)
+        self.backend = LearnerBackend(self.cfg, build_mesh(device, self.cfg.learner.world_size), device,
+                                      transformer_only=not self.whole_pipeline)
         return self.backend.identity
 
     def train_step(self, batch: list[Trajectory] | list[tuple[ray.ObjectRef, int, float]]) -> dict[str, float]:
@@ -134,6 +136,17 @@ class LearnerGroup:
         """Times the group was started again after a rank died."""
         self._start()
 
+    @classmethod
+    def over(cls, cfg: RayflowConfig, placed: PlacedGroup, workers: list[ray.actor.ActorHandle],
+             name: str = "rayflow-learner") -> "LearnerGroup":
+        """A learner group of ranks someone else started (`workers` serve LearnerWorker's calls; rank r in `placed`'s
+        rank r): colocated devices, which cannot be restarted apart from their rollout ranks."""
+        group = cls.__new__(cls)
+        group.cfg, group.name, group.world_size = cfg, name, len(workers)
+        group.placed, group.workers, group.budget, group.restarts = placed, workers, None, 0
+        group._setup()
+        return group
+
     def _start(self) -> None:
         """Spawn the ranks in the placement group's bundles and build the sharded model on each (version 0)."""
         lc, actor = self.cfg.learner, ray.remote(LearnerWorker)
@@ -144,6 +157,10 @@ class LearnerGroup:
             ).remote(self.cfg, r)
             for r in range(lc.world_size)
         ]
+        self._setup()
+
+    def _setup(self) -> None:
+        """Join the ranks' group and build the sharded model on each (version 0)."""
         try:
             (rendezvous,) = self.get([self.workers[0].rendezvous.remote()])
             self.identity: dict = self.get([w.setup.remote(rendezvous) for w in self.workers])[0]
@@ -157,6 +174,9 @@ class LearnerGroup:
         same bundles, at version 0 (the caller restores a checkpoint). Raises LearnerError once learner.max_restarts
         per learner.restart_window_s are used up."""
         lc = self.cfg.learner
+        if self.budget is None:
+            raise LearnerError(f"{died}; in placement.mode=colocated the device's rollout rank went with it, so the run "
+                               f"stops (continue from the newest checkpoint with trainer.resume=auto)") from died
         if not self.budget.take():
             raise LearnerError(f"{died}; the learner group's restarts are used up (learner.max_restarts={lc.max_restarts} "
                                f"per learner.restart_window_s={lc.restart_window_s}); stopping the run") from died

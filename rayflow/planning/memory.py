@@ -163,7 +163,34 @@ def reward_worker(cfg: RayflowConfig) -> RoleMemory:
     return RoleMemory("reward worker", cfg.reward.num_workers, cfg.reward.gpus_per_worker)
 
 
+def colocated_device(cfg: RayflowConfig, sizes: ModelSizes) -> RoleMemory:
+    """placement.mode=colocated: one process per device holds the learner rank's state and the pipeline once; it
+    samples (the rollout's phases, with a sharded transformer gathered whole) or trains, never both."""
+    rollout, learner = rollout_rank(cfg, sizes), learner_rank(cfg, sizes)
+    lr = cfg.learner
+    role = RoleMemory("device (learner rank + rollout rank)", lr.world_size, _gpus(cfg.placement.gpus_per_device))
+    role.resident = {k: v for k, v in learner.resident.items() if not k.startswith("FSDP2 gathered")}
+    role.resident["text encoder weights"] = rollout.resident["text encoder weights"]
+    role.resident["VAE weights"] = rollout.resident["VAE weights"]
+    optimizer = role.resident.pop("LoRA gradients + AdamW states") if lr.offload_optimizer_during_rollout else 0
+    train = learner.phases["training step (activations)"] + learner.resident.get("FSDP2 gathered blocks (2)", 0)
+    role.phases = {"training step (activations)": train + optimizer}
+    # Sampling under sharded weights gathers the whole transformer once per step (in the compute dtype).
+    compute_bytes = 2 if lr.mixed_precision == "bf16" else dtype_bytes(cfg.model.dtype)
+    gathered = sizes.parameters["transformer"] * compute_bytes if lr.sharded else 0
+    for phase in ("prompt encoding (text encoder forward)", "denoising (transformer forward)", "VAE decode"):
+        role.phases[phase] = gathered + rollout.phases[phase]
+    role.phases["start-up: full transformer before sharding"] = learner.phases["start-up: full transformer before sharding"]
+    role.knobs = {**rollout.knobs, **learner.knobs,
+                  "denoising (transformer forward)": "rollout.micro_batch_size (sharded learners gather the whole "
+                                                     "transformer to sample: learner.mixed_precision=autocast keeps one copy)",
+                  "LoRA gradients + AdamW states": "learner.offload_optimizer_during_rollout"}
+    return role
+
+
 def roles(cfg: RayflowConfig, sizes: ModelSizes) -> list[RoleMemory]:
+    if cfg.placement.colocated:
+        return [colocated_device(cfg, sizes), reward_worker(cfg)]
     return [rollout_rank(cfg, sizes), learner_rank(cfg, sizes), sync_actor(cfg, sizes), reward_worker(cfg)]
 
 

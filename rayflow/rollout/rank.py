@@ -27,8 +27,8 @@ from transformers.utils import logging as transformers_logging
 from rayflow.cfg.parallel import CFGParallel, Group, all_gather_header
 from rayflow.cfg.policy import CFGPolicy, TrueCFG
 from rayflow.config import ModelConfig, RayflowConfig
-from rayflow.learner.lora import TRAINED_ADAPTER, adapter_parameters, add_lora, target_weight_names
-from rayflow.models import load_model
+from rayflow.learner.lora import TRAINED_ADAPTER, adapter_parameters, add_lora, target_weight_names, using_adapter
+from rayflow.models import DiffusionModel, load_model
 from rayflow.models.speed import apply_speed_options
 from rayflow.models.tiny import resolve_model_path
 from rayflow.distributed.process_group import CollectiveGroup
@@ -92,6 +92,15 @@ class RolloutWorkerSpec:
         )
 
 
+@dataclass(frozen=True)
+class SharedModel:
+    """A model a rollout rank samples with but does not own: in colocated placement, the learner's, trained in place."""
+
+    model: DiffusionModel
+    adapter: str
+    """The LoRA adapter rollouts sample under (rayflow.learner.lora.rollout_adapter_name)."""
+
+
 class TimedGroup:
     """A group that adds up the seconds its all_gathers take (waiting for the slowest rank included)."""
 
@@ -119,14 +128,31 @@ def request_tag(request: RolloutRequest) -> int:
 class RolloutRank:
     """Rank `rank` of a replica of `world_size` CFG-parallel ranks."""
 
-    def __init__(self, spec: RolloutWorkerSpec, rank: int, world_size: int):
+    def __init__(self, spec: RolloutWorkerSpec, rank: int, world_size: int, shared: SharedModel | None = None):
+        """`shared`: sample with a model another component owns and trains (colocated placement) instead of loading
+        one; its slot is the adapter rollouts sample under, read as the parameters are now, and nothing is staged."""
         self.spec, self.rank, self.world_size = spec, rank, world_size
         torch.set_num_threads(spec.threads)
         # Loading bars of every rank would be forwarded to the driver's console.
         diffusers_logging.disable_progress_bar()
         transformers_logging.disable_progress_bar()
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        m = spec.model
+        self.shared = shared
+        if shared is not None:
+            self.model = shared.model
+        else:
+            self._load_own_model()
+        self.version = 0
+        self.staged = StagedWeights()
+        self.receive_buffers = ReceiveBuffers(slots=KEEP_STAGED + 1)
+        self.group: TimedGroup | None = None
+        self.progress: tuple[str, int] | None = None
+        """(request id, step) while a request is in flight."""
+        self.requests = self.steps = 0
+        self.step_seconds = self.step_gather_seconds = 0.0
+
+    def _load_own_model(self) -> None:
+        spec, m = self.spec, self.spec.model
         path = resolve_model_path(m.path, m.cache_dir, m.tiny_size, m.tiny_seed, m.tiny_arch)
         self.model = load_model(path, device=self.device, dtype=getattr(torch, m.dtype))
         targets = spec.lora_targets or self.model.lora_target_modules
@@ -139,14 +165,6 @@ class RolloutRank:
             params = dict(self.model.transformer.named_parameters())
             self._synced = {name: params[name] for name in target_weight_names(self.model.transformer, targets)}
         apply_speed_options(self.model.transformer, m.attention_backend, m.compile)
-        self.version = 0
-        self.staged = StagedWeights()
-        self.receive_buffers = ReceiveBuffers(slots=KEEP_STAGED + 1)
-        self.group: TimedGroup | None = None
-        self.progress: tuple[str, int] | None = None
-        """(request id, step) while a request is in flight."""
-        self.requests = self.steps = 0
-        self.step_seconds = self.step_gather_seconds = 0.0
 
     def join(self, group: Group) -> None:
         if group.size != self.world_size or group.rank != self.rank:
@@ -156,7 +174,10 @@ class RolloutRank:
     # --- weights -------------------------------------------------------------------------------
 
     def _synced_weights(self) -> dict[str, torch.Tensor]:
-        """The tensors weight sync replaces: the LoRA slot's, or (merged mode) the adapted linears' weights."""
+        """The tensors weight sync replaces: the LoRA slot's, or (merged mode) the adapted linears' weights; on a
+        shared model, its rollout adapter (looked up each time: FSDP2 swaps parameters when it gathers them)."""
+        if self.shared is not None:
+            return adapter_parameters(self.model.transformer, self.shared.adapter)
         return self._synced
 
     def stage_weights(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
@@ -233,15 +254,18 @@ class RolloutRank:
 
     @contextlib.contextmanager
     def _sampling_under(self, weights: dict[str, torch.Tensor] | None) -> Iterator[None]:
-        if weights is None:
-            yield
-            return
-        applied = {name: p.detach().to("cpu", copy=True) for name, p in self._synced_weights().items()}  # off the GPU
-        load_weights(self._synced_weights(), weights)
-        try:
-            yield
-        finally:
-            load_weights(self._synced_weights(), applied)
+        # A shared model trains under "default": the forward switches to the rollout adapter for the request only.
+        adapter = using_adapter(self.model.transformer, self.shared.adapter) if self.shared else contextlib.nullcontext()
+        with adapter:
+            if weights is None:
+                yield
+                return
+            applied = {name: p.detach().to("cpu", copy=True) for name, p in self._synced_weights().items()}  # off the GPU
+            load_weights(self._synced_weights(), weights)
+            try:
+                yield
+            finally:
+                load_weights(self._synced_weights(), applied)
 
     def _denoise(self, request: RolloutRequest, state, policy: CFGPolicy, tag: int, guidance: CFGParallel,
                  apply: bool) -> list[Trajectory] | None:

@@ -26,7 +26,7 @@ from ray.exceptions import RayActorError, RayTaskError
 
 from rayflow.cfg.policy import CFGPolicy
 from rayflow.config import RolloutConfig
-from rayflow.distributed.placement import make_bundles, place, resolve_gpus
+from rayflow.distributed.placement import PlacedGroup, make_bundles, place, resolve_gpus
 from rayflow.distributed.process_group import CollectiveError
 from rayflow.rollout.rank import RolloutWorkerSpec
 from rayflow.rollout.worker import RolloutWorker
@@ -92,17 +92,30 @@ class RolloutReplica:
     `wait_ready` (or `create`) does."""
 
     def __init__(self, spec: RolloutWorkerSpec, rollout: RolloutConfig, name: str = "rollout-0"):
-        self.name = name
-        self.world_size = W = rollout.cfg_parallel_size
-        self.collective_timeout_s = spec.collective_timeout_s
+        W = rollout.cfg_parallel_size
         gpus = resolve_gpus(rollout.gpus_per_rank)
-        self.placed = place(make_bundles(W, rollout.cpus_per_rank, gpus, rollout.resources), rollout.placement_strategy, name=name)
-        self.workers = [
+        placed = place(make_bundles(W, rollout.cpus_per_rank, gpus, rollout.resources), rollout.placement_strategy, name=name)
+        workers = [
             RolloutWorker.options(
-                scheduling_strategy=self.placed.strategy_for_rank(r), num_cpus=rollout.cpus_per_rank, num_gpus=gpus
+                scheduling_strategy=placed.strategy_for_rank(r), num_cpus=rollout.cpus_per_rank, num_gpus=gpus
             ).remote(spec, r, W)
             for r in range(W)
         ]
+        self._join(name, placed, workers, spec.collective_timeout_s)
+
+    @classmethod
+    def over(cls, name: str, placed: PlacedGroup, workers: list[ray.actor.ActorHandle],
+             collective_timeout_s: float) -> "RolloutReplica":
+        """A replica of rollout ranks someone else started (`workers` serve RolloutRankHost's calls; rank r in
+        `placed`'s rank r): colocated devices. Shutting it down kills the ranks but leaves `placed` to its owner."""
+        replica = cls.__new__(cls)
+        replica._join(name, placed, workers, collective_timeout_s)
+        return replica
+
+    def _join(self, name: str, placed: PlacedGroup, workers: list[ray.actor.ActorHandle], collective_timeout_s: float) -> None:
+        self.name, self.placed, self.workers = name, placed, workers
+        self.world_size = W = len(workers)
+        self.collective_timeout_s = collective_timeout_s
         ips = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
         self.nodes = [(ips.get(self.placed.node_of_rank(r), "?"), self.placed.node_of_rank(r)) for r in range(W)]
         """(address, node id) of each rank."""

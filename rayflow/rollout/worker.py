@@ -20,12 +20,16 @@ from rayflow.sync.buckets import Manifest
 from rayflow.types import RolloutRequest, Trajectory
 
 
-@ray.remote(concurrency_groups={"weights": 1, "monitor": 1})
-class RolloutWorker:
-    def __init__(self, spec: RolloutWorkerSpec, rank: int, world_size: int):
-        self.rank = RolloutRank(spec, rank, world_size)
-        self.group: CollectiveGroup | None = None
-        self.sync_group: CollectiveGroup | None = None
+CONCURRENCY_GROUPS = {"weights": 1, "monitor": 1}
+
+
+class RolloutRankHost:
+    """The calls a rollout rank's actor serves, around its RolloutRank `self.rank` (set by the actor's constructor,
+    or later by an actor that builds it from a model it owns: rayflow.distributed.colocated)."""
+
+    rank: RolloutRank
+    group: CollectiveGroup | None = None
+    sync_group: CollectiveGroup | None = None
 
     def rendezvous(self) -> Rendezvous:
         """Called on rank 0: a free port of this node for the group's TCP store."""
@@ -89,3 +93,11 @@ class RolloutWorker:
             if group is not None:
                 group.destroy()
         self.group = self.sync_group = None
+
+
+@ray.remote(concurrency_groups=CONCURRENCY_GROUPS)
+class RolloutWorker(RolloutRankHost):
+    """A rollout rank that loads its own model and receives its weights from the weight-sync actor."""
+
+    def __init__(self, spec: RolloutWorkerSpec, rank: int, world_size: int):
+        self.rank = RolloutRank(spec, rank, world_size)

@@ -91,6 +91,11 @@ class WeightSync:
         the ref resolves once the actor holds it."""
         return self.actor.push.remote(to_wire(version, tensors))
 
+    def slot_tensors(self, adapter: dict[str, torch.Tensor]) -> ray.ObjectRef:
+        """`adapter` (full tensors of a learner adapter) as the rollout ranks' slot holds it (merged mode: folded into
+        the base weights), to sample a request under: the evaluation EMA."""
+        return self.actor.slot_tensors.remote(adapter)
+
     def wait(self, version: int, timeout_s: float | None = None) -> SyncReport:
         """Block until `version` is staged on every rollout rank; raises the sync's failure."""
         return ray.get(self.actor.wait.remote(version, timeout_s))

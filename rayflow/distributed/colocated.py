@@ -1,0 +1,188 @@
+"""Colocated placement: every device holds the pipeline once and alternates sampling and training.
+
+    devices = ColocatedDevices(cfg, rollout_spec)   # one placement group, one DeviceWorker per device
+    devices.learners                                # LearnerGroup over the devices (learner.world_size ranks)
+    devices.rollout                                 # RolloutPool: replica i = devices i·W .. i·W+W−1 (W = cfg_parallel_size)
+    devices.weights                                 # SharedWeights: the hand-off, which sends nothing
+    devices.shutdown()
+
+A DeviceWorker is a learner rank and a rollout rank over one model. The rollout samples under the learner's
+rollout adapter ("default"; DiffusionNFT's EMA "old"): the very parameters the optimizer just stepped, so no
+weight is copied or broadcast, and the loop is the reference trainer's, spread over the devices. Sharded
+learners (FSDP2) gather their parameters once after every call that changes or reads them (train step,
+restore, checkpoint) and keep them gathered while the device samples — its forwards need no collective, so
+the replicas serve different requests — then free them before the next train step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import ray
+import torch
+
+from rayflow.config import RayflowConfig
+from rayflow.distributed.placement import PlacedGroup, make_bundles, place, resolve_gpus
+from rayflow.errors import ConfigError
+from rayflow.learner.optim import offload_optimizer_state, reload_optimizer_state
+from rayflow.learner.parallelize import gather_for_sampling, release_gathered
+from rayflow.learner.worker import LearnerGroup, LearnerWorker
+from rayflow.rollout.pool import RolloutPool
+from rayflow.rollout.rank import RolloutRank, RolloutWorkerSpec, SharedModel
+from rayflow.rollout.replica import RolloutReplica
+from rayflow.rollout.worker import CONCURRENCY_GROUPS, RolloutRankHost
+from rayflow.sync.actor import SyncReport
+
+
+@ray.remote(concurrency_groups=CONCURRENCY_GROUPS)
+class DeviceWorker(RolloutRankHost):
+    """Learner rank `rank` and rank `replica_rank` of a CFG-parallel rollout replica of `replica_size`, on one device.
+
+    Learner calls come to every device at once and in the same order (they are collectives over the learner
+    mesh); requests run on the same thread, between them, so sampling and training never overlap."""
+
+    def __init__(self, cfg: RayflowConfig, rank: int, spec: RolloutWorkerSpec, replica_rank: int, replica_size: int):
+        self.cfg = cfg
+        self.learner = LearnerWorker(cfg, rank, whole_pipeline=True)
+        self._rollout_rank = (spec, replica_rank, replica_size)
+        self._offloaded: list = []
+
+    # -- the learner's calls: training state changes or is read, then the device samples again ---------
+    def setup(self, rendezvous) -> dict:
+        identity = self.learner.setup(rendezvous)
+        backend = self.learner.backend
+        self.rank = RolloutRank(*self._rollout_rank, shared=SharedModel(backend.model, backend.rollout_adapter_name))
+        self._to_sampling()
+        return identity
+
+    def train_step(self, batch: list) -> dict[str, float]:
+        return self._training(self.learner.train_step, batch)
+
+    def rollout_weights(self) -> tuple[int, dict[str, torch.Tensor] | None]:
+        return self._training(self.learner.rollout_weights)
+
+    def adapter_weights(self, adapter: str) -> dict[str, torch.Tensor] | None:
+        return self._training(self.learner.adapter_weights, adapter)
+
+    def rollout_adapter_name(self) -> str:
+        return self.learner.rollout_adapter_name()
+
+    def push_weights(self, sync_actor: None) -> dict[str, float]:
+        """Nothing to hand over: the rollout samples under the adapter the train step updated."""
+        return {"version": self.learner.backend.version, "gather_s": 0.0, "push_s": 0.0}
+
+    def state_dict(self) -> dict:
+        return self._training(self.learner.state_dict)
+
+    def load_state_dict(self, state: dict, rng: dict[str, torch.Tensor] | None) -> None:
+        self._training(self.learner.load_state_dict, state, rng)
+
+    def _training(self, call, *args):
+        """`call` with the parameters as the optimizer owns them (sharded), then gathered for sampling again."""
+        backend = self.learner.backend
+        release_gathered(backend.transformer, self.cfg.learner.reshard_after_forward)
+        reload_optimizer_state(self._offloaded)
+        self._offloaded = []
+        try:
+            return call(*args)
+        finally:
+            self._to_sampling()
+
+    def _to_sampling(self) -> None:
+        backend = self.learner.backend
+        if self.cfg.learner.offload_optimizer_during_rollout:
+            self._offloaded = offload_optimizer_state(backend.optimizer)
+        gather_for_sampling(backend.transformer)
+        self.rank.version = backend.version
+
+
+class SharedWeights:
+    """Weight sync in colocated placement, in WeightSync's terms (the driver's loop is the same in both modes):
+    every version is on the rollout ranks the moment the train step that made it returns."""
+
+    actor = None
+    """Learners push to no actor (DeviceWorker.push_weights)."""
+    watching = None
+    """No sync runs that could fail."""
+    deadline_s = 0.0
+    restarts = 0
+
+    def failure(self, timeout_s: float = 0.0) -> BaseException | None:
+        return None
+
+    def wait(self, version: int, timeout_s: float | None = None) -> SyncReport:
+        return SyncReport(version=version, bytes=0, seconds=0.0, copy_s=0.0, broadcast_s=0.0)
+
+    def lost_versions(self) -> list[int]:
+        return []
+
+    def connect(self, replicas: list[RolloutReplica]) -> None:
+        """A device left: its peers need no new group to receive from."""
+
+    def rewind(self, version: int, replicas: list[RolloutReplica]) -> None:
+        """Devices are never restarted apart from their learner ranks (LearnerGroup.restart refuses)."""
+
+    def slot_tensors(self, adapter: dict[str, torch.Tensor]) -> ray.ObjectRef:
+        """`adapter` as the rollout adapter's tensors to sample one request under (its names are the slot's)."""
+        return ray.put(adapter)
+
+    def shutdown(self) -> None:
+        pass
+
+
+def replica_ranks(placed: PlacedGroup, devices: int, replica_size: int) -> list[list[int]]:
+    """Device ranks of each rollout replica: consecutive runs of `replica_size`, which must lie on one node (a
+    replica's all_gather runs every denoising step). Raises ConfigError naming the node counts otherwise."""
+    replicas = [list(range(i, i + replica_size)) for i in range(0, devices, replica_size)]
+    for ranks in replicas:
+        nodes = {placed.node_of_rank(r) for r in ranks}
+        if len(nodes) > 1:
+            per_node: dict[str, int] = {}
+            for r in range(devices):
+                per_node[placed.node_of_rank(r)[:12]] = per_node.get(placed.node_of_rank(r)[:12], 0) + 1
+            raise ConfigError(
+                "rollout.cfg_parallel_size", replica_size,
+                f"a divisor of every node's device count in placement.mode=colocated (a replica's ranks must share a "
+                f"node; devices per node: {per_node})",
+            )
+    return replicas
+
+
+class ColocatedDevices:
+    """learner.world_size DeviceWorkers in one placement group, seen as a LearnerGroup and a RolloutPool."""
+
+    def __init__(self, cfg: RayflowConfig, spec: RolloutWorkerSpec, name: str = "rayflow-devices"):
+        p, devices, W = cfg.placement, cfg.learner.world_size, cfg.rollout.cfg_parallel_size
+        gpus = resolve_gpus(p.gpus_per_device)
+        self.placed = place(make_bundles(devices, p.cpus_per_device, gpus, p.resources), "PACK", name=name)
+        self.workers: list = []
+        self.replicas: list[RolloutReplica] = []
+        try:
+            groups = replica_ranks(self.placed, devices, W)
+            spec = dataclasses.replace(spec, threads=cfg.learner.threads_per_rank)
+            self.workers = [
+                DeviceWorker.options(num_cpus=p.cpus_per_device, num_gpus=gpus,
+                                     scheduling_strategy=self.placed.strategy_for_rank(d)).remote(cfg, d, spec, d % W, W)
+                for d in range(devices)
+            ]
+            self.learners = LearnerGroup.over(cfg, self.placed.view(list(range(devices))), self.workers, name=f"{name}-learner")
+            self.replicas = [
+                RolloutReplica.over(f"rollout-{i}", self.placed.view(ranks), [self.workers[r] for r in ranks],
+                                    spec.collective_timeout_s)
+                for i, ranks in enumerate(groups)
+            ]
+            for replica in self.replicas:
+                replica.wait_ready()
+        except BaseException:
+            self.shutdown()
+            raise
+        # No replacements: a device's learner rank holds optimizer state that a new rollout rank alone cannot bring back.
+        self.rollout = RolloutPool(self.replicas)
+        self.weights = SharedWeights()
+
+    def shutdown(self) -> None:
+        for replica in self.replicas:
+            replica.shutdown()  # closes its group, kills its ranks
+        for worker in self.workers:
+            ray.kill(worker)
+        self.placed.remove()
