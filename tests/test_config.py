@@ -246,3 +246,14 @@ def test_a_recipe_base_is_merged_under_it_with_paths_relative_to_each_file(tmp_p
     recipe.write_text("base: missing.yaml\n")
     err = config_error([], path=str(recipe))
     assert (err.key, err.value) == (f"{recipe}: base", str(tmp_path / "gpu" / "missing.yaml"))
+
+
+def test_every_shipped_recipe_loads():
+    """Each recipes/*.yaml parses, resolves its `base` and validates (a recipe is only run on the machine it is for)."""
+    from rayflow.paths import RECIPES_DIR
+
+    names = sorted(n for n in os.listdir(RECIPES_DIR) if n.endswith(".yaml"))
+    assert len(names) >= 15
+    for name in names:
+        cfg = load_config(os.path.join(RECIPES_DIR, name))
+        assert os.path.isfile(cfg.data.prompts), f"{name}: data.prompts {cfg.data.prompts} does not exist"

@@ -238,3 +238,26 @@ def test_weight_sync_over_nccl_delivers_the_learners_adapter(ray_session, tiny_m
         replica.shutdown()
     assert version == 1 and held.keys() == adapter.keys()
     assert all(torch.equal(held[k].cpu(), adapter[k].cpu()) for k in adapter)
+
+
+def test_optimizer_offload_moves_adams_moments_off_the_gpu_and_back_unchanged():
+    """learner.offload_optimizer_during_rollout: AdamW's moments leave the GPU (its allocated memory drops by their
+    bytes) and come back bit for bit; `step` stays on the CPU, where AdamW keeps it."""
+    from rayflow.learner.optim import offload_optimizer_state, reload_optimizer_state
+
+    _need_gpus(1)
+    params = [torch.nn.Parameter(torch.randn(1024, 1024, device=CUDA)) for _ in range(4)]
+    optimizer = torch.optim.AdamW(params, lr=1e-3, foreach=False)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    optimizer.step()
+    before = {id(p): {k: v.clone() for k, v in optimizer.state[p].items()} for p in params}
+    allocated = torch.cuda.memory_allocated()
+    moved = offload_optimizer_state(optimizer)
+    assert sorted({key for _, key, _ in moved}) == ["exp_avg", "exp_avg_sq"] and len(moved) == 8
+    assert allocated - torch.cuda.memory_allocated() >= 8 * 1024 * 1024 * 4
+    reload_optimizer_state(moved)
+    for p in params:
+        state = optimizer.state[p]
+        assert state["exp_avg"].device.type == "cuda" and state["step"].device.type == "cpu"
+        assert all(torch.equal(state[k], v) for k, v in before[id(p)].items())
