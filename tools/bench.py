@@ -314,19 +314,22 @@ def bench_pipeline(args: argparse.Namespace) -> dict:
     _, ref_history = reference.train(cfg, log=lambda *_: None)
     ref_steps = [h.seconds for h in ref_history][args.warmup:]
 
-    ray = start_local_ray(num_cpus=max(os.cpu_count() or 1, int(required_cpus(cfg) + 0.999)))
-    from rayflow.driver.trainer import Trainer  # imports ray: after its environment is set
-
     variants = {f"max_staleness_{k}": [f"async.max_staleness={k}"] for k in (0, 1)}
     devices = cfg.rollout.num_replicas * cfg.rollout.cfg_parallel_size + cfg.learner.world_size
-    if args.placement == "colocated":  # the same devices, each holding a rollout and a learner rank
+    if args.placement == "colocated":  # the same devices, each holding a rollout and a learner rank, the same CPUs each
         variants["colocated"] = ["placement.mode=colocated", "async.max_staleness=0", f"learner.world_size={devices}",
-                                 f"rollout.num_replicas={devices // cfg.rollout.cfg_parallel_size}"]
+                                 f"rollout.num_replicas={devices // cfg.rollout.cfg_parallel_size}",
+                                 f"placement.cpus_per_device={cfg.learner.cpus_per_rank}"]
+    run_cfgs = {name: load_config(args.recipe, [*overrides, *variant, f"trainer.output_dir=/tmp/rayflow-bench/{name}",
+                                                "trainer.resume=never"])
+                for name, variant in variants.items()}
+    cpus = max(required_cpus(c) for c in run_cfgs.values())
+    ray = start_local_ray(num_cpus=max(os.cpu_count() or 1, int(cpus + 0.999)))
+    from rayflow.driver.trainer import Trainer  # imports ray: after its environment is set
+
     runs = {}
     try:
-        for name, variant in variants.items():
-            run_cfg = load_config(args.recipe, [*overrides, *variant, f"trainer.output_dir=/tmp/rayflow-bench/{name}",
-                                                "trainer.resume=never"])
+        for name, run_cfg in run_cfgs.items():
             shutil.rmtree(run_cfg.trainer.output_dir, ignore_errors=True)
             trainer = Trainer(run_cfg)
             try:

@@ -45,7 +45,7 @@ class PretrainConfig:
     vae_lr: float = 2e-3
     vae_shape_weight: float = 5.0
     """Weight of a shape's pixels in the reconstruction loss (the background's is 1)."""
-    steps: int = 1500
+    steps: int = 6000
     """Transformer steps."""
     batch: int = 32
     lr: float = 1e-3

@@ -10,12 +10,16 @@ environment before Ray is imported.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
 import logging
 import os
 import signal
 import socket
 import sys
+import tempfile
 import time
+from collections.abc import Iterator
 
 from rayflow.checkpoint import checkpoint_root, latest_checkpoint
 from rayflow.config import RayflowConfig, load_config
@@ -45,11 +49,24 @@ def start_ray(cfg: RayflowConfig) -> bool:
 
     # Logical CPUs: enough for every bundle even on a 2-core machine (each rank runs one torch thread).
     cpus = max(os.cpu_count() or 1, int(required_cpus(cfg) + 0.999))
-    context = ray.init(address="local", num_cpus=cpus, include_dashboard=True, dashboard_host="127.0.0.1",
-                       dashboard_port=dashboard_port())
+    with _one_start_at_a_time():
+        context = ray.init(address="local", num_cpus=cpus, include_dashboard=True, dashboard_host="127.0.0.1",
+                           dashboard_port=dashboard_port())
     log.info("local Ray with %d logical CPUs; dashboard at http://%s (its API wants the token in ~/.ray/auth_token)",
              cpus, context.dashboard_url)
     return True
+
+
+@contextlib.contextmanager
+def _one_start_at_a_time() -> Iterator[None]:
+    """Hold a machine-wide lock while a local Ray starts: two runs started together would both find the dashboard's
+    port free, and the second dashboard to bind it would fail that run's start (seen, a minute into ray.init)."""
+    with open(os.path.join(tempfile.gettempdir(), "rayflow-ray-start.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def dashboard_port(preferred: int = 8265) -> int:
