@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from rayflow import reference
 from rayflow.checkpoint import latest_checkpoint, load_adapter
 from rayflow.cfg.policy import make_policy
-from rayflow.learner.lora import using_adapter
+from rayflow.learner.weights import using_weights
 from rayflow.sampling.denoise import generate
 from rayflow.types import RolloutRequest, SamplingParams
 from tiny_run import GRPO, NFT, small_cfg
@@ -64,7 +64,7 @@ def trained(tiny_model_dir, tmp_path_factory):
 def rayflow_latents(model, adapter):
     params = SamplingParams(height=SIZE, width=SIZE, num_steps=STEPS, guidance_scale=4.0, negative_prompt=" ",
                             sde_type="ode", return_step_indices=[STEPS])
-    with using_adapter(model.transformer, adapter):
+    with using_weights(model.transformer, adapter):
         (t,) = generate(model, RolloutRequest("x", [PROMPT], [0], [0], [SEED], params), make_policy("true_cfg"))
     return t.latent(STEPS).unsqueeze(0), t.image
 
@@ -164,7 +164,7 @@ def test_exported_lora_of_each_family_loads_in_its_pipeline(tiny_twin, tmp_path,
     lora = pipe_latents()
     params = SamplingParams(height=SIZE, width=SIZE, num_steps=STEPS, guidance_scale=scale, negative_prompt="",
                             sde_type="ode", return_step_indices=[STEPS])
-    with using_adapter(model.transformer, "default"):
+    with using_weights(model.transformer, "default"):
         (t,) = generate(model, RolloutRequest("x", [PROMPT], [0], [0], [SEED], params), make_policy(policy))
     ours = t.latent(STEPS).unsqueeze(0)
     torch.testing.assert_close(as_tokens(lora), ours, rtol=0, atol=1e-5)

@@ -24,7 +24,8 @@ import torch
 from PIL import Image
 
 from rayflow.cfg.policy import POLICIES, CFGPolicy, make_policy
-from rayflow.checkpoint import export_lora, find_checkpoint, latest_checkpoint
+from rayflow.checkpoint import find_checkpoint, latest_checkpoint
+from rayflow.export import export_lora
 from rayflow.models import load_model, model_class, pipeline_class_of
 from rayflow.sampling.denoise import generate
 from rayflow.types import RolloutRequest, SamplingParams

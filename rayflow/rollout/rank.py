@@ -65,7 +65,9 @@ class RolloutWorkerSpec:
     """Apply newly staged weights at the next denoising "step" boundary, or only between "request"s."""
     sync_mode: str = "lora"
     """"lora": the rank holds a LoRA slot and receives adapters; "merged": no LoRA, it receives the
-    weights of the adapted linears with the adapter folded in."""
+    weights of the adapted linears with the adapter folded in (train_mode "full": every transformer weight)."""
+    train_mode: str = "lora"
+    """The learners' learner.train_mode: "full" trains, and so syncs, every transformer weight."""
 
     def __post_init__(self) -> None:
         if self.apply_at not in APPLY_AT:
@@ -89,6 +91,7 @@ class RolloutWorkerSpec:
             batch_branches=cfg.rollout.batch_branches,
             apply_at="step" if partial else "request",
             sync_mode=cfg.sync.mode,
+            train_mode=cfg.learner.train_mode,
         )
 
 
@@ -130,13 +133,15 @@ class RolloutRank:
         path = resolve_model_path(m.path, m.cache_dir, m.tiny_size, m.tiny_seed, m.tiny_arch)
         self.model = load_model(path, device=self.device, dtype=getattr(torch, m.dtype))
         targets = spec.lora_targets or self.model.lora_target_modules
-        if spec.sync_mode == "lora":
+        params = dict(self.model.transformer.named_parameters())
+        if spec.train_mode == "full":  # the base weights are version 0's
+            self._synced = params
+        elif spec.sync_mode == "lora":
             torch.manual_seed(spec.seed)  # the learner seeds the same way before add_lora (the A matrices are random)
             add_lora(self.model.transformer, rank=spec.lora_rank, alpha=spec.lora_alpha, targets=targets, init=spec.lora_init)
             self._synced = adapter_parameters(self.model.transformer, TRAINED_ADAPTER)
         else:
             # A LoRA starts as the identity (B = 0), so the base weights are version 0's merged weights.
-            params = dict(self.model.transformer.named_parameters())
             self._synced = {name: params[name] for name in target_weight_names(self.model.transformer, targets)}
         apply_speed_options(self.model.transformer, m.attention_backend, m.compile)
         self.version = 0
@@ -156,7 +161,8 @@ class RolloutRank:
     # --- weights -------------------------------------------------------------------------------
 
     def _synced_weights(self) -> dict[str, torch.Tensor]:
-        """The tensors weight sync replaces: the LoRA slot's, or (merged mode) the adapted linears' weights."""
+        """The tensors weight sync replaces: the LoRA slot's, or (merged mode) the adapted linears' weights, or (full
+        fine-tuning) every transformer weight."""
         return self._synced
 
     def stage_weights(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
