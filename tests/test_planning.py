@@ -87,6 +87,23 @@ def test_plan_refuses_what_does_not_fit_naming_the_knob(recipe_plan):
         check_fits(big, plan_config(big)[0], int(79.6 * GiB))
 
 
+def test_full_fine_tuning_plan_counts_whole_weight_copies_gradients_and_moments_per_shard():
+    """learner.train_mode=full on the 8-GPU recipe's 20.43B transformer: the shard, its "base" copy (KL), gradients
+    and two AdamW moments per learner rank; every weight in one sync version, and in each of the rollout ranks'
+    three receive slots, which no 80 GB GPU holds beside the pipeline."""
+    cfg = load_config(RECIPE_8GPU, ["learner.train_mode=full", "sync.mode=merged", "learner.lora_rank=8",
+                                    "learner.lora_alpha=8", "algorithm.kl_beta=0.01"])
+    plan = plan_config(cfg)[0]
+    rollout, learner, sync, _ = plan
+    transformer_bytes, shard = 20_430_401_088 * 2, 20_430_401_088 * 2 // 4
+    assert learner.resident == {"transformer weights (shard)": shard, 'whole-weight copies ("old", "ema", KL "base")': shard,
+                                "gradients + AdamW states": 3 * shard, "FSDP2 gathered blocks (2)": learner.resident["FSDP2 gathered blocks (2)"]}
+    assert sync.resident["packed buckets of one version"] == transformer_bytes
+    assert rollout.resident["weight-sync receive ring (3 versions)"] == 3 * transformer_bytes
+    with pytest.raises(ConfigError, match=r"rollout rank need an estimated 1[67]\d\.\d GiB of 79\.6 GiB"):
+        check_fits(cfg, plan, int(79.6 * GiB))
+
+
 def test_start_up_check_refuses_on_a_gpu_cluster_before_any_actor(recipe_plan, monkeypatch):
     """launch.run_recipe calls check_before_start right after Ray starts: the probe's GPU memory (or
     trainer.gpu_memory_gib) against the plan."""

@@ -117,7 +117,10 @@ def _learner_lora_bytes(cfg: RayflowConfig) -> int:
 
 
 def _sync_payload(cfg: RayflowConfig, sizes: ModelSizes) -> int:
-    """Bytes one weight-sync version carries: the learner's adapter (lora) or the folded linears (merged)."""
+    """Bytes one weight-sync version carries: the learner's adapter (lora), the folded linears (merged) or, with
+    learner.train_mode=full, every transformer weight."""
+    if cfg.learner.train_mode == "full":
+        return sizes.parameters["transformer"] * dtype_bytes(cfg.model.dtype)
     if cfg.sync.mode == "lora":
         return sizes.lora_parameters * _learner_lora_bytes(cfg)
     return sizes.adapted_parameters * dtype_bytes(cfg.model.dtype)
@@ -129,16 +132,23 @@ def learner_rank(cfg: RayflowConfig, sizes: ModelSizes) -> RoleMemory:
     compute_bytes = 2 if lr.mixed_precision == "bf16" else wb
     shards = lr.world_size if lr.sharded else 1
     weights = sizes.parameters["transformer"] * wb
-    adapters = 1 + cfg.algorithm.needs_ema_rollout + (cfg.trainer.ema_decay > 0)  # "default", "old", "ema"
-    lora = sizes.lora_parameters * _learner_lora_bytes(cfg) // shards
+    emas = cfg.algorithm.needs_ema_rollout + (cfg.trainer.ema_decay > 0)  # "old", "ema"
     grad_forwards = branches(cfg) if cfg.algorithm.name == "flow_grpo" else 1
     cost = sizes.forward[(lr.micro_batch_size, lr.activation_checkpointing)]
     role = RoleMemory("learner rank", lr.world_size, _gpus(lr.gpus_per_rank))
-    role.resident = {
-        "transformer weights (shard)": weights // shards,
-        "LoRA adapters": adapters * lora,
-        "LoRA gradients + AdamW states": (1 + ADAM_STATES) * lora,
-    }
+    if lr.train_mode == "full":  # the trained weights are the shard itself; copies, gradients and moments are its size
+        role.resident = {
+            "transformer weights (shard)": weights // shards,
+            'whole-weight copies ("old", "ema", KL "base")': (emas + (cfg.algorithm.kl_beta > 0)) * (weights // shards),
+            "gradients + AdamW states": (1 + ADAM_STATES) * (weights // shards),
+        }
+    else:
+        lora = sizes.lora_parameters * _learner_lora_bytes(cfg) // shards
+        role.resident = {
+            "transformer weights (shard)": weights // shards,
+            "LoRA adapters": (1 + emas) * lora,
+            "LoRA gradients + AdamW states": (1 + ADAM_STATES) * lora,
+        }
     if lr.sharded:
         # FSDP2 gathers one block and prefetches the next.
         role.resident["FSDP2 gathered blocks (2)"] = 2 * sizes.block_parameters * compute_bytes
