@@ -24,7 +24,7 @@ A directory is first written under a temporary name beside its final one, every 
 fsynced, and renamed when complete, so neither a killed process nor a node crash leaves a partial
 `step_*` directory behind. A checkpoint proves itself: `verify_checkpoint` checks the manifest's
 checksums, the metadata's schema and that every tensor is finite (sharded weights: as their ranks found
-them when writing, the checkpoint's "healthy"), and `resolve_resume` falls back
+them when writing, meta.json's "finite"), and `resolve_resume` falls back
 (loudly, naming the file) from a damaged newest checkpoint to the previous intact one.
 """
 
@@ -150,7 +150,7 @@ def save_checkpoint(root: str, ckpt: Checkpoint, keep: int) -> str:
         meta = {
             "format": FORMAT, "step": ckpt.step, "version": ckpt.version, "identity": ckpt.identity,
             "adapters": names, "sharded": ckpt.sharded is not None, "data": ckpt.data, "counters": ckpt.counters,
-            "base_model": ckpt.base_model, "healthy": healthy,
+            "base_model": ckpt.base_model, "healthy": healthy, "finite": finite,
         }
         _write(tmp, "meta.json", lambda f: _write_text(f, json.dumps(meta, indent=2)))
         files = {name: seal_file(os.path.join(tmp, name)) for name in _files(tmp)}
@@ -278,8 +278,10 @@ def verify_checkpoint(path: str) -> None:
         if sha256_file(file) != entry["sha256"]:
             raise CheckpointDamaged(path, name, "sha256 differs from the manifest's (the file was altered)")
     meta = read_meta(path)
-    if meta.get("sharded"):
-        return  # its ranks checked their shards' values when writing ("healthy"); reading them all here would gather the model
+    if meta.get("sharded"):  # its ranks checked their shards' values when writing: reading them all here would gather the model
+        if meta.get("finite") is False:
+            raise CheckpointDamaged(path, f"{SHARDED_DIR}/", "holds non-finite (NaN or Inf) values (found by its ranks when writing)")
+        return
     for name in meta["adapters"]:
         if not all_finite(load_adapter(path, name)):
             raise CheckpointDamaged(path, f"adapter_{name}.safetensors", "holds non-finite (NaN or Inf) values")

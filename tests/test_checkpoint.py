@@ -145,6 +145,25 @@ def test_refuses_a_checkpoint_of_another_lora_config_or_algorithm_naming_what_di
         reference.train(cfg, log=quiet)
 
 
+def test_refuses_a_checkpoint_of_the_other_train_mode_naming_key_files_and_what_to_do(tiny_model_dir, tmp_path, grpo_checkpoint):
+    from rayflow.runs import plan_resume
+
+    full_run = tmp_path / "full"
+    reference.train(small_cfg(GRPO, tiny_model_dir, full_run, "trainer.total_steps=1", "learner.train_mode=full",
+                              "sync.mode=merged"), log=quiet)
+    full_checkpoint = latest_checkpoint(str(full_run / "checkpoints"))
+    for path, mode, saved, files in [(grpo_checkpoint, "full", "lora", "adapter_default.safetensors (LoRA adapters)"),
+                                     (full_checkpoint, "lora", "full", "weights/ (sharded full weights)")]:
+        cfg = small_cfg(GRPO, tiny_model_dir, tmp_path / mode, f"trainer.resume={path}", f"learner.train_mode={mode}",
+                        f"sync.mode={'merged' if mode == 'full' else 'lora'}", "trainer.total_steps=2")
+        expected = (f"learner.train_mode: got {mode!r}; allowed: {saved!r} to resume checkpoint {path}, whose meta.json has "
+                    f"identity.train_mode={saved!r} and which holds {files}. Resume it with learner.train_mode={saved}")
+        for resume in (plan_resume, lambda c: load_checkpoint(path, identity_of(c))):  # at preflight, and at load
+            with pytest.raises(CheckpointMismatch) as e:
+                resume(cfg)
+            assert str(e.value).startswith(expected)
+
+
 def test_refuses_a_checkpoint_of_another_base_model(tmp_path, grpo_checkpoint):
     other_weights = save_tiny_model(str(tmp_path / "seed1"), size="tiny", seed=1)
     with pytest.raises(CheckpointMismatch) as e:

@@ -121,6 +121,13 @@ def test_user_interpolation_resolves(tmp_path):
         (["trainer.time_limit_s=0"], "trainer.time_limit_s", 0.0, "seconds > 0"),
         (["reward.functions=[{name: nope}]"], "reward.functions[0].name", "nope", "'color'"),
         (["async.over_stale=later"], "async.over_stale", "later", "'regenerate' or 'drop'"),
+        (["learner.train_mode=half"], "learner.train_mode", "half", "['lora', 'full']"),
+        # Full fine-tuning has no adapter: a LoRA option or LoRA weight sync is a mistake, named.
+        (["learner.train_mode=full", "sync.mode=merged", "learner.lora_rank=16"], "learner.lora_rank", 16,
+         "its default 8 with learner.train_mode=full"),
+        (["learner.train_mode=full", "sync.mode=merged", "learner.lora_targets=[to_q]"], "learner.lora_targets", ["to_q"],
+         "its default None with learner.train_mode=full"),
+        (["learner.train_mode=full"], "sync.mode", "lora", "'merged' with learner.train_mode=full"),
     ],
 )
 def test_errors_name_key_value_and_allowed(overrides, key, value, allowed):

@@ -2,7 +2,7 @@
 AdamW optimizer, the policy version — and the operations on it.
 
 A plain class: the LearnerWorker actor holds one and forwards calls; tests drive it in-process.
-It runs the same code as the reference trainer (`load_policy_model`, `minibatches.train_batch`), so with the same trajectories any world size reaches the reference's LoRA.
+It runs the same code as the reference trainer (`load_policy_model`, `minibatches.train_batch`), so with the same trajectories any world size reaches the reference's weights (LoRA, or with learner.train_mode=full the whole transformer).
 
 Collectives: `train_step`, `rollout_weights`, `state_dict` and the constructor communicate over
 the mesh; every rank calls them in the same order with shards of the same size.
