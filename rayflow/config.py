@@ -173,7 +173,8 @@ class LearnerConfig:
     """peft init_lora_weights: "gaussian" or "default" (B = 0 either way, so the adapter starts as identity)."""
     mixed_precision: str = "none"
     """"none"; "bf16" (FSDP2 MixedPrecisionPolicy: bf16 params, fp32 reduce); or "autocast" (torch.autocast
-    to bf16 around the forward: weights as model.dtype, LoRA adapters and their optimizer in fp32)."""
+    to bf16 around the forward: weights as model.dtype, LoRA adapters and their optimizer in fp32; with
+    train_mode=full every weight and its optimizer state in fp32, cast block by block as it is sharded)."""
     activation_checkpointing: bool = False
     """Recompute each transformer block in the backward pass (memory for compute)."""
     shard: str = "auto"

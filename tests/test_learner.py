@@ -18,7 +18,7 @@ from rayflow.learner import lora
 from rayflow.learner.backend import LearnerBackend
 from rayflow.learner.model import load_policy_model
 from rayflow.learner.parallelize import build_mesh, reshard
-from rayflow.learner.state import adapter_state, full_tensor, load_adapter_state
+from rayflow.learner.state import adapter_state, full_tensor, load_adapter_state, param_names
 from rayflow.learner.worker import LearnerError, LearnerGroup
 from rayflow.models.base import PromptEmbeds
 from tiny_run import GRPO, NFT, small_cfg
@@ -454,3 +454,33 @@ def test_full_fine_tuning_on_2_ranks_follows_the_reference_and_resumes_across_wo
             torch.testing.assert_close(stepped[name], p.detach(), rtol=0, atol=1e-5)
     finally:
         group.shutdown()
+
+
+def test_autocast_full_fine_tuning_trains_fp32_master_weights_over_a_bf16_model(mesh1, tiny_model_dir, tmp_path, grpo_batches):
+    """learner.mixed_precision=autocast with train_mode=full: every weight cast to fp32 as its block is sharded (the
+    bf16 values exactly), bf16 matmuls, and an AdamW step far below bf16's resolution kept by the fp32 masters."""
+    from rayflow.models import load_model
+
+    cfg = small_cfg(GRPO, tiny_model_dir, tmp_path, SHARD1, *FULL, "model.dtype=bfloat16", "learner.mixed_precision=autocast",
+                    "learner.lr=1e-6")
+    backend = LearnerBackend(cfg, mesh1, CPU)
+    bf16 = dict(load_model(tiny_model_dir, dtype=torch.bfloat16, transformer_only=True).transformer.named_parameters())
+    before = adapter_state(backend.transformer, "default")
+    assert before.keys() == bf16.keys() and all(v.dtype == torch.float32 and torch.equal(v, bf16[k].float()) for k, v in before.items())
+    seen = []
+    backend.transformer.transformer_blocks[0].attn.to_q.register_forward_hook(lambda module, args, out: seen.append(out.dtype))
+    metrics = backend.train_step(grpo_batches[0])
+    assert seen and set(seen) == {torch.bfloat16} and metrics["train/skipped"] == 0
+    after = adapter_state(backend.transformer, "default")
+    moved = [k for k in after if not torch.equal(after[k], before[k])]
+    names = param_names(backend.transformer, backend.optimizer)
+    stepped = sorted(names[p] for p, state in backend.optimizer.state.items() if state)
+    # Nearly every weight took its ~1e-6 step (a few have an exactly zero gradient: biases a softmax or norm cancels) ...
+    assert set(moved) <= set(stepped) and len(moved) > len(after) * 0.8
+    # ... which bf16 rounds away wherever |w| > 1e-3 (half a bf16 ulp there exceeds the step): only fp32 masters keep it.
+    large = {k: bf16[k].float().abs() > 1e-3 for k in moved}
+    kept = sum(int((after[k] != before[k])[large[k]].sum()) for k in moved)
+    in_bf16 = sum(int((after[k].bfloat16() != bf16[k])[large[k]].sum()) for k in moved)
+    assert kept > 10_000 and in_bf16 == 0
+    states = [s for state in backend.optimizer.state.values() for s in state.values() if torch.is_tensor(s) and s.ndim]
+    assert states and {s.dtype for s in states} == {torch.float32}

@@ -23,6 +23,7 @@ from rayflow.learner.parallelize import (
     apply_activation_checkpointing,
     autocast,
     apply_fsdp,
+    cast_parameters,
     mixed_precision_policy,
     reshard,
 )
@@ -51,11 +52,16 @@ class LearnerBackend:
         transformer = self.model.transformer
         if cfg.learner.activation_checkpointing:
             apply_activation_checkpointing(transformer)
+        # autocast: the trained weights (LoRA adapters, or every weight) and AdamW's state in fp32, the master weights.
+        master_dtype = torch.float32 if cfg.learner.mixed_precision == "autocast" and cfg.learner.train_mode == "full" else None
         if cfg.learner.mixed_precision == "autocast" and cfg.learner.train_mode == "lora":
             adapters_to_fp32(transformer)
         apply_speed_options(transformer, cfg.model.attention_backend, cfg.model.compile)
         if cfg.learner.sharded:
-            apply_fsdp(transformer, mesh, mixed_precision_policy(cfg.learner.mixed_precision), cfg.learner.reshard_after_forward)
+            apply_fsdp(transformer, mesh, mixed_precision_policy(cfg.learner.mixed_precision), cfg.learner.reshard_after_forward,
+                       master_dtype)
+        else:
+            cast_parameters(transformer.parameters(), master_dtype)
         # After sharding: full-weight copies are shards like the parameters, and the optimizer owns the DTensor shards.
         add_full_weight_copies(cfg, transformer)
         self.optimizer = build_optimizer(transformer, cfg.learner)

@@ -111,8 +111,9 @@ def rollout_rank(cfg: RayflowConfig, sizes: ModelSizes) -> RoleMemory:
     return role
 
 
-def _learner_lora_bytes(cfg: RayflowConfig) -> int:
-    """Bytes per LoRA parameter on the learner: fp32 under autocast (master weights), else model.dtype."""
+def _trained_bytes(cfg: RayflowConfig) -> int:
+    """Bytes per trained parameter on the learner (LoRA, or every weight with learner.train_mode=full): fp32 under
+    autocast (master weights), else model.dtype."""
     return 4 if cfg.learner.mixed_precision == "autocast" else dtype_bytes(cfg.model.dtype)
 
 
@@ -120,9 +121,9 @@ def _sync_payload(cfg: RayflowConfig, sizes: ModelSizes) -> int:
     """Bytes one weight-sync version carries: the learner's adapter (lora), the folded linears (merged) or, with
     learner.train_mode=full, every transformer weight."""
     if cfg.learner.train_mode == "full":
-        return sizes.parameters["transformer"] * dtype_bytes(cfg.model.dtype)
+        return sizes.parameters["transformer"] * _trained_bytes(cfg)
     if cfg.sync.mode == "lora":
-        return sizes.lora_parameters * _learner_lora_bytes(cfg)
+        return sizes.lora_parameters * _trained_bytes(cfg)
     return sizes.adapted_parameters * dtype_bytes(cfg.model.dtype)
 
 
@@ -131,7 +132,7 @@ def learner_rank(cfg: RayflowConfig, sizes: ModelSizes) -> RoleMemory:
     wb = dtype_bytes(cfg.model.dtype)
     compute_bytes = 2 if lr.mixed_precision == "bf16" else wb
     shards = lr.world_size if lr.sharded else 1
-    weights = sizes.parameters["transformer"] * wb
+    weights = sizes.parameters["transformer"] * (_trained_bytes(cfg) if lr.train_mode == "full" else wb)
     emas = cfg.algorithm.needs_ema_rollout + (cfg.trainer.ema_decay > 0)  # "old", "ema"
     grad_forwards = branches(cfg) if cfg.algorithm.name == "flow_grpo" else 1
     cost = sizes.forward[(lr.micro_batch_size, lr.activation_checkpointing)]
@@ -143,7 +144,7 @@ def learner_rank(cfg: RayflowConfig, sizes: ModelSizes) -> RoleMemory:
             "gradients + AdamW states": (1 + ADAM_STATES) * (weights // shards),
         }
     else:
-        lora = sizes.lora_parameters * _learner_lora_bytes(cfg) // shards
+        lora = sizes.lora_parameters * _trained_bytes(cfg) // shards
         role.resident = {
             "transformer weights (shard)": weights // shards,
             "LoRA adapters": (1 + emas) * lora,
