@@ -39,8 +39,9 @@ WINDOW = ("sampling.sde_window_size=2", "sampling.sde_window_range=[0,3]")  # a 
 EMA = ("trainer.ema_decay=0.9", "trainer.ema_every=2")  # the "ema" adapter is compared and resumed with the others
 EVAL = (f"trainer.eval_every={STEPS}",)  # the last step evaluates (under the "ema" adapter, on the rollout ranks)
 # Every transformer weight trained and synced; "old", "ema" and the KL's frozen base are whole-weight copies, and the
-# checkpoints (compared, resumed) are sharded.
-FULL = ("learner.train_mode=full", "sync.mode=merged", "sync.verify_checksum=true", "algorithm.kl_beta=0.01")
+# checkpoints (compared, resumed) are sharded; the learner recomputes each block in the backward (the reference does not).
+FULL = ("learner.train_mode=full", "sync.mode=merged", "sync.verify_checksum=true", "algorithm.kl_beta=0.01",
+        "learner.activation_checkpointing=true")  # recomputed blocks give the same gradients, bit for bit
 
 
 @pytest.mark.parametrize("recipe, extra", [(GRPO, ()), (NFT, ()), (GRPO, MINIBATCHES + WINDOW + EMA + EVAL), (NFT, MINIBATCHES + EMA),

@@ -53,9 +53,10 @@ class LearnerBackend:
         if cfg.learner.activation_checkpointing:
             apply_activation_checkpointing(transformer)
         # autocast: the trained weights (LoRA adapters, or every weight) and AdamW's state in fp32, the master weights.
-        master_dtype = torch.float32 if cfg.learner.mixed_precision == "autocast" and cfg.learner.train_mode == "full" else None
-        if cfg.learner.mixed_precision == "autocast" and cfg.learner.train_mode == "lora":
+        fp32_masters, full = cfg.learner.mixed_precision == "autocast", cfg.learner.train_mode == "full"
+        if fp32_masters and not full:
             adapters_to_fp32(transformer)
+        master_dtype = torch.float32 if fp32_masters and full else None
         apply_speed_options(transformer, cfg.model.attention_backend, cfg.model.compile)
         if cfg.learner.sharded:
             apply_fsdp(transformer, mesh, mixed_precision_policy(cfg.learner.mixed_precision), cfg.learner.reshard_after_forward,
@@ -121,12 +122,18 @@ class LearnerBackend:
         return tensors if self.mesh.get_rank() == 0 else None
 
     def rollout_wire(self) -> WirePush | None:
-        """The rollout adapter laid out for the weight-sync actor (rayflow.sync.buckets.to_wire): gathered
-        and copied once, into one flat buffer; on rank 0 only (every rank takes part in the gather)."""
+        """The rollout weights (an adapter, or every transformer weight) laid out for the weight-sync actor
+        (rayflow.sync.buckets.to_wire): gathered and copied into one flat buffer in host memory; on rank 0 only
+        (every rank takes part in the gathers)."""
         reshard(self.transformer)
         params = named_weights(self.transformer, self.rollout_adapter_name)
-        tensors = {name: gathered(p) for name, p in sorted(params.items())}
-        return to_wire(self.version, tensors) if self.mesh.get_rank() == 0 else None
+        rank0 = self.mesh.get_rank() == 0
+        tensors = {}
+        for name, p in sorted(params.items()):
+            whole = gathered(p)  # on every rank: one tensor at a time, so a whole transformer never sits on the device
+            if rank0:
+                tensors[name] = whole.cpu()
+        return to_wire(self.version, tensors) if rank0 else None
 
     def state_dict(self, directory: str | None = None) -> dict:
         """Everything to resume this rank: "version", "skipped_steps", this rank's "rng" states and the trained state
