@@ -127,6 +127,8 @@ def test_exported_full_transformer_loads_in_diffusers_and_samples_as_rayflow_doe
     torch.testing.assert_close(full_latents, ours_latents, rtol=0, atol=1e-5)
     assert (full_latents - base_latents).abs().max() > 1e-2 and not torch.equal(full_image, base_image)
     assert (ours_image.int() - full_image.int()).abs().max() <= 1
+    with pytest.raises(SystemExit, match="is a full fine-tuning checkpoint .*it has no LoRA"):  # not a LoRA to sample under
+        load_generate_tool().main(["--model", tiny_model_dir, "--prompt", PROMPT, "--out", str(tmp_path / "x.png"), "--lora", ckpt])
 
 
 def test_export_refuses_an_adapter_the_checkpoint_lacks(trained, tmp_path, capsys):
