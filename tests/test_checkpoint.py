@@ -145,13 +145,47 @@ def test_refuses_a_checkpoint_of_another_lora_config_or_algorithm_naming_what_di
         reference.train(cfg, log=quiet)
 
 
-def test_refuses_a_checkpoint_of_the_other_train_mode_naming_key_files_and_what_to_do(tiny_model_dir, tmp_path, grpo_checkpoint):
+@pytest.fixture(scope="module")
+def full_checkpoint(tiny_model_dir, tmp_path_factory):
+    """A learner.train_mode=full checkpoint (sharded weights) of the reference trainer, one step in."""
+    out = tmp_path_factory.mktemp("full-run")
+    reference.train(small_cfg(GRPO, tiny_model_dir, out, "trainer.total_steps=1", "learner.train_mode=full", "sync.mode=merged"),
+                    log=quiet)
+    return latest_checkpoint(str(out / "checkpoints"))
+
+
+def test_a_sharded_checkpoint_proves_itself_by_checksums_and_its_ranks_finite_check(tmp_path, caplog, full_checkpoint):
+    """Every shard file is in the manifest (an altered one is named); a checkpoint whose ranks found NaN/Inf when
+    writing is passed over on resume like a damaged one."""
+    import logging
+    import shutil
+
+    from rayflow.checkpoint import CheckpointDamaged, ShardedWeights, resolve_resume, verify_checkpoint
+
+    root = str(tmp_path / "checkpoints")
+    intact = shutil.copytree(full_checkpoint, os.path.join(root, os.path.basename(full_checkpoint)))
+    ckpt = load_checkpoint(intact)
+    staged = shutil.copytree(ckpt.sharded.directory, os.path.join(root, ".tmp-step_00000002-shards-x"))
+    nan = save_checkpoint(root, dataclasses.replace(ckpt, step=2, sharded=ShardedWeights(staged, ckpt.sharded.names, finite=False)),
+                          keep=2)
+    with pytest.raises(CheckpointDamaged, match=r"weights/: holds non-finite"):
+        verify_checkpoint(nan)
+    with caplog.at_level(logging.WARNING, logger="rayflow"):
+        assert resolve_resume("auto", root) == intact
+    shard = os.path.join(intact, "weights", "__0_0.distcp")
+    with open(shard, "r+b") as f:
+        f.seek(100)
+        byte = f.read(1)
+        f.seek(100)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    with pytest.raises(CheckpointDamaged, match=r"weights/__0_0\.distcp: sha256 differs"):
+        verify_checkpoint(intact)
+
+
+def test_refuses_a_checkpoint_of_the_other_train_mode_naming_key_files_and_what_to_do(tiny_model_dir, tmp_path, grpo_checkpoint,
+                                                                                       full_checkpoint):
     from rayflow.runs import plan_resume
 
-    full_run = tmp_path / "full"
-    reference.train(small_cfg(GRPO, tiny_model_dir, full_run, "trainer.total_steps=1", "learner.train_mode=full",
-                              "sync.mode=merged"), log=quiet)
-    full_checkpoint = latest_checkpoint(str(full_run / "checkpoints"))
     for path, mode, saved, files in [(grpo_checkpoint, "full", "lora", "adapter_default.safetensors (LoRA adapters)"),
                                      (full_checkpoint, "lora", "full", "weights/ (sharded full weights)")]:
         cfg = small_cfg(GRPO, tiny_model_dir, tmp_path / mode, f"trainer.resume={path}", f"learner.train_mode={mode}",
