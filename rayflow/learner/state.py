@@ -1,5 +1,7 @@
 """Adapter and optimizer state as full tensors by canonical name, whether parameters are plain
-tensors (reference trainer) or FSDP2 DTensor shards (learner ranks).
+tensors (reference trainer) or FSDP2 DTensor shards (learner ranks). The weight sets come from
+rayflow.learner.weights, so full fine-tuning's read the same way (its checkpoints are sharded instead:
+rayflow.learner.sharded).
 
 Reading gathers shards (a collective: every rank of the mesh must call it, in the same order);
 writing takes full tensors and keeps each rank's own shard, with no communication, so every
