@@ -9,14 +9,22 @@
         rng.safetensors              RNG states per process ("driver/torch", "learner1/numpy.keys", ...)
         manifest.json                sha256 and size of every file above, written last
 
-The same format serves
+With learner.train_mode=full, the adapter and optimizer files are replaced by one sharded directory:
+
+        weights/.metadata, weights/__<rank>_0.distcp   torch.distributed.checkpoint of every weight set ("default",
+                                     "old", "ema": whole transformers) and AdamW's state, each learner rank writing its
+                                     shards (rayflow.learner.sharded); loads into any number of ranks
+
 The same format serves the single-process reference trainer and the distributed learners (whose
-state is gathered to full tensors), so either can resume or export the other's checkpoints.
-Nothing is unpickled: tensors come from safetensors, the optimizer from torch.load(weights_only=True).
+LoRA state is gathered to full tensors; sharded weights any number of ranks reads), so either can
+resume or export the other's checkpoints. LoRA checkpoints unpickle nothing: tensors come from
+safetensors, the optimizer from torch.load(weights_only=True); a sharded directory's .metadata is
+torch.distributed.checkpoint's own pickle, read only after the manifest's sha256 of it matched.
 A directory is first written under a temporary name beside its final one, every file and the directory
 fsynced, and renamed when complete, so neither a killed process nor a node crash leaves a partial
 `step_*` directory behind. A checkpoint proves itself: `verify_checkpoint` checks the manifest's
-checksums, the metadata's schema and that every tensor is finite, and `resolve_resume` falls back
+checksums, the metadata's schema and that every tensor is finite (sharded weights: as their ranks found
+them when writing, meta.json's "finite"), and `resolve_resume` falls back
 (loudly, naming the file) from a damaged newest checkpoint to the previous intact one.
 """
 
@@ -38,6 +46,8 @@ from rayflow.checkpoint_integrity import all_finite, fsync_dir, meta_problem, se
 
 FORMAT = "rayflow-checkpoint/1"
 MANIFEST = "manifest.json"
+SHARDED_DIR = "weights"
+"""Full fine-tuning's sharded weights and optimizer state (torch.distributed.checkpoint), in a checkpoint directory."""
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 _LEFTOVER_DIR = re.compile(r"^\.(tmp|old)-step_\d+-")
 log = logging.getLogger("rayflow")
@@ -65,6 +75,21 @@ class Checkpoint:
     """Running totals that continue across a resume (e.g. skipped_steps, consecutive_skipped)."""
     base_model: dict = field(default_factory=dict)
     """The base model the run loaded (base_model_record): recorded, not compared on resume."""
+    sharded: ShardedWeights | None = None
+    """Full fine-tuning: the weights and optimizer state as a sharded directory, in place of `adapters` and
+    `optimizer` (which are then empty)."""
+
+
+@dataclass
+class ShardedWeights:
+    """A torch.distributed.checkpoint directory of every weight set and AdamW's state (rayflow.learner.sharded),
+    written by the learner ranks, each its own shards."""
+
+    directory: str
+    names: list[str]
+    """The weight sets it holds ("default", "old", "ema")."""
+    finite: bool = True
+    """Whether every tensor was finite when it was written (each rank checks its shards)."""
 
 
 class CheckpointDamaged(ValueError):
@@ -111,29 +136,47 @@ def save_checkpoint(root: str, ckpt: Checkpoint, keep: int) -> str:
     tmp = tempfile.mkdtemp(prefix=f".tmp-{os.path.basename(final)}-", dir=root)
     os.chmod(tmp, 0o755)  # mkdtemp makes it private; a checkpoint is as readable as the run's other outputs
     try:
-        for name, tensors in ckpt.adapters.items():
-            _write(tmp, f"adapter_{name}.safetensors", lambda f, t=tensors: save_file({k: v.contiguous() for k, v in t.items()}, f))
-        _write(tmp, "optimizer.pt", lambda f: torch.save(ckpt.optimizer, f))
+        if ckpt.sharded is not None:
+            os.rename(ckpt.sharded.directory, os.path.join(tmp, SHARDED_DIR))  # written beside tmp, on the same filesystem
+            names, finite = sorted(ckpt.sharded.names), ckpt.sharded.finite
+        else:
+            for name, tensors in ckpt.adapters.items():
+                _write(tmp, f"adapter_{name}.safetensors", lambda f, t=tensors: save_file({k: v.contiguous() for k, v in t.items()}, f))
+            _write(tmp, "optimizer.pt", lambda f: torch.save(ckpt.optimizer, f))
+            names, finite = sorted(ckpt.adapters), all_finite(ckpt.adapters) and all_finite(ckpt.optimizer)
         rng = {f"{process}/{key}": t for process, states in ckpt.rng.items() for key, t in states.items()}
         _write(tmp, "rng.safetensors", lambda f: save_file(rng, f))
-        healthy = all_finite(ckpt.adapters) and all_finite(ckpt.optimizer) and not ckpt.counters.get("consecutive_skipped", 0)
+        healthy = finite and not ckpt.counters.get("consecutive_skipped", 0)
         meta = {
             "format": FORMAT, "step": ckpt.step, "version": ckpt.version, "identity": ckpt.identity,
-            "adapters": sorted(ckpt.adapters), "data": ckpt.data, "counters": ckpt.counters,
-            "base_model": ckpt.base_model, "healthy": healthy,
+            "adapters": names, "sharded": ckpt.sharded is not None, "data": ckpt.data, "counters": ckpt.counters,
+            "base_model": ckpt.base_model, "healthy": healthy, "finite": finite,
         }
         _write(tmp, "meta.json", lambda f: _write_text(f, json.dumps(meta, indent=2)))
-        files = {name: seal_file(os.path.join(tmp, name)) for name in sorted(os.listdir(tmp))}
+        files = {name: seal_file(os.path.join(tmp, name)) for name in _files(tmp)}
         # Written last: a directory with a valid manifest has every file complete.
         _write(tmp, MANIFEST, lambda f: _write_text(f, json.dumps({"format": FORMAT, "files": files}, indent=2)))
         seal_file(os.path.join(tmp, MANIFEST))
-        fsync_dir(tmp)
+        for directory, _, _ in os.walk(tmp, topdown=False):
+            fsync_dir(directory)
         _replace_dir(tmp, final)
         fsync_dir(root)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     _rotate(root, keep)
     return final
+
+
+def sharded_staging_dir(root: str, step: int) -> str:
+    """A new directory under `root` for the learner ranks to write step `step`'s sharded weights into, before
+    `save_checkpoint` moves it into the checkpoint (a leftover of a killed save, removed like the others)."""
+    os.makedirs(root, exist_ok=True)
+    return tempfile.mkdtemp(prefix=f".tmp-{os.path.basename(step_dir(root, step))}-shards-", dir=root)
+
+
+def _files(directory: str) -> list[str]:
+    """Every file under `directory`, as sorted paths relative to it (the sharded weights' included)."""
+    return sorted(os.path.relpath(os.path.join(d, f), directory) for d, _, names in os.walk(directory) for f in names)
 
 
 def _write(directory: str, name: str, writer: Callable[[str], object]) -> None:
@@ -235,6 +278,10 @@ def verify_checkpoint(path: str) -> None:
         if sha256_file(file) != entry["sha256"]:
             raise CheckpointDamaged(path, name, "sha256 differs from the manifest's (the file was altered)")
     meta = read_meta(path)
+    if meta.get("sharded"):  # its ranks checked their shards' values when writing: reading them all here would gather the model
+        if meta.get("finite") is False:
+            raise CheckpointDamaged(path, f"{SHARDED_DIR}/", "holds non-finite (NaN or Inf) values (found by its ranks when writing)")
+        return
     for name in meta["adapters"]:
         if not all_finite(load_adapter(path, name)):
             raise CheckpointDamaged(path, f"adapter_{name}.safetensors", "holds non-finite (NaN or Inf) values")
@@ -248,21 +295,28 @@ def load_checkpoint(path: str, identity: dict | None = None) -> Checkpoint:
     a checkpoint written for another base model, LoRA configuration or algorithm."""
     meta = read_meta(path)
     if identity is not None:
+        check_train_mode(meta, identity, path)
         check_identity(meta["identity"], identity, repr(path))
     rng: dict[str, dict[str, torch.Tensor]] = {}
     for key, t in load_file(os.path.join(path, "rng.safetensors")).items():
         process, name = key.split("/", 1)
         rng.setdefault(process, {})[name] = t
+    if meta.get("sharded"):
+        sharded, adapters, optimizer = ShardedWeights(os.path.join(path, SHARDED_DIR), meta["adapters"]), {}, {}
+    else:
+        sharded, adapters = None, {name: load_adapter(path, name) for name in meta["adapters"]}
+        optimizer = torch.load(os.path.join(path, "optimizer.pt"), map_location="cpu", weights_only=True)
     return Checkpoint(
         step=meta["step"],
         version=meta["version"],
         identity=meta["identity"],
-        adapters={name: load_adapter(path, name) for name in meta["adapters"]},
-        optimizer=torch.load(os.path.join(path, "optimizer.pt"), map_location="cpu", weights_only=True),
+        adapters=adapters,
+        optimizer=optimizer,
         rng=rng,
         data=meta["data"],
         counters=meta["counters"],
         base_model=meta.get("base_model", {}),
+        sharded=sharded,
     )
 
 
@@ -271,6 +325,25 @@ def load_adapter(path: str, name: str) -> dict[str, torch.Tensor]:
     if not os.path.isfile(file):
         raise FileNotFoundError(f"{path!r} has no adapter {name!r} (adapters: {read_meta(path)['adapters']})")
     return load_file(file)
+
+
+def check_train_mode(meta: dict, identity: dict, path: str) -> None:
+    """Refuse a checkpoint of the other learner.train_mode with one message: what it holds, and what to do."""
+    saved, current = train_mode_of(meta["identity"]), train_mode_of(identity)
+    if saved != current:
+        held = f"{SHARDED_DIR}/ (sharded full weights)" if meta.get("sharded") else \
+            ", ".join(f"adapter_{name}.safetensors" for name in meta["adapters"]) + " (LoRA adapters)"
+        raise CheckpointMismatch(
+            f"learner.train_mode: got {current!r}; allowed: {saved!r} to resume checkpoint {path}, whose meta.json has "
+            f"identity.train_mode={saved!r} and which holds {held}. Resume it with learner.train_mode={saved}, or start a "
+            f"new run (another trainer.run_name, or trainer.resume=never)"
+        )
+
+
+def train_mode_of(identity: dict) -> str:
+    """learner.train_mode of a policy identity (rayflow.learner.model.policy_identity): checkpoints from before
+    full fine-tuning have no such key, and are LoRA."""
+    return identity.get("train_mode", "lora")
 
 
 def check_identity(saved: dict, current: dict, what: str) -> None:
@@ -355,20 +428,3 @@ def checkpoint_root(output_dir: str) -> str:
 def is_save_step(steps_done: int, save_every: int, total_steps: int) -> bool:
     """Checkpoint after every save_every-th step (0: never in between) and after the last one."""
     return steps_done == total_steps or (save_every > 0 and steps_done % save_every == 0)
-
-
-def export_lora(path: str, out: str, adapter: str = "default") -> str:
-    """Write one adapter of a checkpoint in diffusers' LoRA format (out/pytorch_lora_weights.safetensors,
-    "transformer."-prefixed peft keys, the LoRA config as metadata so alpha survives), with the pipeline
-    class's own save_lora_weights. Returns `out`."""
-    import diffusers
-    from peft import LoraConfig
-
-    identity = read_meta(path)["identity"]
-    tensors = load_adapter(path, adapter)
-    lora = identity["lora"]
-    config = LoraConfig(r=lora["rank"], lora_alpha=lora["alpha"], target_modules=lora["targets"])
-    pipeline = getattr(diffusers, identity["model"]["pipeline"])
-    pipeline.save_lora_weights(out, transformer_lora_layers=tensors, transformer_lora_adapter_metadata=config.to_dict())
-    os.chmod(os.path.join(out, "pytorch_lora_weights.safetensors"), 0o644)  # as readable as the run's other outputs
-    return out

@@ -139,6 +139,11 @@ class RolloutConfig:
         _validate_resources(self, prefix)
 
 
+TRAIN_MODES = ("lora", "full")
+LORA_OPTIONS = ("lora_rank", "lora_alpha", "lora_targets", "lora_init")
+"""LearnerConfig keys that only LoRA training reads."""
+
+
 @dataclass
 class LearnerConfig:
     world_size: int = 1
@@ -155,6 +160,9 @@ class LearnerConfig:
     """Gradient-norm clip; a step whose norm is not finite is skipped and counted."""
     micro_batch_size: int = 4
     """Samples per forward/backward on one rank (gradient accumulation over the rank's shard)."""
+    train_mode: str = "lora"
+    """"lora" trains LoRA adapters (lora_* keys); "full" trains every transformer parameter, FSDP2-sharded, with
+    whole-weight EMA copies, sharded checkpoints and sync.mode=merged (README: Full fine-tuning)."""
     lora_rank: int = 8
     """LoRA rank r."""
     lora_alpha: float = 8.0
@@ -165,7 +173,8 @@ class LearnerConfig:
     """peft init_lora_weights: "gaussian" or "default" (B = 0 either way, so the adapter starts as identity)."""
     mixed_precision: str = "none"
     """"none"; "bf16" (FSDP2 MixedPrecisionPolicy: bf16 params, fp32 reduce); or "autocast" (torch.autocast
-    to bf16 around the forward: weights as model.dtype, LoRA adapters and their optimizer in fp32)."""
+    to bf16 around the forward: weights as model.dtype, LoRA adapters and their optimizer in fp32; with
+    train_mode=full every weight and its optimizer state in fp32, cast block by block as it is sharded)."""
     activation_checkpointing: bool = False
     """Recompute each transformer block in the backward pass (memory for compute)."""
     shard: str = "auto"
@@ -214,6 +223,9 @@ class LearnerConfig:
         )
         _need(self.max_grad_norm > 0, f"{prefix}.max_grad_norm", self.max_grad_norm, "a float > 0")
         _need(self.micro_batch_size >= 1, f"{prefix}.micro_batch_size", self.micro_batch_size, "an integer >= 1")
+        _need(self.train_mode in TRAIN_MODES, f"{prefix}.train_mode", self.train_mode, f"one of {list(TRAIN_MODES)}")
+        if self.train_mode == "full":
+            self._validate_no_lora_options(prefix)
         _need(self.lora_rank >= 1, f"{prefix}.lora_rank", self.lora_rank, "an integer >= 1")
         _need(self.lora_alpha > 0, f"{prefix}.lora_alpha", self.lora_alpha, "a float > 0")
         _need(
@@ -225,6 +237,15 @@ class LearnerConfig:
               "'none', 'bf16' or 'autocast'")
         _need(self.shard in ("auto", "always"), f"{prefix}.shard", self.shard, "'auto' or 'always'")
         _validate_resources(self, prefix)
+
+    def _validate_no_lora_options(self, prefix: str) -> None:
+        """Full fine-tuning has no adapter: a LoRA option set to anything but its default is a mistake, not a no-op."""
+        defaults = LearnerConfig()
+        for key in LORA_OPTIONS:
+            value = getattr(self, key)
+            _need(value == getattr(defaults, key), f"{prefix}.{key}", value,
+                  f"its default {getattr(defaults, key)!r} with {prefix}.train_mode=full (a LoRA option; full fine-tuning "
+                  f"trains every transformer parameter), or {prefix}.train_mode=lora")
 
 
 ALGORITHMS = ("flow_grpo", "diffusion_nft")
@@ -249,7 +270,7 @@ class AlgorithmConfig:
     clip_range: float = 1e-4
     """FlowGRPO: PPO ratio clip epsilon."""
     kl_beta: float = 0.0
-    """Weight of the KL to the base model (adapters disabled); 0 turns it off."""
+    """Weight of the KL to the base model (LoRA: adapters disabled; full: a frozen copy of the base weights); 0 turns it off."""
     kl_type: str = "flow_grpo"
     """FlowGRPO KL: "flow_grpo" (/ 2·std_dev_t², flow_grpo's) or "transition" (/ 2·(step std)², = flow_grpo's / (σ − σ'))."""
     ratio_norm: bool = False
@@ -396,7 +417,8 @@ class AsyncConfig:
 @dataclass
 class SyncConfig:
     mode: str = "lora"
-    """"lora" ships the rollout adapter; "merged" folds it into the transformer weights and ships those."""
+    """"lora" ships the rollout adapter; "merged" folds it into the transformer weights and ships those (with
+    learner.train_mode=full, the only mode: every transformer weight, as trained)."""
     bucket_mb: float = 64.0
     """Broadcast bucket size."""
     apply_at: str = "step"
@@ -589,6 +611,12 @@ class RayflowConfig:
         self._validate_size()
         self._validate_algorithm()
         self._validate_placement()
+        _need(
+            self.learner.train_mode == "lora" or self.sync.mode == "merged" or self.placement.colocated,
+            "sync.mode", self.sync.mode,
+            "'merged' with learner.train_mode=full (the rollout ranks receive the plain transformer weights; "
+            "'lora' ships an adapter, which full fine-tuning has not)",
+        )
         minibatch = self.algorithm.batch_size // self.algorithm.num_minibatches
         if self.algorithm.num_minibatches > 1:
             _need(

@@ -1,4 +1,4 @@
-"""The single-process reference trainer: FlowGRPO or DiffusionNFT on one DiffusionModel with LoRA.
+"""The single-process reference trainer: FlowGRPO or DiffusionNFT on one DiffusionModel, LoRA or full fine-tuning.
 
 No Ray, no process groups: the oracle the distributed system is checked against (same config
 and seeds → same rewards, losses and LoRA). One step reads top to bottom:
@@ -22,16 +22,20 @@ from dataclasses import dataclass, field
 import torch
 
 from rayflow.algorithms.advantages import Advantages, assign_advantages
-from rayflow.checkpoint import Checkpoint, base_model_record, checkpoint_root, is_save_step, load_checkpoint, resolve_resume, save_checkpoint
+from rayflow.checkpoint import (
+    Checkpoint, base_model_record, checkpoint_root, is_save_step, load_checkpoint, resolve_resume, save_checkpoint,
+    sharded_staging_dir,
+)
 from rayflow.cfg.policy import CFGPolicy
 from rayflow.config import RayflowConfig, load_config
 from rayflow.runs import USER_ERRORS, RunComplete, preflight, write_run_config
 from rayflow.data.prompts import GroupSampler, load_prompts
-from rayflow.learner.lora import rollout_adapter_name, using_adapter
-from rayflow.learner.model import load_policy_model, policy_identity
+from rayflow.learner.lora import rollout_adapter_name
+from rayflow.learner.model import add_full_weight_copies, load_policy_model, policy_identity
 from rayflow.learner.minibatches import BatchResult, learner_batch, minibatch_plan, train_batch
 from rayflow.learner.optim import SkippedSteps, build_optimizer
-from rayflow.learner.state import capture, restore
+from rayflow.learner.sharded import capture_trained, restore_trained
+from rayflow.learner.weights import using_weights
 from rayflow.models import DiffusionModel
 from rayflow.rewards.normalize import training_rewards
 from rayflow.rewards.weighted import WeightedReward
@@ -74,6 +78,7 @@ class Run:
 
 def build_run(cfg: RayflowConfig) -> Run:
     model = load_policy_model(cfg)
+    add_full_weight_copies(cfg, model.transformer)
     return Run(
         cfg=cfg,
         model=model,
@@ -97,7 +102,7 @@ def next_requests(run: Run) -> list[RolloutRequest]:
 
 def sample(run: Run, request: RolloutRequest) -> list[Trajectory]:
     """One request sampled under the rollout adapter (DiffusionNFT: the EMA "old" one)."""
-    with using_adapter(run.model.transformer, rollout_adapter_name(run.cfg.algorithm.needs_ema_rollout)):
+    with using_weights(run.model.transformer, rollout_adapter_name(run.cfg.algorithm.needs_ema_rollout)):
         return generate(run.model, request, run.policy, version=run.step)
 
 
@@ -128,18 +133,21 @@ def learn(run: Run, trajectories: list[Trajectory]) -> tuple[dict[str, float], B
 
 
 def save(run: Run) -> str:
+    root = checkpoint_root(run.cfg.trainer.run_dir)
+    shards = sharded_staging_dir(root, run.step) if run.cfg.learner.train_mode == "full" else None
     ckpt = Checkpoint(
-        step=run.step, version=run.step, identity=run.identity, **capture(run.model.transformer, run.optimizer),
+        step=run.step, version=run.step, identity=run.identity,
+        **capture_trained(run.model.transformer, run.optimizer, shards),
         rng={"driver": get_rng_state()}, data=run.sampler.state_dict(), counters=run.skips.counters(),
         base_model=base_model_record(run.cfg.model),
     )
-    return save_checkpoint(checkpoint_root(run.cfg.trainer.run_dir), ckpt, run.cfg.trainer.keep_checkpoints)
+    return save_checkpoint(root, ckpt, run.cfg.trainer.keep_checkpoints)
 
 
 def resume(run: Run, path: str) -> None:
-    """Continue from a checkpoint; refused if it was written for another model, LoRA or algorithm."""
+    """Continue from a checkpoint; refused if it was written for another model, LoRA, train mode or algorithm."""
     ckpt = load_checkpoint(path, run.identity)
-    restore(run.model.transformer, run.optimizer, ckpt.adapters, ckpt.optimizer)
+    restore_trained(run.model.transformer, run.optimizer, vars(ckpt))
     run.sampler.load_state_dict(ckpt.data)
     set_rng_state(ckpt.rng["driver"])
     run.skips.load(ckpt.counters)

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import yaml
 
-from rayflow.checkpoint import CheckpointMismatch, checkpoint_root, read_meta, resolve_resume
+from rayflow.checkpoint import CheckpointMismatch, check_train_mode, checkpoint_root, read_meta, resolve_resume
 from rayflow.config import RayflowConfig, to_dict, to_yaml
 from rayflow.data.prompts import load_prompts
 from rayflow.errors import ConfigError
@@ -65,7 +65,9 @@ def plan_resume(cfg: RayflowConfig) -> ResumePlan:
     path = resolve_resume(t.resume, checkpoint_root(t.run_dir))
     if path is None:
         return ResumePlan(None)
-    step = read_meta(path)["step"]
+    meta = read_meta(path)
+    check_train_mode(meta, {"train_mode": cfg.learner.train_mode}, path)
+    step = meta["step"]
     if step >= t.total_steps:
         raise RunComplete(
             f"run {t.run_name!r} is complete: {path} is step {step} and trainer.total_steps={t.total_steps}; nothing to "

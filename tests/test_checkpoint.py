@@ -145,6 +145,59 @@ def test_refuses_a_checkpoint_of_another_lora_config_or_algorithm_naming_what_di
         reference.train(cfg, log=quiet)
 
 
+@pytest.fixture(scope="module")
+def full_checkpoint(tiny_model_dir, tmp_path_factory):
+    """A learner.train_mode=full checkpoint (sharded weights) of the reference trainer, one step in."""
+    out = tmp_path_factory.mktemp("full-run")
+    reference.train(small_cfg(GRPO, tiny_model_dir, out, "trainer.total_steps=1", "learner.train_mode=full", "sync.mode=merged"),
+                    log=quiet)
+    return latest_checkpoint(str(out / "checkpoints"))
+
+
+def test_a_sharded_checkpoint_proves_itself_by_checksums_and_its_ranks_finite_check(tmp_path, caplog, full_checkpoint):
+    """Every shard file is in the manifest (an altered one is named); a checkpoint whose ranks found NaN/Inf when
+    writing is passed over on resume like a damaged one."""
+    import logging
+    import shutil
+
+    from rayflow.checkpoint import CheckpointDamaged, ShardedWeights, resolve_resume, verify_checkpoint
+
+    root = str(tmp_path / "checkpoints")
+    intact = shutil.copytree(full_checkpoint, os.path.join(root, os.path.basename(full_checkpoint)))
+    ckpt = load_checkpoint(intact)
+    staged = shutil.copytree(ckpt.sharded.directory, os.path.join(root, ".tmp-step_00000002-shards-x"))
+    nan = save_checkpoint(root, dataclasses.replace(ckpt, step=2, sharded=ShardedWeights(staged, ckpt.sharded.names, finite=False)),
+                          keep=2)
+    with pytest.raises(CheckpointDamaged, match=r"weights/: holds non-finite"):
+        verify_checkpoint(nan)
+    with caplog.at_level(logging.WARNING, logger="rayflow"):
+        assert resolve_resume("auto", root) == intact
+    shard = os.path.join(intact, "weights", "__0_0.distcp")
+    with open(shard, "r+b") as f:
+        f.seek(100)
+        byte = f.read(1)
+        f.seek(100)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    with pytest.raises(CheckpointDamaged, match=r"weights/__0_0\.distcp: sha256 differs"):
+        verify_checkpoint(intact)
+
+
+def test_refuses_a_checkpoint_of_the_other_train_mode_naming_key_files_and_what_to_do(tiny_model_dir, tmp_path, grpo_checkpoint,
+                                                                                       full_checkpoint):
+    from rayflow.runs import plan_resume
+
+    for path, mode, saved, files in [(grpo_checkpoint, "full", "lora", "adapter_default.safetensors (LoRA adapters)"),
+                                     (full_checkpoint, "lora", "full", "weights/ (sharded full weights)")]:
+        cfg = small_cfg(GRPO, tiny_model_dir, tmp_path / mode, f"trainer.resume={path}", f"learner.train_mode={mode}",
+                        f"sync.mode={'merged' if mode == 'full' else 'lora'}", "trainer.total_steps=2")
+        expected = (f"learner.train_mode: got {mode!r}; allowed: {saved!r} to resume checkpoint {path}, whose meta.json has "
+                    f"identity.train_mode={saved!r} and which holds {files}. Resume it with learner.train_mode={saved}")
+        for resume in (plan_resume, lambda c: load_checkpoint(path, identity_of(c))):  # at preflight, and at load
+            with pytest.raises(CheckpointMismatch) as e:
+                resume(cfg)
+            assert str(e.value).startswith(expected)
+
+
 def test_refuses_a_checkpoint_of_another_base_model(tmp_path, grpo_checkpoint):
     other_weights = save_tiny_model(str(tmp_path / "seed1"), size="tiny", seed=1)
     with pytest.raises(CheckpointMismatch) as e:

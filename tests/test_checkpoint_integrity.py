@@ -13,9 +13,10 @@ import torch
 
 from rayflow import checkpoint, reference
 from rayflow.checkpoint import (
-    CheckpointDamaged, CheckpointWriteError, export_lora, list_checkpoints, read_meta, resolve_resume, save_checkpoint,
+    CheckpointDamaged, CheckpointWriteError, list_checkpoints, read_meta, resolve_resume, save_checkpoint,
     verify_checkpoint,
 )
+from rayflow.export import export_lora
 from rayflow.learner import minibatches
 from rayflow.learner.objective import backward
 from rayflow.learner.optim import SkippedSteps, TooManySkippedSteps

@@ -128,6 +128,13 @@ def test_user_interpolation_resolves(tmp_path):
         (["placement.mode=colocated", "sync.mode=merged"], "sync.mode", "merged", "'lora' in placement.mode=colocated"),
         (["learner.offload_optimizer_during_rollout=true"], "learner.offload_optimizer_during_rollout", True,
          "false unless placement.mode=colocated"),
+        (["learner.train_mode=half"], "learner.train_mode", "half", "['lora', 'full']"),
+        # Full fine-tuning has no adapter: a LoRA option or LoRA weight sync is a mistake, named.
+        (["learner.train_mode=full", "sync.mode=merged", "learner.lora_rank=16"], "learner.lora_rank", 16,
+         "its default 8 with learner.train_mode=full"),
+        (["learner.train_mode=full", "sync.mode=merged", "learner.lora_targets=[to_q]"], "learner.lora_targets", ["to_q"],
+         "its default None with learner.train_mode=full"),
+        (["learner.train_mode=full"], "sync.mode", "lora", "'merged' with learner.train_mode=full"),
     ],
 )
 def test_errors_name_key_value_and_allowed(overrides, key, value, allowed):

@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from rayflow import reference
 from rayflow.checkpoint import latest_checkpoint, load_adapter
 from rayflow.cfg.policy import make_policy
-from rayflow.learner.lora import using_adapter
+from rayflow.learner.weights import using_weights
 from rayflow.sampling.denoise import generate
 from rayflow.types import RolloutRequest, SamplingParams
 from tiny_run import GRPO, NFT, small_cfg
@@ -64,7 +64,7 @@ def trained(tiny_model_dir, tmp_path_factory):
 def rayflow_latents(model, adapter):
     params = SamplingParams(height=SIZE, width=SIZE, num_steps=STEPS, guidance_scale=4.0, negative_prompt=" ",
                             sde_type="ode", return_step_indices=[STEPS])
-    with using_adapter(model.transformer, adapter):
+    with using_weights(model.transformer, adapter):
         (t,) = generate(model, RolloutRequest("x", [PROMPT], [0], [0], [SEED], params), make_policy("true_cfg"))
     return t.latent(STEPS).unsqueeze(0), t.image
 
@@ -99,6 +99,36 @@ def test_exported_lora_loads_in_diffusers_and_samples_as_rayflow_does(tiny_model
     torch.testing.assert_close(lora_latents, ours_latents, rtol=0, atol=1e-5)
     assert (lora_latents - base_latents).abs().max() > 1e-2 and not torch.equal(lora_image, base_image)
     assert (ours_image.int() - lora_image.int()).abs().max() <= 1
+
+
+def test_exported_full_transformer_loads_in_diffusers_and_samples_as_rayflow_does(tiny_model_dir, tiny_pipeline, tmp_path):
+    """learner.train_mode=full: DiffusionNFT's "old" weights (an EMA, not the trained weights) exported as a transformer
+    directory that diffusers' from_pretrained loads and QwenImagePipeline samples with, as rayflow samples under them."""
+    from diffusers import QwenImageTransformer2DModel
+
+    from rayflow.learner.sharded import read_weights
+
+    cfg = small_cfg(NFT, tiny_model_dir, tmp_path / "run", "trainer.total_steps=2", "learner.lr=0.003",
+                    "algorithm.ema_uprate=0.5", "learner.train_mode=full", "sync.mode=merged")
+    model, _ = reference.train(cfg, log=lambda msg: None)
+    ckpt, out = latest_checkpoint(str(tmp_path / "run" / "checkpoints")), str(tmp_path / "transformer")
+    export_main([ckpt, "--out", out, "--adapter", "old"])
+
+    transformer = QwenImageTransformer2DModel.from_pretrained(out)
+    saved, trained = (read_weights(os.path.join(ckpt, "weights"), name) for name in ("old", "default"))
+    exported = transformer.state_dict()
+    assert exported.keys() == saved.keys() and all(torch.equal(exported[k], v) for k, v in saved.items())
+    assert any(not torch.equal(v, trained[k]) for k, v in saved.items())  # the EMA, not a copy of the trained weights
+    pipe = QwenImagePipeline.from_pretrained(tiny_model_dir, transformer=transformer)
+    pipe.set_progress_bar_config(disable=True)
+    full_latents, full_image = pipeline_latents(pipe)
+    base_latents, base_image = pipeline_latents(tiny_pipeline)
+    ours_latents, ours_image = rayflow_latents(model, "old")
+    torch.testing.assert_close(full_latents, ours_latents, rtol=0, atol=1e-5)
+    assert (full_latents - base_latents).abs().max() > 1e-2 and not torch.equal(full_image, base_image)
+    assert (ours_image.int() - full_image.int()).abs().max() <= 1
+    with pytest.raises(SystemExit, match="is a full fine-tuning checkpoint .*it has no LoRA"):  # not a LoRA to sample under
+        load_generate_tool().main(["--model", tiny_model_dir, "--prompt", PROMPT, "--out", str(tmp_path / "x.png"), "--lora", ckpt])
 
 
 def test_export_refuses_an_adapter_the_checkpoint_lacks(trained, tmp_path, capsys):
@@ -164,7 +194,7 @@ def test_exported_lora_of_each_family_loads_in_its_pipeline(tiny_twin, tmp_path,
     lora = pipe_latents()
     params = SamplingParams(height=SIZE, width=SIZE, num_steps=STEPS, guidance_scale=scale, negative_prompt="",
                             sde_type="ode", return_step_indices=[STEPS])
-    with using_adapter(model.transformer, "default"):
+    with using_weights(model.transformer, "default"):
         (t,) = generate(model, RolloutRequest("x", [PROMPT], [0], [0], [SEED], params), make_policy(policy))
     ours = t.latent(STEPS).unsqueeze(0)
     torch.testing.assert_close(as_tokens(lora), ours, rtol=0, atol=1e-5)

@@ -2,6 +2,7 @@
 with the single-process reference trainer on the same trajectories."""
 
 import dataclasses
+import os
 
 import pytest
 import ray
@@ -17,7 +18,7 @@ from rayflow.learner import lora
 from rayflow.learner.backend import LearnerBackend
 from rayflow.learner.model import load_policy_model
 from rayflow.learner.parallelize import build_mesh, reshard
-from rayflow.learner.state import adapter_state, full_tensor, load_adapter_state
+from rayflow.learner.state import adapter_state, full_tensor, load_adapter_state, param_names
 from rayflow.learner.worker import LearnerError, LearnerGroup
 from rayflow.models.base import PromptEmbeds
 from tiny_run import GRPO, NFT, small_cfg
@@ -366,3 +367,120 @@ def test_rollouts_record_each_stochastic_steps_mean_for_ratio_norm(tiny_model_di
             assert torch.equal(torch.stack([b.step_mean(j) for b in batch]), mean)
     metrics = backward(cfg, run.model, run.policy, batch, version=0)
     assert metrics["train/clip_frac"] == 0
+
+
+FULL = ("learner.train_mode=full", "sync.mode=merged")
+
+
+def test_full_fine_tuning_shards_every_weight_and_forwards_under_each_copy_as_the_plain_model(mesh1, tiny_model_dir, tmp_path):
+    """Every parameter trained and sharded, "old" and the KL's "base" whole-weight copies sharded alike; a forward
+    under a copy (swapped in place) equals the plain model's, and leaves the trained weights as they were, even with
+    reshard_after_forward=False (which keeps a forward's gathered weights)."""
+    from rayflow.learner import full
+    from rayflow.learner.model import add_full_weight_copies
+    from rayflow.learner.weights import named_weights, using_reference, using_weights
+
+    cfg = small_cfg(NFT, tiny_model_dir, tmp_path, SHARD1, *FULL, "algorithm.kl_beta=0.01", "learner.reshard_after_forward=false")
+    backend, plain = LearnerBackend(cfg, mesh1, CPU), load_policy_model(cfg, CPU)
+    add_full_weight_copies(cfg, plain.transformer)
+    params = dict(backend.transformer.named_parameters())
+    assert full.weight_names(backend.transformer) == ["default", "old"]  # what checkpoints hold (not the base)
+    assert all(p.requires_grad and isinstance(p, DTensor) and p.placements == (Shard(0),) for p in params.values())
+    assert {id(p) for g in backend.optimizer.param_groups for p in g["params"]} == {id(p) for p in params.values()}
+    for name in ("old", "base"):
+        copy = named_weights(backend.transformer, name)
+        assert copy.keys() == params.keys() and all(copy[n].placements == params[n].placements for n in copy)
+    g = torch.Generator().manual_seed(0)
+    for name in ("default", "old"):  # three different weight sets, the same in both models
+        values = {n: p.detach() + 0.05 * torch.randn(p.shape, generator=g) for n, p in plain.transformer.named_parameters()}
+        for m in (backend.model, plain):
+            load_adapter_state(m.transformer, name, values)
+    trained = adapter_state(backend.transformer, "default")
+    with torch.no_grad():
+        velocities = {}
+        for label, swap in (("old", lambda t: using_weights(t, "old")), ("base", using_reference), ("default", lambda t: using_weights(t, "default"))):
+            with swap(plain.transformer):
+                expected = velocity(plain)
+            with swap(backend.transformer):
+                velocities[label] = velocity(backend.model)
+            torch.testing.assert_close(velocities[label], expected, rtol=0, atol=1e-6)
+        torch.testing.assert_close(velocity(backend.model), velocities["default"], rtol=0, atol=0)  # not a stale gather
+    assert len({float(v.abs().sum()) for v in velocities.values()}) == 3
+    after = adapter_state(backend.transformer, "default")
+    assert all(torch.equal(after[n], trained[n]) for n in trained)
+
+
+def test_full_fine_tuning_on_2_ranks_follows_the_reference_and_resumes_across_world_sizes(ray_session, tiny_model_dir, tmp_path):
+    """FlowGRPO with a KL to the frozen base: 2 FSDP2 ranks step as the reference trainer does; the checkpoint the 2
+    ranks write in shards loads into the single-process reference exactly, and the reference's into the 2 ranks."""
+    from rayflow.learner.sharded import read_weights
+
+    overrides = (*FULL, "algorithm.kl_beta=0.01", "learner.lr=0.001")  # lr: see learners2
+    cfg2 = small_cfg(GRPO, tiny_model_dir, tmp_path / "ws2", *overrides, "learner.world_size=2")
+    cfg1 = small_cfg(GRPO, tiny_model_dir, tmp_path / "ws1", *overrides)
+    group, run = LearnerGroup(cfg2, name="test-full-2"), reference.build_run(cfg1)
+    try:
+        base = {n: p.detach().clone() for n, p in run.model.transformer.named_parameters()}
+        batch, _ = reference.rollout(run)
+        m2 = group.get(group.train_step(batch))[0]
+        m_ref, res = reference.learn(run, batch)
+        assert m2["loss/policy"] == pytest.approx(m_ref["loss/policy"], rel=1e-4, abs=1e-6)
+        assert m2["loss/kl"] == pytest.approx(m_ref["loss/kl"], rel=1e-4) and m_ref["loss/kl"] == 0  # one step from the base
+        assert m2["train/grad_norm"] == pytest.approx(res.grad_norm, rel=1e-5)
+
+        path2 = save_checkpoint(str(tmp_path / "ckpt2"), group.checkpoint(1, data=SAMPLER_STATE), keep=1)
+        assert sorted(f for f in os.listdir(os.path.join(path2, "weights")) if f.endswith(".distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+        saved = read_weights(os.path.join(path2, "weights"), "default")
+        ref = dict(run.model.transformer.named_parameters())
+        assert saved.keys() == ref.keys()
+        for name, value in saved.items():
+            torch.testing.assert_close(value, ref[name].detach(), rtol=0, atol=1e-5)
+        assert max(float((saved[n] - base[n]).abs().max()) for n in base) > 5e-4  # every weight may move: it trained
+        # 2 ranks' shards -> 1 process: exactly what was saved.
+        fresh = reference.build_run(cfg1)
+        reference.resume(fresh, path2)
+        assert all(torch.equal(p, saved[n]) for n, p in fresh.model.transformer.named_parameters())
+        # 1 process -> 2 ranks: the group now holds the reference's weights and moments, bit for bit.
+        path1 = reference.save(run)
+        group.restore(load_checkpoint(path1, group.identity))
+        again = group.checkpoint(1, data=SAMPLER_STATE)
+        for name, p in run.model.transformer.named_parameters():
+            assert torch.equal(read_weights(again.sharded.directory, "default")[name], p.detach()) or pytest.fail(name)
+        # Both resumed runs step alike: the AdamW moments came across too (fresh ones would step ~lr apart).
+        m2, (m_ref, _) = group.get(group.train_step(batch))[0], reference.learn(fresh, batch)
+        assert m2["loss/policy"] == pytest.approx(m_ref["loss/policy"], rel=1e-4, abs=1e-6) and m2["loss/kl"] > 0
+        stepped = read_weights(group.checkpoint(2, data=SAMPLER_STATE).sharded.directory, "default")
+        for name, p in fresh.model.transformer.named_parameters():
+            torch.testing.assert_close(stepped[name], p.detach(), rtol=0, atol=1e-5)
+    finally:
+        group.shutdown()
+
+
+def test_autocast_full_fine_tuning_trains_fp32_master_weights_over_a_bf16_model(mesh1, tiny_model_dir, tmp_path, grpo_batches):
+    """learner.mixed_precision=autocast with train_mode=full: every weight cast to fp32 as its block is sharded (the
+    bf16 values exactly), bf16 matmuls, and an AdamW step far below bf16's resolution kept by the fp32 masters."""
+    from rayflow.models import load_model
+
+    cfg = small_cfg(GRPO, tiny_model_dir, tmp_path, SHARD1, *FULL, "model.dtype=bfloat16", "learner.mixed_precision=autocast",
+                    "learner.lr=1e-6")
+    backend = LearnerBackend(cfg, mesh1, CPU)
+    bf16 = dict(load_model(tiny_model_dir, dtype=torch.bfloat16, transformer_only=True).transformer.named_parameters())
+    before = adapter_state(backend.transformer, "default")
+    assert before.keys() == bf16.keys() and all(v.dtype == torch.float32 and torch.equal(v, bf16[k].float()) for k, v in before.items())
+    seen = []
+    backend.transformer.transformer_blocks[0].attn.to_q.register_forward_hook(lambda module, args, out: seen.append(out.dtype))
+    metrics = backend.train_step(grpo_batches[0])
+    assert seen and set(seen) == {torch.bfloat16} and metrics["train/skipped"] == 0
+    after = adapter_state(backend.transformer, "default")
+    moved = [k for k in after if not torch.equal(after[k], before[k])]
+    names = param_names(backend.transformer, backend.optimizer)
+    stepped = sorted(names[p] for p, state in backend.optimizer.state.items() if state)
+    # Nearly every weight took its ~1e-6 step (a few have an exactly zero gradient: biases a softmax or norm cancels) ...
+    assert set(moved) <= set(stepped) and len(moved) > len(after) * 0.8
+    # ... which bf16 rounds away wherever |w| > 1e-3 (half a bf16 ulp there exceeds the step): only fp32 masters keep it.
+    large = {k: bf16[k].float().abs() > 1e-3 for k in moved}
+    kept = sum(int((after[k] != before[k])[large[k]].sum()) for k in moved)
+    in_bf16 = sum(int((after[k].bfloat16() != bf16[k])[large[k]].sum()) for k in moved)
+    assert kept > 10_000 and in_bf16 == 0
+    states = [s for state in backend.optimizer.state.values() for s in state.values() if torch.is_tensor(s) and s.ndim]
+    assert states and {s.dtype for s in states} == {torch.float32}

@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
@@ -11,8 +12,10 @@ from rayflow.config import load_config
 from rayflow.errors import ConfigError
 from rayflow.learner.lora import add_lora
 from rayflow.models import load_model
-from rayflow.planning.memory import BACKWARD_BLOCK_SHARE, GiB, check_fits, format_plan, place, plan_config
-from rayflow.planning.sizes import measure_model
+from rayflow.planning.memory import (
+    BACKWARD_BLOCK_SHARE, GiB, check_fits, format_plan, place, plan_config, required_forwards, roles,
+)
+from rayflow.planning.sizes import measure_model, model_directory
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPE_8GPU = os.path.join(ROOT, "recipes", "flowgrpo_qwen_image_8gpu.yaml")
@@ -54,9 +57,19 @@ def test_training_activations_match_measured_peak(tiny_model_dir, checkpointing)
 
 
 @pytest.fixture(scope="module")
-def recipe_plan():
+def recipe_sizes():
+    """The 8-GPU recipe's model sizes (published configs, measured once per module) and where they came from."""
     cfg = load_config(RECIPE_8GPU)
-    return cfg, plan_config(cfg)
+    with tempfile.TemporaryDirectory() as workdir:
+        path, source = model_directory(cfg, "qwen_image", workdir)
+        return measure_model(cfg, path, required_forwards(cfg)), source
+
+
+@pytest.fixture(scope="module")
+def recipe_plan(recipe_sizes):
+    cfg = load_config(RECIPE_8GPU)
+    sizes, source = recipe_sizes
+    return cfg, (roles(cfg, sizes), source)
 
 
 def test_8gpu_recipe_plan(recipe_plan):
@@ -85,6 +98,24 @@ def test_plan_refuses_what_does_not_fit_naming_the_knob(recipe_plan):
     big = load_config(RECIPE_8GPU, ["rollout.micro_batch_size=64"])
     with pytest.raises(ConfigError, match=r"rollout\.micro_batch_size: got 64"):
         check_fits(big, plan_config(big)[0], int(79.6 * GiB))
+
+
+def test_full_fine_tuning_plan_counts_whole_weight_copies_gradients_and_moments_per_shard(recipe_sizes):
+    """learner.train_mode=full on the 8-GPU recipe's 20.43B transformer: the shard, its "base" copy (KL), gradients
+    and two AdamW moments per learner rank; every weight in one sync version, and in each of the rollout ranks'
+    three receive slots, which no 80 GB GPU holds beside the pipeline."""
+    cfg = load_config(RECIPE_8GPU, ["learner.train_mode=full", "sync.mode=merged", "learner.lora_rank=8",
+                                    "learner.lora_alpha=8", "algorithm.kl_beta=0.01"])
+    assert required_forwards(cfg) == required_forwards(load_config(RECIPE_8GPU))  # the recipe's measured forwards serve
+    plan = roles(cfg, recipe_sizes[0])
+    rollout, learner, sync, _ = plan
+    transformer_bytes, shard = 20_430_401_088 * 2, 20_430_401_088 * 2 // 4
+    assert learner.resident == {"transformer weights (shard)": shard, 'whole-weight copies ("old", "ema", KL "base")': shard,
+                                "gradients + AdamW states": 3 * shard, "FSDP2 gathered blocks (2)": learner.resident["FSDP2 gathered blocks (2)"]}
+    assert sync.resident["packed buckets of one version"] == transformer_bytes
+    assert rollout.resident["weight-sync receive ring (3 versions)"] == 3 * transformer_bytes
+    with pytest.raises(ConfigError, match=r"rollout rank need an estimated 1[67]\d\.\d GiB of 79\.6 GiB"):
+        check_fits(cfg, plan, int(79.6 * GiB))
 
 
 def test_start_up_check_refuses_on_a_gpu_cluster_before_any_actor(recipe_plan, monkeypatch):

@@ -11,6 +11,7 @@ import torch
 from rayflow import reference
 from rayflow.checkpoint import checkpoint_root, load_checkpoint, step_dir
 from rayflow.driver.trainer import Trainer
+from rayflow.learner.sharded import read_weights
 from rayflow.paths import recipe as recipe_path
 from tiny_run import GRPO, NFT, small_cfg
 
@@ -26,17 +27,26 @@ def run_trainer(cfg):
 
 
 def final_adapters(run_dir: str, step: int) -> dict:
-    return load_checkpoint(step_dir(checkpoint_root(run_dir), step)).adapters
+    """{weight set: {name: full tensor}} of a checkpoint: its adapters, or its sharded full weights."""
+    ckpt = load_checkpoint(step_dir(checkpoint_root(run_dir), step))
+    if ckpt.sharded is None:
+        return ckpt.adapters
+    return {name: read_weights(ckpt.sharded.directory, name) for name in ckpt.sharded.names}
 
 
 MINIBATCHES = ("algorithm.num_inner_epochs=2", "algorithm.num_minibatches=2")
 WINDOW = ("sampling.sde_window_size=2", "sampling.sde_window_range=[0,3]")  # a random 2-step window per version
 EMA = ("trainer.ema_decay=0.9", "trainer.ema_every=2")  # the "ema" adapter is compared and resumed with the others
 EVAL = (f"trainer.eval_every={STEPS}",)  # the last step evaluates (under the "ema" adapter, on the rollout ranks)
+# Every transformer weight trained and synced; "old", "ema" and the KL's frozen base are whole-weight copies, and the
+# checkpoints (compared, resumed) are sharded; the learner recomputes each block in the backward (the reference does not).
+FULL = ("learner.train_mode=full", "sync.mode=merged", "sync.verify_checksum=true", "algorithm.kl_beta=0.01",
+        "learner.activation_checkpointing=true")  # recomputed blocks give the same gradients, bit for bit
 
 
-@pytest.mark.parametrize("recipe, extra", [(GRPO, ()), (NFT, ()), (GRPO, MINIBATCHES + WINDOW + EMA + EVAL), (NFT, MINIBATCHES + EMA)],
-                         ids=["flow_grpo", "nft", "flow_grpo-minibatches-window-ema", "nft-minibatches-ema"])
+@pytest.mark.parametrize("recipe, extra", [(GRPO, ()), (NFT, ()), (GRPO, MINIBATCHES + WINDOW + EMA + EVAL), (NFT, MINIBATCHES + EMA),
+                                           (NFT, FULL + EMA)],
+                         ids=["flow_grpo", "nft", "flow_grpo-minibatches-window-ema", "nft-minibatches-ema", "nft-full-kl-ema"])
 def test_synchronous_run_equals_the_reference_trainer_and_resumes_exactly(ray_session, tiny_model_dir, tmp_path, recipe, extra):
     overrides = [f"trainer.total_steps={STEPS}", "trainer.save_every=1", "trainer.keep_checkpoints=3", "trainer.eval_every=0",
                  "logging.progress_bar=false", "async.max_staleness=0", *extra]

@@ -24,7 +24,8 @@ import torch
 from PIL import Image
 
 from rayflow.cfg.policy import POLICIES, CFGPolicy, make_policy
-from rayflow.checkpoint import export_lora, find_checkpoint, latest_checkpoint
+from rayflow.checkpoint import find_checkpoint, latest_checkpoint
+from rayflow.export import export_lora
 from rayflow.models import load_model, model_class, pipeline_class_of
 from rayflow.sampling.denoise import generate
 from rayflow.types import RolloutRequest, SamplingParams
@@ -67,7 +68,10 @@ def diffusers_lora_dir(path: str, adapter: str, scratch: str) -> str:
     if os.path.isfile(os.path.join(path, LORA_WEIGHTS)):
         return path
     if os.path.isfile(os.path.join(path, "meta.json")) or latest_checkpoint(path) is not None:
-        return export_lora(find_checkpoint(path), scratch, adapter)
+        try:
+            return export_lora(find_checkpoint(path), scratch, adapter)
+        except ValueError as e:  # e.g. a full fine-tuning checkpoint, which has no LoRA
+            raise SystemExit(f"error: --lora: {e}") from None
     raise SystemExit(f"error: --lora: {path!r} holds neither a diffusers LoRA ({LORA_WEIGHTS}) nor a rayflow checkpoint (meta.json)")
 
 

@@ -16,6 +16,7 @@ the replicas serve different requests — then free them before the next train s
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import ray
@@ -26,6 +27,8 @@ from rayflow.distributed.placement import PlacedGroup, make_bundles, place, reso
 from rayflow.errors import ConfigError
 from rayflow.learner.optim import offload_optimizer_state, reload_optimizer_state
 from rayflow.learner.parallelize import gather_for_sampling, release_gathered
+from rayflow.learner.lora import TRAINED_ADAPTER
+from rayflow.learner.weights import using_weights
 from rayflow.learner.worker import LearnerGroup, LearnerWorker
 from rayflow.rollout.pool import RolloutPool
 from rayflow.rollout.rank import RolloutRank, RolloutWorkerSpec, SharedModel
@@ -46,12 +49,16 @@ class DeviceWorker(RolloutRankHost):
         self.learner = LearnerWorker(cfg, rank, whole_pipeline=True)
         self._rollout_rank = (spec, replica_rank, replica_size)
         self._offloaded: list = []
+        self._sampling = contextlib.ExitStack()
+        """Holds the rollout weights in the forward's place while the device samples."""
 
     # -- the learner's calls: training state changes or is read, then the device samples again ---------
     def setup(self, rendezvous) -> dict:
         identity = self.learner.setup(rendezvous)
         backend = self.learner.backend
-        self.rank = RolloutRank(*self._rollout_rank, shared=SharedModel(backend.model, backend.rollout_adapter_name))
+        # LoRA samples with the rollout adapter; full fine-tuning swaps the rollout weights into the parameters.
+        slot = backend.rollout_adapter_name if self.cfg.learner.train_mode == "lora" else TRAINED_ADAPTER
+        self.rank = RolloutRank(*self._rollout_rank, shared=SharedModel(backend.model, slot))
         self._to_sampling()
         return identity
 
@@ -71,16 +78,18 @@ class DeviceWorker(RolloutRankHost):
         """Nothing to hand over: the rollout samples under the adapter the train step updated."""
         return {"version": self.learner.backend.version, "gather_s": 0.0, "push_s": 0.0}
 
-    def state_dict(self) -> dict:
-        return self._training(self.learner.state_dict)
+    def state_dict(self, directory: str | None) -> dict:
+        return self._training(self.learner.state_dict, directory)
 
     def load_state_dict(self, state: dict, rng: dict[str, torch.Tensor] | None) -> None:
         self._training(self.learner.load_state_dict, state, rng)
 
     def _training(self, call, *args):
-        """`call` with the parameters as the optimizer owns them (sharded), then gathered for sampling again."""
+        """`call` with the trained weights in place and the parameters as the optimizer owns them (sharded), then
+        the device is made ready to sample again."""
         backend = self.learner.backend
         release_gathered(backend.transformer, self.cfg.learner.reshard_after_forward)
+        self._sampling.close()
         reload_optimizer_state(self._offloaded)
         self._offloaded = []
         try:
@@ -89,9 +98,12 @@ class DeviceWorker(RolloutRankHost):
             self._to_sampling()
 
     def _to_sampling(self) -> None:
+        """The rollout weights in the forward's place (NFT's "old"), then (FSDP2) gathered whole until the next
+        learner call; the optimizer state parked on the CPU if learner.offload_optimizer_during_rollout."""
         backend = self.learner.backend
         if self.cfg.learner.offload_optimizer_during_rollout:
             self._offloaded = offload_optimizer_state(backend.optimizer)
+        self._sampling.enter_context(using_weights(backend.transformer, backend.rollout_adapter_name))
         gather_for_sampling(backend.transformer)
         self.rank.version = backend.version
 

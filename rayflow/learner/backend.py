@@ -2,7 +2,7 @@
 AdamW optimizer, the policy version — and the operations on it.
 
 A plain class: the LearnerWorker actor holds one and forwards calls; tests drive it in-process.
-It runs the same code as the reference trainer (`load_policy_model`, `minibatches.train_batch`), so with the same trajectories any world size reaches the reference's LoRA.
+It runs the same code as the reference trainer (`load_policy_model`, `minibatches.train_batch`), so with the same trajectories any world size reaches the reference's weights (LoRA, or with learner.train_mode=full the whole transformer).
 
 Collectives: `train_step`, `rollout_weights`, `state_dict` and the constructor communicate over
 the mesh; every rank calls them in the same order with shards of the same size.
@@ -15,18 +15,21 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from rayflow.config import RayflowConfig
-from rayflow.learner.lora import adapter_parameters, adapters_to_fp32, rollout_adapter_name
-from rayflow.learner.model import load_policy_model, policy_identity
+from rayflow.learner.lora import adapters_to_fp32, rollout_adapter_name
+from rayflow.learner.model import add_full_weight_copies, load_policy_model, policy_identity
 from rayflow.learner.minibatches import minibatch_plan, train_batch
 from rayflow.learner.optim import build_optimizer
 from rayflow.learner.parallelize import (
     apply_activation_checkpointing,
     autocast,
     apply_fsdp,
+    cast_parameters,
     mixed_precision_policy,
     reshard,
 )
-from rayflow.learner.state import adapter_state, capture, gathered, restore
+from rayflow.learner.sharded import capture_trained, restore_trained
+from rayflow.learner.state import adapter_state, gathered
+from rayflow.learner.weights import named_weights
 from rayflow.models.speed import apply_speed_options
 from rayflow.rng import get_rng_state, set_rng_state
 from rayflow.sync.buckets import WirePush, to_wire
@@ -34,7 +37,7 @@ from rayflow.types import Trajectory
 
 
 class LearnerBackend:
-    """FSDP2 + LoRA learner state of one rank.
+    """FSDP2 learner state of one rank (LoRA adapters, or with learner.train_mode=full every transformer weight).
 
     Reads cfg.model, cfg.learner, cfg.algorithm, cfg.cfg (the guidance the rollout used, replayed
     by FlowGRPO) and cfg.trainer.seed — the sections the reference trainer reads too.
@@ -50,12 +53,19 @@ class LearnerBackend:
         transformer = self.model.transformer
         if cfg.learner.activation_checkpointing:
             apply_activation_checkpointing(transformer)
-        if cfg.learner.mixed_precision == "autocast":
+        # autocast: the trained weights (LoRA adapters, or every weight) and AdamW's state in fp32, the master weights.
+        fp32_masters, full = cfg.learner.mixed_precision == "autocast", cfg.learner.train_mode == "full"
+        if fp32_masters and not full:
             adapters_to_fp32(transformer)
+        master_dtype = torch.float32 if fp32_masters and full else None
         apply_speed_options(transformer, cfg.model.attention_backend, cfg.model.compile)
         if cfg.learner.sharded:
-            apply_fsdp(transformer, mesh, mixed_precision_policy(cfg.learner.mixed_precision), cfg.learner.reshard_after_forward)
-        # After sharding, so the optimizer owns the DTensor shards.
+            apply_fsdp(transformer, mesh, mixed_precision_policy(cfg.learner.mixed_precision), cfg.learner.reshard_after_forward,
+                       master_dtype)
+        else:
+            cast_parameters(transformer.parameters(), master_dtype)
+        # After sharding: full-weight copies are shards like the parameters, and the optimizer owns the DTensor shards.
+        add_full_weight_copies(cfg, transformer)
         self.optimizer = build_optimizer(transformer, cfg.learner)
         self.policy = cfg.cfg.make_policy()
         self.version = 0
@@ -113,28 +123,35 @@ class LearnerBackend:
         return tensors if self.mesh.get_rank() == 0 else None
 
     def rollout_wire(self) -> WirePush | None:
-        """The rollout adapter laid out for the weight-sync actor (rayflow.sync.buckets.to_wire): gathered
-        and copied once, into one flat buffer; on rank 0 only (every rank takes part in the gather)."""
+        """The rollout weights (an adapter, or every transformer weight) laid out for the weight-sync actor
+        (rayflow.sync.buckets.to_wire): gathered and copied into one flat buffer in host memory; on rank 0 only
+        (every rank takes part in the gathers)."""
         reshard(self.transformer)
-        params = adapter_parameters(self.transformer, self.rollout_adapter_name)
-        tensors = {name: gathered(p) for name, p in sorted(params.items())}
-        return to_wire(self.version, tensors) if self.mesh.get_rank() == 0 else None
+        params = named_weights(self.transformer, self.rollout_adapter_name)
+        rank0 = self.mesh.get_rank() == 0
+        tensors = {}
+        for name, p in sorted(params.items()):
+            whole = gathered(p)  # on every rank: one tensor at a time, so a whole transformer never sits on the device
+            if rank0:
+                tensors[name] = whole.cpu()
+        return to_wire(self.version, tensors) if rank0 else None
 
-    def state_dict(self) -> dict:
-        """Everything to resume this rank: "version", "skipped_steps", this rank's "rng" states and, on
-        rank 0 only, the full "adapters" and "optimizer" state (rayflow.learner.state.capture)."""
+    def state_dict(self, directory: str | None = None) -> dict:
+        """Everything to resume this rank: "version", "skipped_steps", this rank's "rng" states and the trained state
+        (rayflow.learner.sharded.capture_trained): LoRA's full "adapters" and "optimizer" on rank 0 only; with
+        learner.train_mode=full, every rank's shards written under `directory` ("sharded")."""
         reshard(self.transformer)
-        trained = capture(self.transformer, self.optimizer)
+        trained = capture_trained(self.transformer, self.optimizer, directory)
         state = {"version": self.version, "skipped_steps": self.skipped_steps, "rng": get_rng_state()}
-        if self.mesh.get_rank() == 0:
+        if self.mesh.get_rank() == 0 or trained["sharded"] is not None:
             state.update(trained)
         return state
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore from `state_dict` output with full tensors (every rank is handed the same adapters and
-        optimizer state and keeps its own shard); `state["rng"]` is this rank's, or None to keep them."""
+        """Restore from a Checkpoint's fields ("adapters", "optimizer" full tensors, every rank keeping its shard;
+        or "sharded", every rank reading its part); `state["rng"]` is this rank's, or None to keep them."""
         reshard(self.transformer)
-        restore(self.transformer, self.optimizer, state["adapters"], state["optimizer"])
+        restore_trained(self.transformer, self.optimizer, state)
         self.version = state["version"]
         self.skipped_steps = state["skipped_steps"]
         if state["rng"] is not None:

@@ -1,7 +1,8 @@
-"""The policy model (the pipeline with its LoRA adapters) and its identity.
+"""The policy model (the pipeline with its LoRA adapters, or fully trainable with whole-weight copies) and
+its identity.
 
-The reference trainer and every learner rank build the model with `load_policy_model`, so the
-LoRA initialisation is the same everywhere. `policy_identity` is what a checkpoint must match
+The reference trainer and every learner rank build the model with `load_policy_model` (and
+`add_full_weight_copies`), so the initialisation is the same everywhere. `policy_identity` is what a checkpoint must match
 to be resumed or exported: the base model, the LoRA configuration and the algorithm.
 """
 
@@ -13,6 +14,7 @@ import json
 import torch
 
 from rayflow.config import RayflowConfig
+from rayflow.learner.full import BASE, add_weight_copies
 from rayflow.learner.lora import EMA_ADAPTER, EVAL_EMA_ADAPTER, add_lora
 from rayflow.models import DiffusionModel, load_model
 from rayflow.models.tiny import resolve_model_path
@@ -23,14 +25,17 @@ _FINGERPRINT_ELEMENTS = 256
 
 def load_policy_model(cfg: RayflowConfig, device: str | torch.device | None = None,
                       transformer_only: bool = False) -> DiffusionModel:
-    """The model with its LoRA adapters ("default"; "old" when the algorithm rolls out under an EMA; "ema"
-    when trainer.ema_decay > 0). `transformer_only` (learner ranks): no text encoder or VAE, which a learner never runs.
+    """The model with its LoRA adapters ("default" and the `ema_copies`), or with learner.train_mode=full the
+    plain model (its copies come after sharding: `add_full_weight_copies`). `transformer_only` (learner ranks):
+    no text encoder or VAE, which a learner never runs.
 
     Reads cfg.model, cfg.learner (LoRA), cfg.algorithm and cfg.trainer (EMAs or not) and cfg.trainer.seed."""
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     path = resolve_model_path(cfg.model.path, cfg.model.cache_dir, cfg.model.tiny_size, cfg.model.tiny_seed,
                               cfg.model.tiny_arch)
     model = load_model(path, device=device, dtype=getattr(torch, cfg.model.dtype), transformer_only=transformer_only)
+    if cfg.learner.train_mode == "full":
+        return model
     # Same weights on every process for the same seed (the LoRA A matrices are random).
     torch.manual_seed(cfg.trainer.seed)
     add_lora(
@@ -39,9 +44,23 @@ def load_policy_model(cfg: RayflowConfig, device: str | torch.device | None = No
         alpha=cfg.learner.lora_alpha,
         targets=lora_targets(cfg, model),
         init=cfg.learner.lora_init,
-        shadows=(EMA_ADAPTER,) * cfg.algorithm.needs_ema_rollout + (EVAL_EMA_ADAPTER,) * (cfg.trainer.ema_decay > 0),
+        shadows=ema_copies(cfg),
     )
     return model
+
+
+def ema_copies(cfg: RayflowConfig) -> tuple[str, ...]:
+    """The EMAs of the trained weights a run keeps: "old" when the algorithm rolls out under one (DiffusionNFT),
+    "ema" when trainer.ema_decay > 0."""
+    return (EMA_ADAPTER,) * cfg.algorithm.needs_ema_rollout + (EVAL_EMA_ADAPTER,) * (cfg.trainer.ema_decay > 0)
+
+
+def add_full_weight_copies(cfg: RayflowConfig, transformer: torch.nn.Module) -> None:
+    """learner.train_mode=full: every parameter trainable, and whole-weight copies for the `ema_copies` and, with
+    algorithm.kl_beta > 0, the frozen base ("base", the KL reference). Call after sharding (the copies take the
+    parameters' layout). LoRA: nothing (its copies are adapters, added by `load_policy_model`)."""
+    if cfg.learner.train_mode == "full":
+        add_weight_copies(transformer, ema_copies(cfg) + (BASE,) * (cfg.algorithm.kl_beta > 0))
 
 
 def lora_targets(cfg: RayflowConfig, model: DiffusionModel) -> list[str]:
@@ -62,7 +81,9 @@ def base_weights_fingerprint(transformer: torch.nn.Module) -> str:
 
 
 def policy_identity(cfg: RayflowConfig, model: DiffusionModel) -> dict:
-    """What a checkpoint must match, as JSON-ready data: base model, LoRA config, algorithm. Call before sharding."""
+    """What a checkpoint must match, as JSON-ready data: base model, LoRA config (or "train_mode": "full"),
+    algorithm. A LoRA identity has no train_mode key, as before full fine-tuning, so older checkpoints resume.
+    Call before sharding."""
     config = {k: v for k, v in dict(model.transformer.config).items() if not k.startswith("_")}
     return {
         "model": {
@@ -71,10 +92,11 @@ def policy_identity(cfg: RayflowConfig, model: DiffusionModel) -> dict:
             "transformer_config": json.loads(json.dumps(config, default=list)),
             "weights_fingerprint": base_weights_fingerprint(model.transformer),
         },
-        "lora": {
+        **({"train_mode": "full"} if cfg.learner.train_mode == "full" else {"lora": {
             "rank": cfg.learner.lora_rank,
             "alpha": cfg.learner.lora_alpha,
             "targets": lora_targets(cfg, model),
-        },
+        }}),
         "algorithm": cfg.algorithm.name,
     }
+

@@ -16,7 +16,8 @@ from rayflow.algorithms.diffusion_nft import diffusion_nft_loss, noised, optimal
 from rayflow.algorithms.flow_grpo import RatioNorm, flow_grpo_loss
 from rayflow.cfg.policy import CFGPolicy
 from rayflow.config import AlgorithmConfig, RayflowConfig
-from rayflow.learner.lora import EMA_ADAPTER, base_model, using_adapter
+from rayflow.learner.lora import EMA_ADAPTER
+from rayflow.learner.weights import using_reference, using_weights
 from rayflow.models.base import DiffusionModel, PromptEmbeds
 from rayflow.sampling.flow_sde import flow_step, sde_std_dev
 from rayflow.types import Trajectory
@@ -118,13 +119,13 @@ def flow_grpo_backward(
         for j in trained:
             x, x_next = _stack_latent(mb, j, device), _stack_latent(mb, j + 1, device)
             step = dict(sde_type=params.sde_type, noise_level=params.noise_level, prev_sample=x_next, sigma_max=sigmas[1])
-            v = _guided_velocity(model, policy, x, timesteps[j], conds, params)
-            _, log_prob, mean, std = flow_step(v, x, sigmas[j], sigmas[j + 1], **step)
             ref_mean = None
-            if algo.kl_beta > 0:
-                with torch.no_grad(), base_model(model.transformer):
+            if algo.kl_beta > 0:  # before the policy's forward: no graph may hold weights a full-weight swap changes
+                with torch.no_grad(), using_reference(model.transformer):
                     v_ref = _guided_velocity(model, policy, x, timesteps[j], conds, params)
                     _, _, ref_mean, _ = flow_step(v_ref, x, sigmas[j], sigmas[j + 1], **step)
+            v = _guided_velocity(model, policy, x, timesteps[j], conds, params)
+            _, log_prob, mean, std = flow_step(v, x, sigmas[j], sigmas[j + 1], **step)
             ratio_norm = None
             if algo.ratio_norm:
                 ratio_norm = RatioNorm(_stack_step_mean(mb, j, device), std, (sigmas[j + 1] - sigmas[j]).to(device))
@@ -187,11 +188,11 @@ def diffusion_nft_backward(
                 return model.predict_velocity(x_t, timestep, positive, height=params.height, width=params.width,
                                               **policy.conditional_kwargs(params.guidance_scale))
 
-            with torch.no_grad(), using_adapter(model.transformer, EMA_ADAPTER):
+            with torch.no_grad(), using_weights(model.transformer, EMA_ADAPTER):
                 v_old = velocity()
             v_ref = None
             if algo.kl_beta > 0:
-                with torch.no_grad(), base_model(model.transformer):
+                with torch.no_grad(), using_reference(model.transformer):
                     v_ref = velocity()
             out = diffusion_nft_loss(
                 velocity(), v_old, x0, x_t, sigma, r,

@@ -14,13 +14,14 @@ from torch.distributed.tensor import DTensor
 from rayflow.algorithms.diffusion_nft import ema_decay, ema_update
 from rayflow.algorithms.flow_grpo import train_ema_decay
 from rayflow.config import AlgorithmConfig, LearnerConfig, TrainerConfig
-from rayflow.learner.lora import EMA_ADAPTER, EVAL_EMA_ADAPTER, TRAINED_ADAPTER, adapter_parameters
+from rayflow.learner.lora import EMA_ADAPTER, EVAL_EMA_ADAPTER, TRAINED_ADAPTER
+from rayflow.learner.weights import named_weights
 
 
 def build_optimizer(transformer: nn.Module, cfg: LearnerConfig) -> torch.optim.Optimizer:
     params = [p for p in transformer.parameters() if p.requires_grad]
     if not params:
-        raise ValueError("no trainable parameters: add the LoRA adapter before building the optimizer")
+        raise ValueError("no trainable parameters: add the LoRA adapter (or full.add_weight_copies) before building the optimizer")
     # foreach=False: the same kernels whether the params are plain tensors or FSDP2 DTensor shards.
     return torch.optim.AdamW(
         params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay, foreach=False
@@ -80,8 +81,8 @@ def update_eval_ema(transformer: nn.Module, trainer: TrainerConfig, optimizer_st
 
 def _blend_into(transformer: nn.Module, shadow: str, decay: float) -> None:
     """shadow ← decay·shadow + (1 − decay)·"default", tensor by tensor (FSDP2 shards in place)."""
-    current = adapter_parameters(transformer, TRAINED_ADAPTER)
-    target = adapter_parameters(transformer, shadow)
+    current = named_weights(transformer, TRAINED_ADAPTER)
+    target = named_weights(transformer, shadow)
     ema_update([target[n] for n in sorted(target)], [current[n] for n in sorted(target)], decay)
 
 

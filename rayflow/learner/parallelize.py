@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
+from collections.abc import Iterable
 
 import torch
 from torch import nn
@@ -63,19 +64,35 @@ def apply_fsdp(
     mesh: DeviceMesh,
     mp_policy: MixedPrecisionPolicy | None = None,
     reshard_after_forward: bool = True,
+    master_dtype: torch.dtype | None = None,
 ) -> None:
     """FSDP2 in place: one parameter group per transformer block, then the root (the embeddings,
     norms and output projection). Per-block groups bound the memory of unsharded parameters to one
-    block at a time; the root last so its group holds only what no block owns."""
+    block at a time; the root last so its group holds only what no block owns.
+
+    `master_dtype`: each group's parameters cast to it right before it is sharded (full fine-tuning's fp32
+    master weights over a bf16 model), so the whole model never exists in that dtype at once."""
     # diffusers transformers return their output as a view; rayflow only uses velocities out of place
     # (CFG combine, flow_step, the losses), so FSDP2's warning about in-place ops on it does not apply.
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
     kwargs = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}
     if mp_policy is not None:
         kwargs["mp_policy"] = mp_policy
-    for block in transformer_blocks(transformer):
+    blocks = transformer_blocks(transformer)
+    for block in blocks:
+        cast_parameters(block.parameters(), master_dtype)
         fully_shard(block, **kwargs)
+    in_blocks = {id(p) for p in blocks.parameters()}
+    cast_parameters((p for p in transformer.parameters() if id(p) not in in_blocks), master_dtype)
     fully_shard(transformer, **kwargs)
+
+
+def cast_parameters(params: Iterable[nn.Parameter], dtype: torch.dtype | None) -> None:
+    """Each parameter's data in `dtype` (None: unchanged), the Parameter objects kept."""
+    if dtype is None:
+        return
+    for p in params:
+        p.data = p.data.to(dtype)
 
 
 def reshard(transformer: nn.Module) -> None:

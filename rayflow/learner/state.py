@@ -1,5 +1,7 @@
 """Adapter and optimizer state as full tensors by canonical name, whether parameters are plain
-tensors (reference trainer) or FSDP2 DTensor shards (learner ranks).
+tensors (reference trainer) or FSDP2 DTensor shards (learner ranks). The weight sets come from
+rayflow.learner.weights, so full fine-tuning's read the same way (its checkpoints are sharded instead:
+rayflow.learner.sharded).
 
 Reading gathers shards (a collective: every rank of the mesh must call it, in the same order);
 writing takes full tensors and keeps each rank's own shard, with no communication, so every
@@ -13,7 +15,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from rayflow.learner.lora import TRAINED_ADAPTER, adapter_names, adapter_parameters
+from rayflow.learner.lora import TRAINED_ADAPTER
+from rayflow.learner.weights import named_weights, weight_names
 from rayflow.named_tensors import check_layout, layout
 
 
@@ -39,13 +42,13 @@ def like(full: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
 
 def adapter_state(transformer: nn.Module, adapter: str) -> dict[str, torch.Tensor]:
     """{canonical name: full tensor} of one adapter."""
-    return {name: full_tensor(p) for name, p in sorted(adapter_parameters(transformer, adapter).items())}
+    return {name: full_tensor(p) for name, p in sorted(named_weights(transformer, adapter).items())}
 
 
 @torch.no_grad()
 def load_adapter_state(transformer: nn.Module, adapter: str, tensors: dict[str, torch.Tensor]) -> None:
     """Overwrite an adapter from full tensors; names and shapes must match exactly."""
-    params = adapter_parameters(transformer, adapter)
+    params = named_weights(transformer, adapter)
     check_layout(layout(params), layout(tensors), f"adapter {adapter!r}")
     for name, p in params.items():
         p.copy_(like(tensors[name], p))
@@ -54,7 +57,7 @@ def load_adapter_state(transformer: nn.Module, adapter: str, tensors: dict[str, 
 def optimizer_state(transformer: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
     """The optimizer's state with full tensors, keyed by the canonical names of the trained adapter:
     {"state": {name: {"step", "exp_avg", ...}}, "param_groups": [{hyperparameters, "params": [names]}]}."""
-    names = _names_by_param(transformer, optimizer)
+    names = param_names(transformer, optimizer)
     state = {
         names[p]: {k: full_tensor(v) if torch.is_tensor(v) else v for k, v in s.items()}
         for p, s in optimizer.state.items()
@@ -67,9 +70,9 @@ def optimizer_state(transformer: nn.Module, optimizer: torch.optim.Optimizer) ->
 def load_optimizer_state(transformer: nn.Module, optimizer: torch.optim.Optimizer, saved: dict) -> None:
     """Restore `optimizer_state` output into an optimizer over the same trained parameters. The per-parameter
     state (moments, step counts) comes from `saved`; hyperparameters (lr, betas, ...) stay this run's config."""
-    names = _names_by_param(transformer, optimizer)
+    names = param_names(transformer, optimizer)
     params = {name: p for p, name in names.items()}
-    _check_names("optimizer", [n for g in saved["param_groups"] for n in g["params"]], list(params))
+    check_names("optimizer", [n for g in saved["param_groups"] for n in g["params"]], list(params))
     # In torch's own format (parameters by position), so load_state_dict casts and validates as usual;
     # scalar entries ("step") stay plain tensors, as AdamW keeps them.
     index = {names[p]: i for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])}
@@ -85,21 +88,22 @@ def capture(transformer: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
     """{"adapters": {adapter: {name: full tensor}}, "optimizer": optimizer_state}: the trained state
     a checkpoint holds. A collective under FSDP2."""
     return {
-        "adapters": {name: adapter_state(transformer, name) for name in adapter_names(transformer)},
+        "adapters": {name: adapter_state(transformer, name) for name in weight_names(transformer)},
         "optimizer": optimizer_state(transformer, optimizer),
     }
 
 
 def restore(transformer: nn.Module, optimizer: torch.optim.Optimizer, adapters: dict, optimizer_saved: dict) -> None:
     """Load `capture` output; the saved adapters must be exactly the model's."""
-    _check_names("adapters", list(adapters), adapter_names(transformer))
+    check_names("adapters", list(adapters), weight_names(transformer))
     for name, tensors in adapters.items():
         load_adapter_state(transformer, name, tensors)
     load_optimizer_state(transformer, optimizer, optimizer_saved)
 
 
-def _names_by_param(transformer: nn.Module, optimizer: torch.optim.Optimizer) -> dict[nn.Parameter, str]:
-    by_id = {id(p): name for name, p in adapter_parameters(transformer, TRAINED_ADAPTER).items()}
+def param_names(transformer: nn.Module, optimizer: torch.optim.Optimizer) -> dict[nn.Parameter, str]:
+    """The canonical name of every parameter the optimizer holds (all of them trained weights)."""
+    by_id = {id(p): name for name, p in named_weights(transformer, TRAINED_ADAPTER).items()}
     names = {}
     for group in optimizer.param_groups:
         for p in group["params"]:
@@ -112,7 +116,7 @@ def _names_by_param(transformer: nn.Module, optimizer: torch.optim.Optimizer) ->
     return names
 
 
-def _check_names(what: str, given: list[str], expected: list[str]) -> None:
+def check_names(what: str, given: list[str], expected: list[str]) -> None:
     missing, unexpected = sorted(set(expected) - set(given)), sorted(set(given) - set(expected))
     if missing or unexpected:
         raise ValueError(

@@ -21,7 +21,7 @@ import time
 import ray
 import torch
 
-from rayflow.checkpoint import Checkpoint, check_identity
+from rayflow.checkpoint import Checkpoint, check_identity, checkpoint_root, sharded_staging_dir
 from rayflow.config import RayflowConfig
 from rayflow.distributed.placement import PlacedGroup, make_bundles, place, resolve_gpus
 from rayflow.distributed.restart_budget import RestartBudget
@@ -93,8 +93,8 @@ class LearnerWorker:
             sync_actor.push.remote(wire)
         return {"version": self.backend.version, "gather_s": gathered - start, "push_s": time.perf_counter() - gathered}
 
-    def state_dict(self) -> dict:
-        return self.backend.state_dict()
+    def state_dict(self, directory: str | None) -> dict:
+        return self.backend.state_dict(directory)
 
     def load_state_dict(self, state: dict, rng: dict[str, torch.Tensor] | None) -> None:
         self.backend.load_state_dict({**state, "rng": rng})
@@ -206,9 +206,16 @@ class LearnerGroup:
         return [w.adapter_weights.remote(adapter) for w in self.workers]
 
     def checkpoint(self, step: int, data: dict) -> Checkpoint:
-        """The learners' full state as a Checkpoint (rank 0's adapters and optimizer, every rank's RNG
-        states as "learner<r>", the driver's as "driver"), with the driver's step and data position."""
-        states = self.get([w.state_dict.remote() for w in self.workers])
+        """The learners' full state as a Checkpoint (rank 0's adapters and optimizer, or with learner.train_mode=full
+        every rank's shards, written to a staging directory under the run's checkpoints; every rank's RNG states as
+        "learner<r>", the driver's as "driver"), with the driver's step and data position."""
+        directory = None
+        if self.cfg.learner.train_mode == "full":  # the run's directory is shared storage when the ranks are on several nodes
+            directory = sharded_staging_dir(checkpoint_root(self.cfg.trainer.run_dir), step)
+        states = self.get([w.state_dict.remote(directory) for w in self.workers])
+        sharded = states[0]["sharded"]
+        if sharded is not None:
+            sharded = dataclasses.replace(sharded, finite=all(s["sharded"].finite for s in states))
         return Checkpoint(
             step=step,
             version=states[0]["version"],
@@ -218,14 +225,15 @@ class LearnerGroup:
             rng={"driver": get_rng_state(), **{f"learner{r}": s["rng"] for r, s in enumerate(states)}},
             data=data,
             counters={"skipped_steps": states[0]["skipped_steps"]},
+            sharded=sharded,
         )
 
     def restore(self, ckpt: Checkpoint) -> None:
         """Load a checkpoint (of this group, another world size or the reference trainer) into every rank.
         A rank without saved RNG states keeps its own; the driver restores "driver" and the data position."""
         check_identity(ckpt.identity, self.identity, f"at step {ckpt.step}")
-        shared = ray.put({"adapters": ckpt.adapters, "optimizer": ckpt.optimizer, "version": ckpt.version,
-                          "skipped_steps": ckpt.counters.get("skipped_steps", 0)})
+        shared = ray.put({"adapters": ckpt.adapters, "optimizer": ckpt.optimizer, "sharded": ckpt.sharded,
+                          "version": ckpt.version, "skipped_steps": ckpt.counters.get("skipped_steps", 0)})
         self.get([w.load_state_dict.remote(shared, ckpt.rng.get(f"learner{r}")) for r, w in enumerate(self.workers)])
 
     def get(self, refs: list[ray.ObjectRef]) -> list:

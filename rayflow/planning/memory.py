@@ -111,15 +111,19 @@ def rollout_rank(cfg: RayflowConfig, sizes: ModelSizes) -> RoleMemory:
     return role
 
 
-def _learner_lora_bytes(cfg: RayflowConfig) -> int:
-    """Bytes per LoRA parameter on the learner: fp32 under autocast (master weights), else model.dtype."""
+def _trained_bytes(cfg: RayflowConfig) -> int:
+    """Bytes per trained parameter on the learner (LoRA, or every weight with learner.train_mode=full): fp32 under
+    autocast (master weights), else model.dtype."""
     return 4 if cfg.learner.mixed_precision == "autocast" else dtype_bytes(cfg.model.dtype)
 
 
 def _sync_payload(cfg: RayflowConfig, sizes: ModelSizes) -> int:
-    """Bytes one weight-sync version carries: the learner's adapter (lora) or the folded linears (merged)."""
+    """Bytes one weight-sync version carries: the learner's adapter (lora), the folded linears (merged) or, with
+    learner.train_mode=full, every transformer weight."""
+    if cfg.learner.train_mode == "full":
+        return sizes.parameters["transformer"] * _trained_bytes(cfg)
     if cfg.sync.mode == "lora":
-        return sizes.lora_parameters * _learner_lora_bytes(cfg)
+        return sizes.lora_parameters * _trained_bytes(cfg)
     return sizes.adapted_parameters * dtype_bytes(cfg.model.dtype)
 
 
@@ -128,17 +132,24 @@ def learner_rank(cfg: RayflowConfig, sizes: ModelSizes) -> RoleMemory:
     wb = dtype_bytes(cfg.model.dtype)
     compute_bytes = 2 if lr.mixed_precision == "bf16" else wb
     shards = lr.world_size if lr.sharded else 1
-    weights = sizes.parameters["transformer"] * wb
-    adapters = 1 + cfg.algorithm.needs_ema_rollout + (cfg.trainer.ema_decay > 0)  # "default", "old", "ema"
-    lora = sizes.lora_parameters * _learner_lora_bytes(cfg) // shards
+    weights = sizes.parameters["transformer"] * (_trained_bytes(cfg) if lr.train_mode == "full" else wb)
+    emas = cfg.algorithm.needs_ema_rollout + (cfg.trainer.ema_decay > 0)  # "old", "ema"
     grad_forwards = branches(cfg) if cfg.algorithm.name == "flow_grpo" else 1
     cost = sizes.forward[(lr.micro_batch_size, lr.activation_checkpointing)]
     role = RoleMemory("learner rank", lr.world_size, _gpus(lr.gpus_per_rank))
-    role.resident = {
-        "transformer weights (shard)": weights // shards,
-        "LoRA adapters": adapters * lora,
-        "LoRA gradients + AdamW states": (1 + ADAM_STATES) * lora,
-    }
+    if lr.train_mode == "full":  # the trained weights are the shard itself; copies, gradients and moments are its size
+        role.resident = {
+            "transformer weights (shard)": weights // shards,
+            'whole-weight copies ("old", "ema", KL "base")': (emas + (cfg.algorithm.kl_beta > 0)) * (weights // shards),
+            "gradients + AdamW states": (1 + ADAM_STATES) * (weights // shards),
+        }
+    else:
+        lora = sizes.lora_parameters * _trained_bytes(cfg) // shards
+        role.resident = {
+            "transformer weights (shard)": weights // shards,
+            "LoRA adapters": (1 + emas) * lora,
+            "LoRA gradients + AdamW states": (1 + ADAM_STATES) * lora,
+        }
     if lr.sharded:
         # FSDP2 gathers one block and prefetches the next.
         role.resident["FSDP2 gathered blocks (2)"] = 2 * sizes.block_parameters * compute_bytes
@@ -172,19 +183,20 @@ def colocated_device(cfg: RayflowConfig, sizes: ModelSizes) -> RoleMemory:
     role.resident = {k: v for k, v in learner.resident.items() if not k.startswith("FSDP2 gathered")}
     role.resident["text encoder weights"] = rollout.resident["text encoder weights"]
     role.resident["VAE weights"] = rollout.resident["VAE weights"]
-    optimizer = role.resident.pop("LoRA gradients + AdamW states") if lr.offload_optimizer_during_rollout else 0
+    optimizer_key = "LoRA gradients + AdamW states" if lr.train_mode == "lora" else "gradients + AdamW states"
+    optimizer = role.resident.pop(optimizer_key) if lr.offload_optimizer_during_rollout else 0
     train = learner.phases["training step (activations)"] + learner.resident.get("FSDP2 gathered blocks (2)", 0)
     role.phases = {"training step (activations)": train + optimizer}
     # Sampling under sharded weights gathers the whole transformer once per step (in the compute dtype).
-    compute_bytes = 2 if lr.mixed_precision == "bf16" else dtype_bytes(cfg.model.dtype)
-    gathered = sizes.parameters["transformer"] * compute_bytes if lr.sharded else 0
+    held_bytes = _trained_bytes(cfg) if lr.train_mode == "full" else dtype_bytes(cfg.model.dtype)
+    gathered = sizes.parameters["transformer"] * (2 if lr.mixed_precision == "bf16" else held_bytes) if lr.sharded else 0
     for phase in ("prompt encoding (text encoder forward)", "denoising (transformer forward)", "VAE decode"):
         role.phases[phase] = gathered + rollout.phases[phase]
     role.phases["start-up: full transformer before sharding"] = learner.phases["start-up: full transformer before sharding"]
     role.knobs = {**rollout.knobs, **learner.knobs,
                   "denoising (transformer forward)": "rollout.micro_batch_size (sharded learners gather the whole "
                                                      "transformer to sample: learner.mixed_precision=autocast keeps one copy)",
-                  "LoRA gradients + AdamW states": "learner.offload_optimizer_during_rollout"}
+                  optimizer_key: "learner.offload_optimizer_during_rollout"}
     return role
 
 

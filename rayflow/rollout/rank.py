@@ -27,7 +27,8 @@ from transformers.utils import logging as transformers_logging
 from rayflow.cfg.parallel import CFGParallel, Group, all_gather_header
 from rayflow.cfg.policy import CFGPolicy, TrueCFG
 from rayflow.config import ModelConfig, RayflowConfig
-from rayflow.learner.lora import TRAINED_ADAPTER, adapter_parameters, add_lora, target_weight_names, using_adapter
+from rayflow.learner.lora import TRAINED_ADAPTER, adapter_parameters, add_lora, target_weight_names
+from rayflow.learner.weights import named_weights
 from rayflow.models import DiffusionModel, load_model
 from rayflow.models.speed import apply_speed_options
 from rayflow.models.tiny import resolve_model_path
@@ -65,7 +66,9 @@ class RolloutWorkerSpec:
     """Apply newly staged weights at the next denoising "step" boundary, or only between "request"s."""
     sync_mode: str = "lora"
     """"lora": the rank holds a LoRA slot and receives adapters; "merged": no LoRA, it receives the
-    weights of the adapted linears with the adapter folded in."""
+    weights of the adapted linears with the adapter folded in (train_mode "full": every transformer weight)."""
+    train_mode: str = "lora"
+    """The learners' learner.train_mode: "full" trains, and so syncs, every transformer weight."""
 
     def __post_init__(self) -> None:
         if self.apply_at not in APPLY_AT:
@@ -89,6 +92,7 @@ class RolloutWorkerSpec:
             batch_branches=cfg.rollout.batch_branches,
             apply_at="step" if partial else "request",
             sync_mode=cfg.sync.mode,
+            train_mode=cfg.learner.train_mode,
         )
 
 
@@ -97,8 +101,9 @@ class SharedModel:
     """A model a rollout rank samples with but does not own: in colocated placement, the learner's, trained in place."""
 
     model: DiffusionModel
-    adapter: str
-    """The LoRA adapter rollouts sample under (rayflow.learner.lora.rollout_adapter_name)."""
+    slot: str
+    """The weight set (rayflow.learner.weights) whose tensors the rollout samples with, which its owner makes the one
+    the forward uses: the rollout adapter (LoRA), or "default", the parameters, holding the rollout weights (full)."""
 
 
 class TimedGroup:
@@ -156,13 +161,15 @@ class RolloutRank:
         path = resolve_model_path(m.path, m.cache_dir, m.tiny_size, m.tiny_seed, m.tiny_arch)
         self.model = load_model(path, device=self.device, dtype=getattr(torch, m.dtype))
         targets = spec.lora_targets or self.model.lora_target_modules
-        if spec.sync_mode == "lora":
+        params = dict(self.model.transformer.named_parameters())
+        if spec.train_mode == "full":  # the base weights are version 0's
+            self._synced = params
+        elif spec.sync_mode == "lora":
             torch.manual_seed(spec.seed)  # the learner seeds the same way before add_lora (the A matrices are random)
             add_lora(self.model.transformer, rank=spec.lora_rank, alpha=spec.lora_alpha, targets=targets, init=spec.lora_init)
             self._synced = adapter_parameters(self.model.transformer, TRAINED_ADAPTER)
         else:
             # A LoRA starts as the identity (B = 0), so the base weights are version 0's merged weights.
-            params = dict(self.model.transformer.named_parameters())
             self._synced = {name: params[name] for name in target_weight_names(self.model.transformer, targets)}
         apply_speed_options(self.model.transformer, m.attention_backend, m.compile)
 
@@ -174,10 +181,11 @@ class RolloutRank:
     # --- weights -------------------------------------------------------------------------------
 
     def _synced_weights(self) -> dict[str, torch.Tensor]:
-        """The tensors weight sync replaces: the LoRA slot's, or (merged mode) the adapted linears' weights; on a
-        shared model, its rollout adapter (looked up each time: FSDP2 swaps parameters when it gathers them)."""
+        """The tensors weight sync replaces: the LoRA slot's, or (merged mode) the adapted linears' weights, or (full
+        fine-tuning) every transformer weight; on a shared model, its slot weight set (looked up each time: FSDP2
+        swaps parameters when it gathers them)."""
         if self.shared is not None:
-            return adapter_parameters(self.model.transformer, self.shared.adapter)
+            return named_weights(self.model.transformer, self.shared.slot)
         return self._synced
 
     def stage_weights(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
@@ -254,18 +262,15 @@ class RolloutRank:
 
     @contextlib.contextmanager
     def _sampling_under(self, weights: dict[str, torch.Tensor] | None) -> Iterator[None]:
-        # A shared model trains under "default": the forward switches to the rollout adapter for the request only.
-        adapter = using_adapter(self.model.transformer, self.shared.adapter) if self.shared else contextlib.nullcontext()
-        with adapter:
-            if weights is None:
-                yield
-                return
-            applied = {name: p.detach().to("cpu", copy=True) for name, p in self._synced_weights().items()}  # off the GPU
-            load_weights(self._synced_weights(), weights)
-            try:
-                yield
-            finally:
-                load_weights(self._synced_weights(), applied)
+        if weights is None:
+            yield
+            return
+        applied = {name: p.detach().to("cpu", copy=True) for name, p in self._synced_weights().items()}  # off the GPU
+        load_weights(self._synced_weights(), weights)
+        try:
+            yield
+        finally:
+            load_weights(self._synced_weights(), applied)
 
     def _denoise(self, request: RolloutRequest, state, policy: CFGPolicy, tag: int, guidance: CFGParallel,
                  apply: bool) -> list[Trajectory] | None:

@@ -23,7 +23,8 @@ Ordering rules and version protocol:
    version is broadcast again to it (ranks that already hold it skip re-staging).
 
 In "merged" mode the actor holds the base transformer with one LoRA slot, folds each pushed adapter
-into the weights of the adapted linears (W + ΔW, peft's merge) and broadcasts those instead.
+into the weights of the adapted linears (W + ΔW, peft's merge) and broadcasts those instead. With
+learner.train_mode=full the push is every transformer weight, broadcast as pushed.
 """
 
 from __future__ import annotations
@@ -98,7 +99,8 @@ class WeightSyncActor:
     def __init__(self, spec: SyncSpec, rollout_spec: RolloutWorkerSpec):
         """`rollout_spec` says what the receivers hold (model and LoRA shape); merged mode folds with it."""
         self.spec = spec
-        self.fold = AdapterFolder(rollout_spec) if spec.mode == "merged" else None
+        # Full fine-tuning pushes the plain weights themselves: nothing to fold.
+        self.fold = AdapterFolder(rollout_spec) if spec.mode == "merged" and rollout_spec.train_mode == "lora" else None
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.group: CollectiveGroup | None = None
         self.receivers: list = []

@@ -1,0 +1,54 @@
+"""Exports of a checkpoint's trained weights that diffusers loads on its own: a LoRA adapter in diffusers' LoRA
+format (learner.train_mode=lora), or a whole transformer directory (learner.train_mode=full)."""
+
+from __future__ import annotations
+
+import os
+
+from rayflow.checkpoint import SHARDED_DIR, load_adapter, read_meta
+
+
+def export_lora(path: str, out: str, adapter: str = "default") -> str:
+    """Write one adapter of a checkpoint in diffusers' LoRA format (out/pytorch_lora_weights.safetensors,
+    "transformer."-prefixed peft keys, the LoRA config as metadata so alpha survives), with the pipeline
+    class's own save_lora_weights. Returns `out`."""
+    import diffusers
+    from peft import LoraConfig
+
+    meta = read_meta(path)
+    if meta.get("sharded"):
+        raise ValueError(f"{path} is a full fine-tuning checkpoint (learner.train_mode=full), it has no LoRA: "
+                         f"tools/export_lora.py exports its transformer (export_transformer)")
+    identity = meta["identity"]
+    tensors = load_adapter(path, adapter)
+    lora = identity["lora"]
+    config = LoraConfig(r=lora["rank"], lora_alpha=lora["alpha"], target_modules=lora["targets"])
+    pipeline = getattr(diffusers, identity["model"]["pipeline"])
+    pipeline.save_lora_weights(out, transformer_lora_layers=tensors, transformer_lora_adapter_metadata=config.to_dict())
+    os.chmod(os.path.join(out, "pytorch_lora_weights.safetensors"), 0o644)  # as readable as the run's other outputs
+    return out
+
+
+def export_transformer(path: str, out: str, weights: str = "default") -> str:
+    """Write weight set `weights` of a full fine-tuning checkpoint as a diffusers transformer directory
+    (`save_pretrained`: config.json and safetensors), which `<Transformer>.from_pretrained(out)` loads and
+    `<Pipeline>.from_pretrained(BASE, transformer=...)` samples with. Built from the checkpoint alone (the
+    transformer class and config its identity records), in the dtype it was trained in. Returns `out`."""
+    import diffusers
+
+    from rayflow.learner import sharded
+
+    meta = read_meta(path)
+    if not meta.get("sharded"):
+        raise ValueError(f"{path} is a LoRA checkpoint (learner.train_mode=lora): export its adapter (export_lora)")
+    if weights not in meta["adapters"]:
+        raise ValueError(f"weights {weights!r}: {path} holds {meta['adapters']}")
+    model = meta["identity"]["model"]
+    tensors = sharded.read_weights(os.path.join(path, SHARDED_DIR), weights)
+    transformer = getattr(diffusers, model["transformer"]).from_config(model["transformer_config"])
+    dtype = next(iter(tensors.values())).dtype
+    if dtype != transformer.dtype:  # diffusers warns on any .to(dtype), even a no-op one
+        transformer.to(dtype)
+    transformer.load_state_dict(tensors)  # strict: every parameter, none left out
+    transformer.save_pretrained(out)
+    return out
