@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from rayflow import reference
-from rayflow.checkpoint import checkpoint_root, load_checkpoint, step_dir
 from rayflow.config import load_config
 from rayflow.distributed.colocated import replica_ranks
 from rayflow.distributed.placement import PlacedGroup
@@ -18,7 +17,7 @@ from rayflow.errors import ConfigError
 from rayflow.learner.worker import LearnerError
 from rayflow.paths import recipe as recipe_path
 from rayflow.planning.memory import GiB, check_fits, plan_config
-from tiny_run import GRPO, NFT, small_cfg
+from tiny_run import GRPO, NFT, final_adapters, small_cfg
 
 STEPS = 2
 SYNCHRONOUS = [f"trainer.total_steps={STEPS}", f"trainer.save_every={STEPS}", "logging.progress_bar=false",
@@ -38,16 +37,19 @@ def run_both(recipe: str, tiny_model_dir: str, tmp_path, *overrides: str, then=N
         trainer.shutdown()
     ref_cfg = small_cfg(recipe, tiny_model_dir, tmp_path / "reference", *SYNCHRONOUS, *overrides)
     _, ref_history = reference.train(ref_cfg, log=lambda *_: None)
-    adapters = [load_checkpoint(step_dir(checkpoint_root(c.trainer.run_dir), STEPS)).adapters for c in (cfg, ref_cfg)]
-    return history, trainer.startup_s, adapters[0], ref_history, adapters[1]
+    weights = [final_adapters(c.trainer.run_dir, STEPS) for c in (cfg, ref_cfg)]
+    return history, trainer.startup_s, weights[0], ref_history, weights[1]
 
 
-def test_one_device_equals_the_reference_trainer_bit_for_bit(ray_session, tiny_model_dir, tmp_path):
-    """DiffusionNFT (rollouts under the EMA "old" adapter) with the evaluation EMA, evaluated on the device at the
-    last step (the "ema" tensors sampled in the slot, then put back), optimizer offload on: every adapter equal."""
+@pytest.mark.parametrize("train_mode", ["lora", "full"])
+def test_one_device_equals_the_reference_trainer_bit_for_bit(ray_session, tiny_model_dir, tmp_path, train_mode):
+    """DiffusionNFT (rollouts under the EMA "old": an adapter the forward switches to, or whole weights swapped into
+    the parameters for the sampling phase) with the evaluation EMA, evaluated on the device at the last step (the
+    "ema" tensors sampled in the slot, then put back), optimizer offload on: every weight set equal."""
+    full = ("learner.train_mode=full", "learner.lr=0.0001", "algorithm.kl_beta=0.01") if train_mode == "full" else ()
     history, startup, adapters, ref_history, expected = run_both(
         NFT, tiny_model_dir, tmp_path, "trainer.ema_decay=0.9", "trainer.ema_every=1", f"trainer.eval_every={STEPS}",
-        "learner.offload_optimizer_during_rollout=true")
+        "learner.offload_optimizer_during_rollout=true", *full)
     assert [h["reward/mean"] for h in history] == [r.reward_mean for r in ref_history]
     assert [h["loss/policy"] for h in history] == [r.metrics["loss/policy"] for r in ref_history]
     assert [h["train/grad_norm"] for h in history] == [r.grad_norm for r in ref_history]

@@ -11,9 +11,8 @@ import torch
 from rayflow import reference
 from rayflow.checkpoint import checkpoint_root, load_checkpoint, step_dir
 from rayflow.driver.trainer import Trainer
-from rayflow.learner.sharded import read_weights
 from rayflow.paths import recipe as recipe_path
-from tiny_run import GRPO, NFT, small_cfg
+from tiny_run import GRPO, NFT, final_adapters, small_cfg
 
 STEPS = 3
 
@@ -24,14 +23,6 @@ def run_trainer(cfg):
         return trainer.run()
     finally:
         trainer.shutdown()
-
-
-def final_adapters(run_dir: str, step: int) -> dict:
-    """{weight set: {name: full tensor}} of a checkpoint: its adapters, or its sharded full weights."""
-    ckpt = load_checkpoint(step_dir(checkpoint_root(run_dir), step))
-    if ckpt.sharded is None:
-        return ckpt.adapters
-    return {name: read_weights(ckpt.sharded.directory, name) for name in ckpt.sharded.names}
 
 
 MINIBATCHES = ("algorithm.num_inner_epochs=2", "algorithm.num_minibatches=2")
@@ -135,7 +126,8 @@ def test_time_limit_stops_after_the_step_that_passes_it_evaluating_and_checkpoin
     assert [e.step for e in events.Scalars("eval/reward_mean")] == [1]
 
 
-@pytest.mark.parametrize("max_restarts, max_staleness", [(0, 0), (1, 0), (1, 1)])
+# A synchronous run whose only replica is replaced stays equal to the reference: test_faults.py's chaos test.
+@pytest.mark.parametrize("max_restarts, max_staleness", [(0, 0), (1, 1)])
 def test_a_dead_rollout_replica_is_replaced_or_routed_around(ray_session, tiny_model_dir, tmp_path, max_restarts,
                                                              max_staleness):
     import ray

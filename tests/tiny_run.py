@@ -2,7 +2,9 @@
 
 import os
 
+from rayflow.checkpoint import checkpoint_root, load_checkpoint, step_dir
 from rayflow.config import RayflowConfig, load_config
+from rayflow.learner.sharded import read_weights
 from rayflow.paths import recipe as recipe_path
 
 GRPO, NFT = recipe_path("flowgrpo_tiny.yaml"), recipe_path("diffusion_nft_tiny.yaml")  # the tiny random-weight model
@@ -17,3 +19,11 @@ def small_cfg(recipe: str, model_dir: str, out_dir, *overrides: str) -> RayflowC
         "algorithm.group_size=4", "sampling.num_steps=4", "learner.micro_batch_size=2",
         "rollout.micro_batch_size=4", *overrides,
     ])
+
+
+def final_adapters(run_dir: str, step: int) -> dict:
+    """{weight set: {name: full tensor}} of a checkpoint: its adapters, or its sharded full weights."""
+    ckpt = load_checkpoint(step_dir(checkpoint_root(run_dir), step))
+    if ckpt.sharded is None:
+        return ckpt.adapters
+    return {name: read_weights(ckpt.sharded.directory, name) for name in ckpt.sharded.names}
