@@ -17,6 +17,7 @@ rank calls them, in the same order); without one (the reference trainer) they ru
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -99,7 +100,7 @@ def read_weights(directory: str, name: str) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def _run(call, state: dict, directory: str, no_dist: bool | None = None, **kwargs) -> None:
+def _run(call: Callable, state: dict, directory: str, no_dist: bool | None = None, **kwargs) -> None:
     """dcp.save / dcp.load over the default process group, or in this process alone when there is none (`no_dist`)."""
     with warnings.catch_warnings():
         # Without a process group (the reference trainer, export) one process is the intent, not a mistake.
@@ -111,7 +112,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def _tensors(tree) -> list[torch.Tensor]:
+def _tensors(tree: dict | torch.Tensor) -> list[torch.Tensor]:
     if isinstance(tree, dict):
         return [t for v in tree.values() for t in _tensors(v)]
     return [tree.detach()]
