@@ -16,6 +16,7 @@ rank calls them, in the same order); without one (the reference trainer) they ru
 
 from __future__ import annotations
 
+import os
 import warnings
 from collections.abc import Callable
 
@@ -86,6 +87,15 @@ def load(transformer: nn.Module, optimizer: torch.optim.Optimizer, saved: Sharde
     _run(dcp.load, state, saved.directory)
     for p, s in adam.items():
         optimizer.state[p] = s
+
+
+def missing_files(directory: str) -> list[str]:
+    """The files a `save` directory's metadata names that this process does not see there: none when every rank
+    wrote to storage this process shares (ranks on other nodes write to their own disks otherwise)."""
+    if not os.path.isfile(os.path.join(directory, ".metadata")):
+        return [".metadata"]
+    storage = FileSystemReader(directory).read_metadata().storage_data
+    return sorted({info.relative_path for info in storage.values()} - set(os.listdir(directory)))
 
 
 def read_weights(directory: str, name: str) -> dict[str, torch.Tensor]:
