@@ -239,13 +239,22 @@ class LearnerConfig:
         _validate_resources(self, prefix)
 
     def _validate_no_lora_options(self, prefix: str) -> None:
-        """Full fine-tuning has no adapter: a LoRA option set to anything but its default is a mistake, not a no-op."""
+        """Full fine-tuning has no adapter: a LoRA option set to anything but its default is a mistake, not a no-op.
+        One message names every such key."""
         defaults = LearnerConfig()
-        for key in LORA_OPTIONS:
-            value = getattr(self, key)
-            _need(value == getattr(defaults, key), f"{prefix}.{key}", value,
-                  f"its default {getattr(defaults, key)!r} with {prefix}.train_mode=full (a LoRA option; full fine-tuning "
-                  f"trains every transformer parameter), or {prefix}.train_mode=lora")
+        changed = [key for key in LORA_OPTIONS if getattr(self, key) != getattr(defaults, key)]
+        if not changed:
+            return
+        if len(changed) == 1:
+            value, allowed = getattr(self, changed[0]), f"its default {getattr(defaults, changed[0])!r}"
+        else:
+            value = {key: getattr(self, key) for key in changed}
+            allowed = "their defaults " + ", ".join(f"{key}={getattr(defaults, key)!r}" for key in changed)
+        raise ConfigError(
+            ", ".join(f"{prefix}.{key}" for key in changed), value,
+            f"{allowed} with {prefix}.train_mode=full (LoRA options; full fine-tuning trains every transformer "
+            f"parameter), or {prefix}.train_mode=lora",
+        )
 
 
 ALGORITHMS = ("flow_grpo", "diffusion_nft")

@@ -172,6 +172,12 @@ def test_a_sharded_checkpoint_proves_itself_by_checksums_and_its_ranks_finite_ch
         verify_checkpoint(nan)
     with caplog.at_level(logging.WARNING, logger="rayflow"):
         assert resolve_resume("auto", root) == intact
+    from rayflow.learner.sharded import missing_files
+
+    # A shard a rank wrote where the driver does not see it (another node's disk, no shared storage) is named.
+    assert missing_files(os.path.join(intact, "weights")) == []
+    os.rename(os.path.join(nan, "weights", "__0_0.distcp"), os.path.join(tmp_path, "elsewhere"))
+    assert missing_files(os.path.join(nan, "weights")) == ["__0_0.distcp"]
     shard = os.path.join(intact, "weights", "__0_0.distcp")
     with open(shard, "r+b") as f:
         f.seek(100)

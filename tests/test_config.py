@@ -134,6 +134,9 @@ def test_user_interpolation_resolves(tmp_path):
          "its default 8 with learner.train_mode=full"),
         (["learner.train_mode=full", "sync.mode=merged", "learner.lora_targets=[to_q]"], "learner.lora_targets", ["to_q"],
          "its default None with learner.train_mode=full"),
+        (["learner.train_mode=full", "sync.mode=merged", "learner.lora_alpha=16", "learner.lora_init=default"],
+         "learner.lora_alpha, learner.lora_init", {"lora_alpha": 16.0, "lora_init": "default"},
+         "their defaults lora_alpha=8.0, lora_init='gaussian' with learner.train_mode=full"),
         (["learner.train_mode=full"], "sync.mode", "lora", "'merged' with learner.train_mode=full"),
     ],
 )

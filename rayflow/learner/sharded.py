@@ -16,7 +16,9 @@ rank calls them, in the same order); without one (the reference trainer) they ru
 
 from __future__ import annotations
 
+import os
 import warnings
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -87,6 +89,15 @@ def load(transformer: nn.Module, optimizer: torch.optim.Optimizer, saved: Sharde
         optimizer.state[p] = s
 
 
+def missing_files(directory: str) -> list[str]:
+    """The files a `save` directory's metadata names that this process does not see there: none when every rank
+    wrote to storage this process shares (ranks on other nodes write to their own disks otherwise)."""
+    if not os.path.isfile(os.path.join(directory, ".metadata")):
+        return [".metadata"]
+    storage = FileSystemReader(directory).read_metadata().storage_data
+    return sorted({info.relative_path for info in storage.values()} - set(os.listdir(directory)))
+
+
 def read_weights(directory: str, name: str) -> dict[str, torch.Tensor]:
     """Weight set `name` of a `save` directory as whole tensors by parameter name, in this process (export, tests)."""
     prefix = f"weights.{name}."
@@ -99,7 +110,7 @@ def read_weights(directory: str, name: str) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def _run(call, state: dict, directory: str, no_dist: bool | None = None, **kwargs) -> None:
+def _run(call: Callable, state: dict, directory: str, no_dist: bool | None = None, **kwargs) -> None:
     """dcp.save / dcp.load over the default process group, or in this process alone when there is none (`no_dist`)."""
     with warnings.catch_warnings():
         # Without a process group (the reference trainer, export) one process is the intent, not a mistake.
@@ -111,7 +122,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def _tensors(tree) -> list[torch.Tensor]:
+def _tensors(tree: dict | torch.Tensor) -> list[torch.Tensor]:
     if isinstance(tree, dict):
         return [t for v in tree.values() for t in _tensors(v)]
     return [tree.detach()]

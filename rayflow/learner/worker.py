@@ -21,13 +21,14 @@ import time
 import ray
 import torch
 
-from rayflow.checkpoint import Checkpoint, check_identity, checkpoint_root, sharded_staging_dir
+from rayflow.checkpoint import Checkpoint, CheckpointWriteError, check_identity, checkpoint_root, sharded_staging_dir
 from rayflow.config import RayflowConfig
 from rayflow.distributed.placement import PlacedGroup, make_bundles, place, resolve_gpus
 from rayflow.distributed.restart_budget import RestartBudget
 from rayflow.distributed.process_group import Rendezvous, init_default_group
 from rayflow.learner.backend import LearnerBackend
 from rayflow.learner.parallelize import build_mesh
+from rayflow.learner.sharded import missing_files
 from rayflow.rng import get_rng_state
 from rayflow.types import Trajectory, TrajectoryRef
 
@@ -210,9 +211,15 @@ class LearnerGroup:
         every rank's shards, written to a staging directory under the run's checkpoints; every rank's RNG states as
         "learner<r>", the driver's as "driver"), with the driver's step and data position."""
         directory = None
-        if self.cfg.learner.train_mode == "full":  # the run's directory is shared storage when the ranks are on several nodes
+        if self.cfg.learner.train_mode == "full":
             directory = sharded_staging_dir(checkpoint_root(self.cfg.trainer.run_dir), step)
         states = self.get([w.state_dict.remote(directory) for w in self.workers])
+        if directory is not None and (missing := missing_files(directory)):
+            raise CheckpointWriteError(
+                f"the learner ranks' checkpoint shards are not all in {directory} here (missing {missing}): ranks on other "
+                f"nodes wrote them to their own disks. With learner ranks on several nodes, trainer.output_dir must be "
+                f"storage the driver and every learner node share (NFS, a mounted bucket)"
+            )
         sharded = states[0]["sharded"]
         if sharded is not None:
             sharded = dataclasses.replace(sharded, finite=all(s["sharded"].finite for s in states))

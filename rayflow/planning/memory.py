@@ -155,7 +155,8 @@ def learner_rank(cfg: RayflowConfig, sizes: ModelSizes) -> RoleMemory:
         role.resident["FSDP2 gathered blocks (2)"] = 2 * sizes.block_parameters * compute_bytes
     train = int(grad_forwards * cost.saved + BACKWARD_BLOCK_SHARE * cost.block)
     role.phases = {"training step (activations)": train,
-                   "start-up: full transformer before sharding": weights - weights // shards}
+                   # as loaded (model.dtype): fp32 masters are cast block by block as they are sharded
+                   "start-up: full transformer before sharding": max(0, sizes.parameters["transformer"] * wb - weights // shards)}
     role.knobs = {"training step (activations)": "learner.micro_batch_size (or learner.activation_checkpointing=true)",
                   "transformer weights (shard)": "learner.world_size",
                   "start-up: full transformer before sharding": "model.dtype"}
