@@ -103,8 +103,8 @@ def test_cfg_parallel_ranks_of_a_replica_share_a_node():
 
 def test_colocated_recipes_ask_for_one_bundle_per_device_and_fit_their_gpus():
     """The one-GPU recipes are the 8-GPU ones (their `base`) on one colocated device; each device asks Ray for
-    placement.gpus_per_device and no weight-sync actor; the planner fits both on an 80 GB GPU, the sharded 8-GPU
-    one with the whole transformer gathered while it samples."""
+    placement.gpus_per_device and no weight-sync actor; the planner fits them on an 80 GB GPU, the sharded 8-GPU
+    ones with the whole transformer gathered while they sample, full fine-tuning included."""
     for name in ("flowgrpo_qwen_image", "diffusion_nft_qwen_image"):
         one, eight = load_config(recipe_path(f"{name}_1gpu.yaml")), load_config(recipe_path(f"{name}_8gpu.yaml"))
         assert (one.placement.mode, one.learner.world_size, one.async_.max_staleness) == ("colocated", 1, 0)
@@ -114,4 +114,9 @@ def test_colocated_recipes_ask_for_one_bundle_per_device_and_fit_their_gpus():
     (device, _), _ = plan_config(cfg)
     transformer = device.resident["transformer weights (shard)"] * 8  # 8 shards of bf16 weights
     assert device.phases["denoising (transformer forward)"] > transformer
+    check_fits(cfg, [device], int(79.6 * GiB))
+    # Full fine-tuning of the 20B transformer: AdamW's moments leave the GPU while it samples, and come back to train.
+    cfg = load_config(recipe_path("flowgrpo_qwen_image_8gpu_full.yaml"))
+    (device, _), _ = plan_config(cfg)
+    assert "gradients + AdamW states" not in device.resident
     check_fits(cfg, [device], int(79.6 * GiB))
