@@ -2,7 +2,7 @@
 
     python tools/bench.py rollout --json bench_rollout.json [--arch qwen_image|sd3 --size small --height 192 --width 192 --steps 20 --batch 4]
     python tools/bench.py sync --json bench_sync.json [--lora-rank 128 --bucket-mb 64 --repeats 10]
-    python tools/bench.py pipeline --json bench_pipeline.json [--recipe recipes/flowgrpo_tiny.yaml --steps 20] [--placement colocated]
+    python tools/bench.py pipeline --json bench_pipeline.json [--recipe recipes/flowgrpo_tiny.yaml --steps 20] [--placement colocated --colocated-devices 1 2]
     python tools/bench.py gpu --json bench_gpu.json [--depth N] | gpu --device cpu --tiny (smoke test); see tools/gpu_bench.py
     python tools/bench.py startup --json bench_startup.json [--repeats 3]      command to first step, by phase
     python tools/bench.py costs --json costs.json [--recipe ... --steps 8]      the simulator's costs; see tools/sim_bench.py
@@ -315,11 +315,13 @@ def bench_pipeline(args: argparse.Namespace) -> dict:
     ref_steps = [h.seconds for h in ref_history][args.warmup:]
 
     variants = {f"max_staleness_{k}": [f"async.max_staleness={k}"] for k in (0, 1)}
-    devices = cfg.rollout.num_replicas * cfg.rollout.cfg_parallel_size + cfg.learner.world_size
-    if args.placement == "colocated":  # the same devices, each holding a rollout and a learner rank, the same CPUs each
-        variants["colocated"] = ["placement.mode=colocated", "async.max_staleness=0", f"learner.world_size={devices}",
-                                 f"rollout.num_replicas={devices // cfg.rollout.cfg_parallel_size}",
-                                 f"placement.cpus_per_device={cfg.learner.cpus_per_rank}"]
+    disaggregated_devices = cfg.rollout.num_replicas * cfg.rollout.cfg_parallel_size + cfg.learner.world_size
+    if args.placement == "colocated":  # each device a rollout and a learner rank, with the CPUs of one rank
+        for devices in args.colocated_devices or [disaggregated_devices]:
+            variants[f"colocated_{devices}"] = [
+                "placement.mode=colocated", "async.max_staleness=0", f"learner.world_size={devices}",
+                f"rollout.num_replicas={devices // cfg.rollout.cfg_parallel_size}",
+                f"placement.cpus_per_device={cfg.learner.cpus_per_rank}"]
     run_cfgs = {name: load_config(args.recipe, [*overrides, *variant, f"trainer.output_dir=/tmp/rayflow-bench/{name}",
                                                 "trainer.resume=never"])
                 for name, variant in variants.items()}
@@ -345,10 +347,10 @@ def bench_pipeline(args: argparse.Namespace) -> dict:
     sync_s, async_s, ref_s = (median(runs["max_staleness_0"], "perf/step_s"), median(runs["max_staleness_1"], "perf/step_s"),
                               statistics.median(ref_steps))
     colocated = {}
-    if "colocated" in runs:
-        colocated_s = median(runs["colocated"], "perf/step_s")
-        colocated = {"colocated": {"devices": devices, "step_s": colocated_s, "speedup_over_max_staleness_0": sync_s / colocated_s,
-                                   "speedup_over_max_staleness_1": async_s / colocated_s}}
+    for name in [n for n in runs if n.startswith("colocated_")]:
+        colocated_s = median(runs[name], "perf/step_s")
+        colocated[name] = {"step_s": colocated_s, "speedup_over_max_staleness_0": sync_s / colocated_s,
+                           "speedup_over_max_staleness_1": async_s / colocated_s}
     return {
         "benchmark": "pipeline",
         "command": " ".join(["python", *sys.argv]),
@@ -359,9 +361,10 @@ def bench_pipeline(args: argparse.Namespace) -> dict:
         "overlap_speedup": sync_s / async_s,
         "orchestration_overhead": sync_s / ref_s - 1,
         "idle": {name: {"rollout": median(v, "perf/rollout_idle"), "learner": median(v, "perf/learner_idle")}
-                 for name, v in runs.items() if name != "colocated"},
+                 for name, v in runs.items() if not name.startswith("colocated")},
+        "disaggregated_devices": disaggregated_devices,
         "staleness_mean_at_1": statistics.mean(h["staleness/mean"] for h in runs["max_staleness_1"]),
-        **colocated,
+        "colocated": colocated,
         "goals": {"overlap_speedup_at_least": PIPELINE_OVERLAP_GOAL, "overlap_met": sync_s / async_s >= PIPELINE_OVERLAP_GOAL,
                   "overhead_at_most": PIPELINE_OVERHEAD_GOAL, "overhead_met": sync_s / ref_s - 1 <= PIPELINE_OVERHEAD_GOAL},
         "note": "medians of per-step wall time after warm-up; the reference runs in this process with one thread",
@@ -442,8 +445,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     pipeline.add_argument("--steps", type=int, default=20)
     pipeline.add_argument("--warmup", type=int, default=4, help="first steps left out of the medians")
     pipeline.add_argument("--placement", default="disaggregated", choices=("disaggregated", "colocated"),
-                          help="colocated: also run placement.mode=colocated on as many devices as the disaggregated "
-                               "run's rollout and learner ranks")
+                          help="colocated: also run placement.mode=colocated (synchronous) on --colocated-devices devices")
+    pipeline.add_argument("--colocated-devices", type=int, nargs="*", default=None,
+                          help="device counts of the colocated runs (default: the disaggregated run's rollout + learner ranks)")
     pipeline.add_argument("overrides", nargs="*", help="extra dotlist overrides for the recipe")
     for name, help, steps in (("costs", "the simulator's costs on this machine (reference pieces, one thread)", 8),
                               ("simulator", "tools/simulate.py's model against real runs at 1-2 replicas x staleness 0-1", 16)):
