@@ -23,7 +23,7 @@ setup(
         "rapidocr-onnxruntime>=1.4,<1.5; python_version < '3.13'",
     ],
     extras_require={
-        "test": ["pytest>=8", "pytest-timeout", "requests", "pyyaml", "jsonschema", "wandb", "matplotlib"],
+        "test": ["pytest>=8", "pytest-timeout", "pytest-xdist", "requests", "pyyaml", "jsonschema", "wandb", "matplotlib"],
         "wandb": ["wandb"],
         "plot": ["matplotlib"],  # tools/plot_run.py
     },
