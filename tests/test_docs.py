@@ -16,11 +16,11 @@ def test_readme_opens_with_the_two_set_up_commands():
     block = readme().split("```bash\n", 1)[1].split("```", 1)[0].splitlines()
     assert block[0].startswith("R=/path/to/rayflow")
     assert block[1].startswith('pip install -e "$R" && python "$R/recipes/flowgrpo_qwen_image.py"')
-    assert block[2].startswith('pip install -e "$R[test]" && pytest "$R"')
+    assert block[2].startswith('pip install -e "$R[test]" && pytest -n 2 --dist loadfile "$R"')
     with open(os.path.join(REPO, ".ci", "run")) as f:
         ci = f.read()
     # CI runs exactly the README's test command, from a directory outside the clone.
-    assert 'pip install -e "$R[test]" && pytest "$R"' in ci and 'cd "$(mktemp -d)"' in ci
+    assert 'pip install -e "$R[test]" && pytest -n 2 --dist loadfile "$R"' in ci and 'cd "$(mktemp -d)"' in ci
 
 
 def test_configuration_reference_matches_the_code():
