@@ -16,6 +16,7 @@ the replicas serve different requests — then free them before the next train s
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 
@@ -117,7 +118,6 @@ class SharedWeights:
     watching = None
     """No sync runs that could fail."""
     deadline_s = 0.0
-    restarts = 0
 
     def failure(self, timeout_s: float = 0.0) -> BaseException | None:
         return None
@@ -149,9 +149,7 @@ def replica_ranks(placed: PlacedGroup, devices: int, replica_size: int) -> list[
     for ranks in replicas:
         nodes = {placed.node_of_rank(r) for r in ranks}
         if len(nodes) > 1:
-            per_node: dict[str, int] = {}
-            for r in range(devices):
-                per_node[placed.node_of_rank(r)[:12]] = per_node.get(placed.node_of_rank(r)[:12], 0) + 1
+            per_node = dict(collections.Counter(placed.node_of_rank(r)[:12] for r in range(devices)))
             raise ConfigError(
                 "rollout.cfg_parallel_size", replica_size,
                 f"a divisor of every node's device count in placement.mode=colocated (a replica's ranks must share a "

@@ -95,31 +95,33 @@ def cast_parameters(params: Iterable[nn.Parameter], dtype: torch.dtype | None) -
         p.data = p.data.to(dtype)
 
 
+def fsdp_modules(transformer: nn.Module) -> list[FSDPModule]:
+    """The transformer's FSDP2 groups (its blocks and the root), in module order: the same on every rank."""
+    return [m for m in transformer.modules() if isinstance(m, FSDPModule)]
+
+
 def reshard(transformer: nn.Module) -> None:
     """Put every FSDP group back to its sharded parameters (no-op for a plain module).
 
     With reshard_after_forward=False a no-grad forward leaves blocks unsharded; reading or
     writing parameters (EMA, checkpoints, weight sync) must see the sharded DTensors the
     optimizer owns."""
-    for module in transformer.modules():
-        if isinstance(module, FSDPModule):
-            module.reshard()
+    for module in fsdp_modules(transformer):
+        module.reshard()
 
 
 def gather_for_sampling(transformer: nn.Module) -> None:
     """All-gather every FSDP group's parameters and keep them gathered through any number of forwards (colocated
     placement samples between train steps: no collective per forward, so ranks may run different requests) until
     `release_gathered`. Collective: every rank calls it at once. No-op for a plain module."""
-    for module in transformer.modules():
-        if isinstance(module, FSDPModule):
-            module.set_reshard_after_forward(False, recurse=False)
-            module.unshard()
+    for module in fsdp_modules(transformer):
+        module.set_reshard_after_forward(False, recurse=False)
+        module.unshard()
 
 
 def release_gathered(transformer: nn.Module, reshard_after_forward: bool) -> None:
     """Back to the sharded parameters the optimizer owns, and to learner.reshard_after_forward (`apply_fsdp` set it
     explicitly on every group, the root included). Local: frees this rank's gathered copies."""
     reshard(transformer)
-    for module in transformer.modules():
-        if isinstance(module, FSDPModule):
-            module.set_reshard_after_forward(reshard_after_forward, recurse=False)
+    for module in fsdp_modules(transformer):
+        module.set_reshard_after_forward(reshard_after_forward, recurse=False)
