@@ -30,12 +30,12 @@ from rayflow.cfg.policy import CFGPolicy
 from rayflow.config import RayflowConfig, load_config
 from rayflow.runs import USER_ERRORS, RunComplete, preflight, write_run_config
 from rayflow.data.prompts import GroupSampler, load_prompts
-from rayflow.learner.lora import rollout_adapter_name
+from rayflow.models.lora import rollout_adapter_name
 from rayflow.learner.model import add_full_weight_copies, load_policy_model, policy_identity
 from rayflow.learner.minibatches import BatchResult, learner_batch, minibatch_plan, train_batch
 from rayflow.learner.optim import SkippedSteps, build_optimizer
 from rayflow.learner.sharded import capture_trained, restore_trained
-from rayflow.learner.weights import using_weights
+from rayflow.models.weight_sets import using_weights
 from rayflow.models import DiffusionModel
 from rayflow.rewards.normalize import training_rewards
 from rayflow.rewards.weighted import WeightedReward

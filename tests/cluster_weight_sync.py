@@ -28,7 +28,7 @@ from ray.cluster_utils import Cluster
 from rayflow import reference
 from rayflow.learner.worker import LearnerGroup
 from rayflow.rollout.pool import RolloutPool
-from rayflow.rollout.rank import RolloutWorkerSpec
+from rayflow.rollout.rank import RolloutRankSpec
 from rayflow.sync.weight_sync import WeightSync
 from rayflow.types import RolloutRequest, SamplingParams
 from tiny_run import GRPO, small_cfg
@@ -52,7 +52,7 @@ def run(model_dir: str, out_dir: str) -> dict:
         "rollout.resources={rollout_node: 1}", "learner.resources={learner_node: 1}",
         "sync.resources={learner_node: 1}", "sync.verify_checksum=true",
     )
-    spec = RolloutWorkerSpec.from_config(cfg)
+    spec = RolloutRankSpec.from_config(cfg)
     pool = RolloutPool.create(spec, cfg.rollout, name="xnode-rollout")
     sync = learners = None
     try:

@@ -12,7 +12,7 @@ import sys
 
 import torch
 
-from rayflow.learner.lora import add_lora
+from rayflow.models.lora import add_lora
 from rayflow.models import load_model
 
 

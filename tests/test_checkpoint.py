@@ -10,7 +10,7 @@ import torch
 
 from rayflow import checkpoint, reference
 from rayflow.checkpoint import Checkpoint, CheckpointMismatch, latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint
-from rayflow.learner.lora import adapter_names
+from rayflow.models.lora import adapter_names
 from rayflow.learner.model import load_policy_model, policy_identity
 from rayflow.learner.optim import build_optimizer
 from rayflow.learner.state import adapter_state, load_optimizer_state, optimizer_state

@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from rayflow import reference
 from rayflow.checkpoint import latest_checkpoint, load_adapter
 from rayflow.cfg.policy import make_policy
-from rayflow.learner.weights import using_weights
+from rayflow.models.weight_sets import using_weights
 from rayflow.sampling.denoise import generate
 from rayflow.types import RolloutRequest, SamplingParams
 from tiny_run import GRPO, NFT, small_cfg

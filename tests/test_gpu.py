@@ -87,7 +87,7 @@ def cuda_mesh():
     import torch.distributed as dist
 
     from rayflow.distributed.process_group import Rendezvous, init_default_group
-    from rayflow.learner.parallelize import build_mesh
+    from rayflow.distributed.parallelize import build_mesh
 
     init_default_group(Rendezvous.on_this_node(), 0, 1, CUDA)  # NCCL
     yield build_mesh(CUDA, 1)
@@ -116,7 +116,7 @@ def test_bf16_autocast_training_step_on_cuda(cuda_mesh, tiny_model_dir, tmp_path
 
     from rayflow import reference
     from rayflow.learner.backend import LearnerBackend
-    from rayflow.learner.lora import adapter_parameters
+    from rayflow.models.lora import adapter_parameters
 
     cfg = small_cfg(GRPO, tiny_model_dir, tmp_path, "model.dtype=bfloat16", "learner.mixed_precision=autocast")
     run = reference.build_run(dataclasses.replace(cfg, learner=dataclasses.replace(cfg.learner, mixed_precision="none")))
@@ -134,7 +134,7 @@ def test_planner_activations_against_cuda_peak(tiny_model_dir):
     """The planner's training activations against torch.cuda.max_memory_allocated (allocator blocks
     round up to 512 B / 2 MB: a 25% bound at this small size)."""
     from rayflow.config import load_config
-    from rayflow.learner.lora import add_lora
+    from rayflow.models.lora import add_lora
     from rayflow.models import load_model
     from rayflow.planning.memory import BACKWARD_BLOCK_SHARE
     from rayflow.planning.sizes import measure_model
@@ -215,13 +215,13 @@ def test_weight_sync_over_nccl_delivers_the_learners_adapter(ray_session, tiny_m
     from rayflow import reference
     from rayflow.config import RolloutConfig
     from rayflow.learner.worker import LearnerGroup
-    from rayflow.rollout.rank import RolloutWorkerSpec
+    from rayflow.rollout.rank import RolloutRankSpec
     from rayflow.rollout.replica import RolloutReplica
     from rayflow.sync.weight_sync import WeightSync
 
     cfg = small_cfg(GRPO, tiny_model_dir, tmp_path, "sync.gpus=0.5", "learner.gpus_per_rank=0.5",
                     "rollout.gpus_per_rank=1", "sync.verify_checksum=true")
-    spec = RolloutWorkerSpec.from_config(cfg)
+    spec = RolloutRankSpec.from_config(cfg)
     replica = RolloutReplica(spec, RolloutConfig(cfg_parallel_size=1, gpus_per_rank=1), name="gpu-sync-rollout").wait_ready()
     sync = WeightSync(cfg.sync, spec, [replica], timeout_s=120.0, name="gpu-sync")
     learners = LearnerGroup(cfg, name="gpu-sync-learner")

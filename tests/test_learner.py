@@ -14,10 +14,10 @@ from torch.distributed.tensor import DTensor, Shard
 from rayflow import reference
 from rayflow.checkpoint import load_checkpoint, save_checkpoint
 from rayflow.distributed.process_group import Rendezvous, init_default_group
-from rayflow.learner import lora
+from rayflow.models import lora
 from rayflow.learner.backend import LearnerBackend
 from rayflow.learner.model import load_policy_model
-from rayflow.learner.parallelize import build_mesh, reshard
+from rayflow.distributed.parallelize import build_mesh, reshard
 from rayflow.learner.state import adapter_state, full_tensor, load_adapter_state, param_names
 from rayflow.learner.worker import LearnerError, LearnerGroup
 from rayflow.models.base import PromptEmbeds
@@ -376,15 +376,15 @@ def test_full_fine_tuning_shards_every_weight_and_forwards_under_each_copy_as_th
     """Every parameter trained and sharded, "old" and the KL's "base" whole-weight copies sharded alike; a forward
     under a copy (swapped in place) equals the plain model's, and leaves the trained weights as they were, even with
     reshard_after_forward=False (which keeps a forward's gathered weights)."""
-    from rayflow.learner import full
+    from rayflow.models import weight_copies
     from rayflow.learner.model import add_full_weight_copies
-    from rayflow.learner.weights import named_weights, using_reference, using_weights
+    from rayflow.models.weight_sets import named_weights, using_reference, using_weights
 
     cfg = small_cfg(NFT, tiny_model_dir, tmp_path, SHARD1, *FULL, "algorithm.kl_beta=0.01", "learner.reshard_after_forward=false")
     backend, plain = LearnerBackend(cfg, mesh1, CPU), load_policy_model(cfg, CPU)
     add_full_weight_copies(cfg, plain.transformer)
     params = dict(backend.transformer.named_parameters())
-    assert full.weight_names(backend.transformer) == ["default", "old"]  # what checkpoints hold (not the base)
+    assert weight_copies.weight_names(backend.transformer) == ["default", "old"]  # what checkpoints hold (not the base)
     assert all(p.requires_grad and isinstance(p, DTensor) and p.placements == (Shard(0),) for p in params.values())
     assert {id(p) for g in backend.optimizer.param_groups for p in g["params"]} == {id(p) for p in params.values()}
     for name in ("old", "base"):

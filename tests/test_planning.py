@@ -10,7 +10,7 @@ import pytest
 
 from rayflow.config import load_config
 from rayflow.errors import ConfigError
-from rayflow.learner.lora import add_lora
+from rayflow.models.lora import add_lora
 from rayflow.models import load_model
 from rayflow.planning.memory import (
     BACKWARD_BLOCK_SHARE, GiB, check_fits, format_plan, place, plan_config, required_forwards, roles,

@@ -19,9 +19,9 @@ from rayflow.cfg.policy import DualNegativeCFG, TrueCFG
 from rayflow.config import ModelConfig, RolloutConfig
 from rayflow.data.prompts import PromptGroup
 from rayflow.errors import ConfigError
-from rayflow.learner.lora import TRAINED_ADAPTER, adapter_parameters, add_lora
+from rayflow.models.lora import TRAINED_ADAPTER, adapter_parameters, add_lora
 from rayflow.models import load_model
-from rayflow.rollout.rank import VOID_VERSION, RolloutRank, RolloutWorkerSpec
+from rayflow.rollout.rank import VOID_VERSION, RolloutRank, RolloutRankSpec
 from rayflow.rollout.weights import StagedWeights
 from rayflow.sampling.denoise import advance, finish_rollout, generate, local_guided_velocity, start_rollout
 from rayflow.types import RolloutRequest, SamplingParams
@@ -38,8 +38,8 @@ def request(request_id="r", steps=4, guidance=4.0, seeds=(11, 12), **params) -> 
     return RolloutRequest(request_id, (PROMPTS * n)[:n], list(range(n)), list(range(n)), list(seeds), params)
 
 
-def spec_for(model_dir, **kwargs) -> RolloutWorkerSpec:
-    return RolloutWorkerSpec(model=ModelConfig(path=model_dir), **{"collective_timeout_s": 60.0, **LORA, **kwargs})
+def spec_for(model_dir, **kwargs) -> RolloutRankSpec:
+    return RolloutRankSpec(model=ModelConfig(path=model_dir), **{"collective_timeout_s": 60.0, **LORA, **kwargs})
 
 
 def assert_same(got, want):
@@ -218,14 +218,14 @@ def test_spec_from_config_takes_the_learners_lora_and_the_apply_policy():
     cfg = RayflowConfig()
     cfg.learner.lora_rank, cfg.learner.lora_targets, cfg.trainer.seed = 16, ["to_q", "to_v"], 7
     cfg.rollout.threads_per_rank, cfg.rollout.batch_branches = 2, True
-    spec = RolloutWorkerSpec.from_config(cfg)
+    spec = RolloutRankSpec.from_config(cfg)
     assert (spec.lora_rank, spec.lora_targets, spec.seed) == (16, ("to_q", "to_v"), 7)
     assert (spec.threads, spec.batch_branches, spec.apply_at) == (2, True, "step")
     assert spec.policy == cfg.cfg.make_policy()
     cfg.async_.partial_rollout = False  # a trajectory finishes under the weights it started with
-    assert RolloutWorkerSpec.from_config(cfg).apply_at == "request"
+    assert RolloutRankSpec.from_config(cfg).apply_at == "request"
     cfg.async_.partial_rollout, cfg.sync.apply_at = True, "request"
-    assert RolloutWorkerSpec.from_config(cfg).apply_at == "request"
+    assert RolloutRankSpec.from_config(cfg).apply_at == "request"
 
 
 # --- on Ray --------------------------------------------------------------------------------------

@@ -14,11 +14,11 @@ import torch
 
 from rayflow import reference
 from rayflow.config import RolloutConfig
-from rayflow.learner.lora import TRAINED_ADAPTER, adapter_parameters, add_lora
+from rayflow.models.lora import TRAINED_ADAPTER, adapter_parameters, add_lora
 from rayflow.learner.worker import LearnerGroup
 from rayflow.models import load_model
 from rayflow.rollout.pool import RolloutPool
-from rayflow.rollout.rank import RolloutWorkerSpec
+from rayflow.rollout.rank import RolloutRankSpec
 from rayflow.rollout.replica import RolloutReplica
 from rayflow.sync.broadcast import ReceiveBuffers
 from rayflow.sync.buckets import checksum, make_manifest, pack_all, plan_buckets
@@ -75,7 +75,7 @@ def rollout(request, ray_session, tiny_model_dir, tmp_path_factory):
     mode = request.param
     cfg = small_cfg(GRPO, tiny_model_dir, tmp_path_factory.mktemp(mode), f"sync.mode={mode}",
                     "sync.verify_checksum=true", "sync.bucket_mb=0.002", "sync.cpus=0.5")
-    spec = dataclasses.replace(RolloutWorkerSpec.from_config(cfg), collective_timeout_s=60.0)
+    spec = dataclasses.replace(RolloutRankSpec.from_config(cfg), collective_timeout_s=60.0)
     replicas = [RolloutReplica(spec, RolloutConfig(cfg_parallel_size=w), name=f"sync-{mode}-w{w}") for w in (1, 2)]
     pool = RolloutPool([r.wait_ready() for r in replicas])
     sync = WeightSync(cfg.sync, spec, pool.replicas, timeout_s=60.0, name=f"sync-{mode}")
@@ -139,7 +139,7 @@ def test_after_a_sync_every_rank_holds_the_learners_rollout_adapter_bit_for_bit(
                     assert torch.equal(rank_weights[name], t), f"{replica.name}: {name} differs after sync ({mode})"
 
 
-def adapter_like(spec: RolloutWorkerSpec, model_dir: str, value: float) -> dict[str, torch.Tensor]:
+def adapter_like(spec: RolloutRankSpec, model_dir: str, value: float) -> dict[str, torch.Tensor]:
     """A full rollout adapter (canonical names) filled with `value`: what a learner pushes in either mode."""
     model = load_model(model_dir)
     add_lora(model.transformer, rank=spec.lora_rank, alpha=spec.lora_alpha, targets=model.lora_target_modules)
@@ -205,7 +205,7 @@ def test_a_replica_that_joins_later_gets_the_current_version_before_serving(roll
 
 def test_a_receiver_that_dies_or_stalls_is_left_out_and_the_newest_version_is_sent_again(ray_session, tiny_model_dir, tmp_path):
     cfg = small_cfg(GRPO, tiny_model_dir, tmp_path, "sync.cpus=0.5")
-    spec = dataclasses.replace(RolloutWorkerSpec.from_config(cfg), collective_timeout_s=5.0)
+    spec = dataclasses.replace(RolloutRankSpec.from_config(cfg), collective_timeout_s=5.0)
     pool = RolloutPool([RolloutReplica(spec, RolloutConfig(), name=f"lost-{i}").wait_ready() for i in range(2)])
     sync = WeightSync(cfg.sync, spec, pool.replicas, timeout_s=5.0, name="sync-lost")
     replacement, stopped_pid = None, None
@@ -275,7 +275,7 @@ def test_merged_mode_folds_every_target_of_each_family(tiny_twin, tmp_path, fami
 
     model_dir = tiny_twin(family)
     cfg = small_cfg(recipe_path(f"flowgrpo_{family}.yaml"), model_dir, tmp_path, "sync.mode=merged")
-    spec = RolloutWorkerSpec.from_config(cfg)
+    spec = RolloutRankSpec.from_config(cfg)
     assert set(load_model(model_dir).lora_target_modules) == expected_targets
     adapter = adapter_like(spec, model_dir, 0.01)
     torch.manual_seed(0)

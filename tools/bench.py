@@ -125,9 +125,9 @@ def bench_rollout(args: argparse.Namespace) -> dict:
                          "CFG parallelism has nothing to split (use replicas)")
     load_before = os.getloadavg()[0]  # other processes on the machine skew every figure: record them
     ray = start_local_ray(num_cpus=4)  # logical: two W = 1 replicas and one W = 2 replica exist at once
-    from rayflow.rollout import RolloutReplica, RolloutWorkerSpec  # imports ray: after its environment is set
+    from rayflow.rollout import RolloutReplica, RolloutRankSpec  # imports ray: after its environment is set
 
-    spec = RolloutWorkerSpec(model=ModelConfig(path=path), policy=policy, threads=1)
+    spec = RolloutRankSpec(model=ModelConfig(path=path), policy=policy, threads=1)
     batched = dataclasses.replace(spec, batch_branches=True)
     one_a = RolloutReplica(batched, RolloutConfig(cfg_parallel_size=1), name="bench-w1-a")
     one_b = RolloutReplica(batched, RolloutConfig(cfg_parallel_size=1), name="bench-w1-b")
@@ -186,7 +186,7 @@ def bench_sync(args: argparse.Namespace) -> dict:
     from rayflow import reference  # imports ray: after its environment is set
     from rayflow.config import load_config
     from rayflow.learner.worker import LearnerGroup
-    from rayflow.rollout import RolloutReplica, RolloutWorkerSpec
+    from rayflow.rollout import RolloutReplica, RolloutRankSpec
     from rayflow.sync.weight_sync import WeightSync
 
     cfg = load_config(recipe("flowgrpo_tiny.yaml"), [
@@ -200,7 +200,7 @@ def bench_sync(args: argparse.Namespace) -> dict:
     try:
         for mode in ("lora", "merged"):
             mcfg = dataclasses.replace(cfg, sync=dataclasses.replace(cfg.sync, mode=mode))
-            spec = RolloutWorkerSpec.from_config(mcfg)
+            spec = RolloutRankSpec.from_config(mcfg)
             replicas = [RolloutReplica(spec, RolloutConfig(), name=f"bench-sync-{mode}-{i}") for i in range(2)]
             for replica in replicas:
                 replica.wait_ready()

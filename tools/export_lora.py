@@ -18,7 +18,7 @@ import argparse
 
 from rayflow.checkpoint import find_checkpoint, read_meta
 from rayflow.export import export_lora, export_transformer
-from rayflow.learner.lora import EMA_ADAPTER, EVAL_EMA_ADAPTER, TRAINED_ADAPTER
+from rayflow.models.lora import EMA_ADAPTER, EVAL_EMA_ADAPTER, TRAINED_ADAPTER
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -81,13 +81,13 @@ def generate_on_ray(model_path: str, request: RolloutRequest, policy: CFGPolicy,
     import ray
 
     from rayflow.config import ModelConfig, RolloutConfig
-    from rayflow.rollout import RolloutReplica, RolloutWorkerSpec
+    from rayflow.rollout import RolloutReplica, RolloutRankSpec
 
     started = not ray.is_initialized()
     if started:
         ray.init(address="local", num_cpus=world_size, include_dashboard=False)
     try:
-        spec = RolloutWorkerSpec(model=ModelConfig(path=model_path), policy=policy)
+        spec = RolloutRankSpec(model=ModelConfig(path=model_path), policy=policy)
         with RolloutReplica.create(spec, RolloutConfig(cfg_parallel_size=world_size)) as replica:
             return replica.generate(request)
     finally:

@@ -122,13 +122,13 @@ def bench_replica(args, path: str) -> dict:
     import ray
 
     from rayflow.config import RolloutConfig
-    from rayflow.rollout import RolloutReplica, RolloutWorkerSpec
+    from rayflow.rollout import RolloutReplica, RolloutRankSpec
 
     cfg = _config(args, path, 4.0, args.batch)
     gpus = 1 if args.device == "cuda" else 0
     ray.init(address="local", num_cpus=4, num_gpus=gpus, include_dashboard=False, log_to_driver=False)
     try:
-        spec = RolloutWorkerSpec.from_config(cfg)
+        spec = RolloutRankSpec.from_config(cfg)
         replica = RolloutReplica(spec, RolloutConfig(cfg_parallel_size=1, gpus_per_rank=gpus), name="gpu-bench").wait_ready()
         seeds = iter(range(0, 10**6, args.batch))
         seconds = _median_time(lambda: replica.generate(_request(cfg, args.batch, next(seeds))), args.repeats, "cpu")
@@ -143,7 +143,7 @@ def _learner(cfg, device: str):
 
     from rayflow.distributed.process_group import Rendezvous, init_default_group
     from rayflow.learner.backend import LearnerBackend
-    from rayflow.learner.parallelize import build_mesh
+    from rayflow.distributed.parallelize import build_mesh
 
     if not dist.is_initialized():
         init_default_group(Rendezvous.on_this_node(), 0, 1, device)
@@ -166,7 +166,7 @@ def _rollouts(args, path: str, cfg):
 
 def bench_learner(args, path: str) -> dict:
     """LearnerBackend.train_step against the bare forwards/backwards/AdamW of the same micro-batch."""
-    from rayflow.learner.lora import adapter_parameters
+    from rayflow.models.lora import adapter_parameters
     from rayflow.learner.objective import _conds, _guided_velocity, _stack_latent
 
     cfg = _config(args, path, 4.0, args.learner_batch)

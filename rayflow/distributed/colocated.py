@@ -27,12 +27,12 @@ from rayflow.config import RayflowConfig
 from rayflow.distributed.placement import PlacedGroup, make_bundles, place, resolve_gpus
 from rayflow.errors import ConfigError
 from rayflow.learner.optim import offload_optimizer_state, reload_optimizer_state
-from rayflow.learner.parallelize import gather_for_sampling, release_gathered
-from rayflow.learner.lora import TRAINED_ADAPTER
-from rayflow.learner.weights import using_weights
+from rayflow.distributed.parallelize import gather_for_sampling, release_gathered
+from rayflow.models.lora import TRAINED_ADAPTER
+from rayflow.models.weight_sets import using_weights
 from rayflow.learner.worker import LearnerGroup, LearnerWorker
 from rayflow.rollout.pool import RolloutPool
-from rayflow.rollout.rank import RolloutRank, RolloutWorkerSpec, SharedModel
+from rayflow.rollout.rank import RolloutRank, RolloutRankSpec, SharedModel
 from rayflow.rollout.replica import RolloutReplica
 from rayflow.rollout.worker import CONCURRENCY_GROUPS, RolloutRankHost
 from rayflow.sync.actor import SyncReport
@@ -45,7 +45,7 @@ class DeviceWorker(RolloutRankHost):
     Learner calls come to every device at once and in the same order (they are collectives over the learner
     mesh); requests run on the same thread, between them, so sampling and training never overlap."""
 
-    def __init__(self, cfg: RayflowConfig, rank: int, spec: RolloutWorkerSpec, replica_rank: int, replica_size: int):
+    def __init__(self, cfg: RayflowConfig, rank: int, spec: RolloutRankSpec, replica_rank: int, replica_size: int):
         self.cfg = cfg
         self.learner = LearnerWorker(cfg, rank, whole_pipeline=True)
         self._rollout_rank = (spec, replica_rank, replica_size)
@@ -161,7 +161,7 @@ def replica_ranks(placed: PlacedGroup, devices: int, replica_size: int) -> list[
 class ColocatedDevices:
     """learner.world_size DeviceWorkers in one placement group, seen as a LearnerGroup and a RolloutPool."""
 
-    def __init__(self, cfg: RayflowConfig, spec: RolloutWorkerSpec, name: str = "rayflow-devices"):
+    def __init__(self, cfg: RayflowConfig, spec: RolloutRankSpec, name: str = "rayflow-devices"):
         p, devices, W = cfg.placement, cfg.learner.world_size, cfg.rollout.cfg_parallel_size
         gpus = resolve_gpus(p.gpus_per_device)
         self.placed = place(make_bundles(devices, p.cpus_per_device, gpus, p.resources), "PACK", name=name)

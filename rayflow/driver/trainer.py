@@ -32,7 +32,7 @@ from rayflow.distributed.colocated import ColocatedDevices
 from rayflow.driver.evaluation import Evaluator
 from rayflow.driver.queue import StalenessQueue
 from rayflow.driver.watchdog import Watchdog
-from rayflow.learner.lora import EVAL_EMA_ADAPTER
+from rayflow.models.lora import EVAL_EMA_ADAPTER
 from rayflow.learner.minibatches import learner_batch
 from rayflow.learner.optim import SkippedSteps
 from rayflow.learner.worker import LearnerError, LearnerGroup, LearnerStalled
@@ -40,7 +40,7 @@ from rayflow.logging.monitor import Monitor
 from rayflow.rewards.normalize import training_rewards
 from rayflow.rewards.worker import RewardPool
 from rayflow.rollout.pool import RolloutPool
-from rayflow.rollout.rank import RolloutWorkerSpec
+from rayflow.rollout.rank import RolloutRankSpec
 from rayflow.rollout.replica import ReplicaError, RolloutFuture, RolloutReplica
 from rayflow.sampling.window import window_params
 from rayflow.sync.actor import ReceiversLost
@@ -61,7 +61,7 @@ class Trainer:
         self.sampler = GroupSampler(prompts, cfg.algorithm.group_size, cfg.trainer.seed, cfg.data.shuffle)
         self.queue = self._new_queue(accepted=0)
         self.version = 0
-        self.synced = 0
+        self.synced_version = 0
         """The newest version staged on every rollout rank (waited for in synchronous mode)."""
         self.zero_signal_groups = 0
         self.skips = SkippedSteps(cfg.trainer.max_skipped_steps)
@@ -90,7 +90,7 @@ class Trainer:
         """Seconds of each start-up phase (logged by the launcher; tools/bench.py startup)."""
         phase = _Phases(self.startup_s)
         try:
-            spec = RolloutWorkerSpec.from_config(cfg)
+            spec = RolloutRankSpec.from_config(cfg)
             # One role after the other. Starting every role's actors at once was tried (bench.py startup): no faster
             # on 2 cores, and on the fake autoscaling cluster a rollout actor then failed to import torch
             # ("partially initialized module 'torch'"), a cause not pinned down.
@@ -185,7 +185,7 @@ class Trainer:
         )
 
     def _admit(self) -> None:
-        if self.cfg.async_.max_staleness == 0 and self.synced < self.version:
+        if self.cfg.async_.max_staleness == 0 and self.synced_version < self.version:
             return  # synchronous: the next batch starts only under the newest weights
         while self.queue.can_admit(self.version):
             self._submit([self.sampler.next_group()], new=True)
@@ -332,7 +332,7 @@ class Trainer:
         push_s = sync_s = push["gather_s"] + push["push_s"]
         if cfg.async_.max_staleness == 0:
             sync_s += self._wait_synced()
-            self.synced = self.version
+            self.synced_version = self.version
         else:
             self._check_sync()
         rewards = torch.tensor([t.reward for t in batch])
@@ -439,7 +439,7 @@ class Trainer:
             self.sync.rewind(version, self.rollout.replicas)
         self._push_weights()
         self.sync.wait(self.version, timeout_s=self.sync.deadline_s)
-        self.synced = self.version
+        self.synced_version = self.version
         self.queue = self._new_queue(accepted=version * self.cfg.algorithm.batch_size)
         for gid in data.get("pending_groups", []):  # under the version's weights
             group = self.sampler.group(gid)

@@ -15,11 +15,11 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from rayflow.config import RayflowConfig
-from rayflow.learner.lora import adapters_to_fp32, rollout_adapter_name
+from rayflow.models.lora import adapters_to_fp32, rollout_adapter_name
 from rayflow.learner.model import add_full_weight_copies, load_policy_model, policy_identity
 from rayflow.learner.minibatches import minibatch_plan, train_batch
 from rayflow.learner.optim import build_optimizer
-from rayflow.learner.parallelize import (
+from rayflow.distributed.parallelize import (
     apply_activation_checkpointing,
     autocast,
     apply_fsdp,
@@ -29,7 +29,7 @@ from rayflow.learner.parallelize import (
 )
 from rayflow.learner.sharded import capture_trained, restore_trained
 from rayflow.learner.state import adapter_state, gathered
-from rayflow.learner.weights import named_weights
+from rayflow.models.weight_sets import named_weights
 from rayflow.models.speed import apply_speed_options
 from rayflow.rng import get_rng_state, set_rng_state
 from rayflow.sync.buckets import WirePush, to_wire

@@ -18,7 +18,7 @@ from rayflow.cfg.policy import CFGPolicy
 from rayflow.config import RayflowConfig
 from rayflow.learner.objective import backward
 from rayflow.learner.optim import optimizer_step, update_eval_ema, update_rollout_ema
-from rayflow.learner.parallelize import reshard
+from rayflow.distributed.parallelize import reshard
 from rayflow.models import DiffusionModel
 from rayflow.types import Trajectory
 

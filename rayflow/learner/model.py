@@ -14,8 +14,8 @@ import json
 import torch
 
 from rayflow.config import RayflowConfig
-from rayflow.learner.full import BASE, add_weight_copies
-from rayflow.learner.lora import EMA_ADAPTER, EVAL_EMA_ADAPTER, add_lora
+from rayflow.models.weight_copies import BASE, add_weight_copies
+from rayflow.models.lora import EMA_ADAPTER, EVAL_EMA_ADAPTER, add_lora
 from rayflow.models import DiffusionModel, load_model
 from rayflow.models.tiny import resolve_model_path
 

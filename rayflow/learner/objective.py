@@ -16,8 +16,8 @@ from rayflow.algorithms.diffusion_nft import diffusion_nft_loss, noised, optimal
 from rayflow.algorithms.flow_grpo import RatioNorm, flow_grpo_loss
 from rayflow.cfg.policy import CFGPolicy
 from rayflow.config import AlgorithmConfig, RayflowConfig
-from rayflow.learner.lora import EMA_ADAPTER
-from rayflow.learner.weights import using_reference, using_weights
+from rayflow.models.lora import EMA_ADAPTER
+from rayflow.models.weight_sets import using_reference, using_weights
 from rayflow.models.base import DiffusionModel, PromptEmbeds
 from rayflow.sampling.flow_sde import flow_step, sde_std_dev
 from rayflow.types import Trajectory

@@ -14,8 +14,8 @@ from torch.distributed.tensor import DTensor
 from rayflow.algorithms.diffusion_nft import ema_decay, ema_update
 from rayflow.algorithms.flow_grpo import train_ema_decay
 from rayflow.config import AlgorithmConfig, LearnerConfig, TrainerConfig
-from rayflow.learner.lora import EMA_ADAPTER, EVAL_EMA_ADAPTER, TRAINED_ADAPTER
-from rayflow.learner.weights import named_weights
+from rayflow.models.lora import EMA_ADAPTER, EVAL_EMA_ADAPTER, TRAINED_ADAPTER
+from rayflow.models.weight_sets import named_weights
 
 
 def build_optimizer(transformer: nn.Module, cfg: LearnerConfig) -> torch.optim.Optimizer:

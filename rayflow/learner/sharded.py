@@ -2,7 +2,7 @@
 reads its own shards, so nothing is gathered to one process, and a directory written by N ranks loads into
 M ranks (or into the single-process reference trainer, whose plain tensors take every shard).
 
-Keys (DCP flattens the nesting): "weights.<set>.<parameter name>" for every weight set (rayflow.learner.weights:
+Keys (DCP flattens the nesting): "weights.<set>.<parameter name>" for every weight set (rayflow.models.weight_sets:
 "default", "old", "ema"), and "optimizer.<parameter name>.<step|exp_avg|exp_avg_sq>" for AdamW's state of every
 parameter. A parameter AdamW has not stepped yet (no gradient so far) is saved with the state AdamW would
 create for it (step 0, zero moments), so every checkpoint holds the same keys and loading resumes exactly.
@@ -28,10 +28,10 @@ from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 from torch.distributed.tensor import DTensor
 
 from rayflow.checkpoint import ShardedWeights
-from rayflow.learner import full
-from rayflow.learner.parallelize import reshard
+from rayflow.models import weight_copies
+from rayflow.distributed.parallelize import reshard
 from rayflow.learner.state import capture, check_names, param_names, restore
-from rayflow.learner.weights import named_weights, weight_names
+from rayflow.models.weight_sets import named_weights, weight_names
 
 
 def _fresh_adam_state(p: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -54,7 +54,7 @@ def _state(transformer: nn.Module, optimizer: torch.optim.Optimizer, weights: li
 def capture_trained(transformer: nn.Module, optimizer: torch.optim.Optimizer, directory: str | None) -> dict:
     """The trained state a Checkpoint holds, as its fields: LoRA gathers "adapters" and "optimizer" to full tensors
     (rayflow.learner.state.capture); full fine-tuning writes its shards under `directory` and gives "sharded"."""
-    if not full.is_full(transformer):
+    if not weight_copies.is_full(transformer):
         return {**capture(transformer, optimizer), "sharded": None}
     return {"adapters": {}, "optimizer": {}, "sharded": save(transformer, optimizer, directory)}
 

@@ -1,6 +1,6 @@
 """Adapter and optimizer state as full tensors by canonical name, whether parameters are plain
 tensors (reference trainer) or FSDP2 DTensor shards (learner ranks). The weight sets come from
-rayflow.learner.weights, so full fine-tuning's read the same way (its checkpoints are sharded instead:
+rayflow.models.weight_sets, so full fine-tuning's read the same way (its checkpoints are sharded instead:
 rayflow.learner.sharded).
 
 Reading gathers shards (a collective: every rank of the mesh must call it, in the same order);
@@ -15,8 +15,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from rayflow.learner.lora import TRAINED_ADAPTER
-from rayflow.learner.weights import named_weights, weight_names
+from rayflow.models.lora import TRAINED_ADAPTER
+from rayflow.models.weight_sets import named_weights, weight_names
 from rayflow.named_tensors import check_layout, layout
 
 

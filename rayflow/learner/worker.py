@@ -27,7 +27,7 @@ from rayflow.distributed.placement import PlacedGroup, make_bundles, place, reso
 from rayflow.distributed.restart_budget import RestartBudget
 from rayflow.distributed.process_group import Rendezvous, init_default_group
 from rayflow.learner.backend import LearnerBackend
-from rayflow.learner.parallelize import build_mesh
+from rayflow.distributed.parallelize import build_mesh
 from rayflow.learner.sharded import missing_files
 from rayflow.rng import get_rng_state
 from rayflow.types import Trajectory, TrajectoryRef

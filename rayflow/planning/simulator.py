@@ -152,7 +152,7 @@ class _Simulation:
         self.c, self.s = costs, shape
         self.now = 0.0
         self.version = 0
-        self.synced = 0
+        self.synced_version = 0
         """The newest version on every replica."""
         self.accepted = self.running = 0
         self.groups: dict[int, _Group] = {}
@@ -217,7 +217,7 @@ class _Simulation:
     # -- the driver's loop -------------------------------------------------------------------------
     def _admit(self) -> None:
         s = self.s
-        if s.max_staleness == 0 and self.synced < self.version:
+        if s.max_staleness == 0 and self.synced_version < self.version:
             return  # synchronous: the next batch starts only under the newest weights
         while (s.max_staleness + self.version + 1) * s.batch_size - self.accepted - self.running >= s.group_size:
             group = _Group(s.group_size)
@@ -236,7 +236,7 @@ class _Simulation:
         version = [0]
 
         def start() -> None:
-            version[0] = self.synced  # a replica adopts a new version between requests
+            version[0] = self.synced_version  # a replica adopts a new version between requests
 
         def sampled() -> None:
             worker = self.reward_turn % self.s.reward_workers
@@ -282,7 +282,7 @@ class _Simulation:
         self._try_train()
 
     def _broadcast_arrived(self, version: int) -> None:
-        self.synced = max(self.synced, version)
+        self.synced_version = max(self.synced_version, version)
         self._admit()
 
     def run(self, versions: int) -> None:

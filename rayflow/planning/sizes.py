@@ -66,7 +66,7 @@ def model_directory(cfg: RayflowConfig, arch: str, workdir: str) -> tuple[str, s
 def measure_model(cfg: RayflowConfig, path: str, batches: set[tuple[int, bool]], math_attention: bool = False,
                   text_tokens: int = PLANNED_TEXT_TOKENS) -> ModelSizes:
     """ModelSizes of the pipeline at `path` for the config's LoRA, resolution and dtype."""
-    from rayflow.learner.lora import add_lora
+    from rayflow.models.lora import add_lora
     from rayflow.learner.model import lora_targets
     from rayflow.models.random_init import meta_components, parameter_count, parameters_on_meta
 
@@ -125,7 +125,7 @@ def _meta_model(path: str, transformer: nn.Module, cfg: RayflowConfig):
 def _forward_cost(cfg: RayflowConfig, path: str, batch: int, checkpointing: bool, full_depth: int,
                   math_attention: bool, text_tokens: int) -> ForwardCost:
     """One forward with gradients at `batch`, measured at depths 1 and 2 and scaled to the full depth."""
-    from rayflow.learner.lora import add_lora
+    from rayflow.models.lora import add_lora
     from rayflow.learner.model import lora_targets
     from rayflow.models.random_init import meta_components, parameters_on_meta
     from rayflow.planning.activations import measure_forward

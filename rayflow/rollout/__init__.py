@@ -2,7 +2,7 @@
 replicas into a pool (pool.py). The per-rank logic is the plain RolloutRank (rank.py)."""
 
 from rayflow.rollout.pool import RolloutPool
-from rayflow.rollout.rank import RolloutRank, RolloutWorkerSpec
+from rayflow.rollout.rank import RolloutRank, RolloutRankSpec
 from rayflow.rollout.replica import ReplicaError, RolloutFuture, RolloutReplica
 
-__all__ = ["ReplicaError", "RolloutFuture", "RolloutPool", "RolloutRank", "RolloutReplica", "RolloutWorkerSpec"]
+__all__ = ["ReplicaError", "RolloutFuture", "RolloutPool", "RolloutRank", "RolloutReplica", "RolloutRankSpec"]

@@ -22,7 +22,7 @@ import torch
 
 from rayflow.cfg.policy import CFGPolicy
 from rayflow.config import RolloutConfig
-from rayflow.rollout.rank import RolloutWorkerSpec
+from rayflow.rollout.rank import RolloutRankSpec
 from rayflow.distributed.restart_budget import RestartBudget
 from rayflow.rollout.replica import ReplicaError, RolloutFuture, RolloutReplica
 from rayflow.types import RolloutRequest, Trajectory
@@ -48,7 +48,7 @@ class RolloutPool:
         """Replacements still loading, by the index of the replica they replace."""
 
     @classmethod
-    def create(cls, spec: RolloutWorkerSpec, rollout: RolloutConfig, name: str = "rollout") -> "RolloutPool":
+    def create(cls, spec: RolloutRankSpec, rollout: RolloutConfig, name: str = "rollout") -> "RolloutPool":
         """Start every replica (their actors load concurrently), then wait for all of them."""
         def start(replica_name: str) -> RolloutReplica:
             return RolloutReplica(spec, rollout, name=replica_name)

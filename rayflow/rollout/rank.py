@@ -27,8 +27,8 @@ from transformers.utils import logging as transformers_logging
 from rayflow.cfg.parallel import CFGParallel, Group, all_gather_header
 from rayflow.cfg.policy import CFGPolicy, TrueCFG
 from rayflow.config import ModelConfig, RayflowConfig
-from rayflow.learner.lora import TRAINED_ADAPTER, adapter_parameters, add_lora, target_weight_names
-from rayflow.learner.weights import named_weights
+from rayflow.models.lora import TRAINED_ADAPTER, adapter_parameters, add_lora, target_weight_names
+from rayflow.models.weight_sets import named_weights
 from rayflow.models import DiffusionModel, load_model
 from rayflow.models.speed import apply_speed_options
 from rayflow.models.tiny import resolve_model_path
@@ -44,7 +44,7 @@ SYNC_MODES = ("lora", "merged")
 
 
 @dataclass(frozen=True)
-class RolloutWorkerSpec:
+class RolloutRankSpec:
     """Everything a rollout rank needs to build itself; the same for every rank of every replica."""
 
     model: ModelConfig
@@ -77,7 +77,7 @@ class RolloutWorkerSpec:
             raise ValueError(f"sync.mode: got {self.sync_mode!r}; allowed: {list(SYNC_MODES)}")
 
     @classmethod
-    def from_config(cls, cfg: RayflowConfig) -> "RolloutWorkerSpec":
+    def from_config(cls, cfg: RayflowConfig) -> "RolloutRankSpec":
         partial = cfg.sync.apply_at == "step" and cfg.async_.partial_rollout
         return cls(
             model=cfg.model,
@@ -102,7 +102,7 @@ class SharedModel:
 
     model: DiffusionModel
     slot: str
-    """The weight set (rayflow.learner.weights) whose tensors the rollout samples with, which its owner makes the one
+    """The weight set (rayflow.models.weight_sets) whose tensors the rollout samples with, which its owner makes the one
     the forward uses: the rollout adapter (LoRA), or "default", the parameters, holding the rollout weights (full)."""
 
 
@@ -133,7 +133,7 @@ def request_tag(request: RolloutRequest) -> int:
 class RolloutRank:
     """Rank `rank` of a replica of `world_size` CFG-parallel ranks."""
 
-    def __init__(self, spec: RolloutWorkerSpec, rank: int, world_size: int, shared: SharedModel | None = None):
+    def __init__(self, spec: RolloutRankSpec, rank: int, world_size: int, shared: SharedModel | None = None):
         """`shared`: sample with a model another component owns and trains (colocated placement) instead of loading
         one; its slot is the adapter rollouts sample under, read as the parameters are now, and nothing is staged."""
         self.spec, self.rank, self.world_size = spec, rank, world_size

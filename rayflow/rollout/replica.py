@@ -28,7 +28,7 @@ from rayflow.cfg.policy import CFGPolicy
 from rayflow.config import RolloutConfig
 from rayflow.distributed.placement import PlacedGroup, make_bundles, place, resolve_gpus
 from rayflow.distributed.process_group import CollectiveError
-from rayflow.rollout.rank import RolloutWorkerSpec
+from rayflow.rollout.rank import RolloutRankSpec
 from rayflow.rollout.worker import RolloutWorker
 from rayflow.types import RolloutRequest, Trajectory
 
@@ -91,7 +91,7 @@ class RolloutReplica:
     """`rollout.cfg_parallel_size` ranks of one replica. Construction does not wait for the actors;
     `wait_ready` (or `create`) does."""
 
-    def __init__(self, spec: RolloutWorkerSpec, rollout: RolloutConfig, name: str = "rollout-0"):
+    def __init__(self, spec: RolloutRankSpec, rollout: RolloutConfig, name: str = "rollout-0"):
         W = rollout.cfg_parallel_size
         gpus = resolve_gpus(rollout.gpus_per_rank)
         placed = place(make_bundles(W, rollout.cpus_per_rank, gpus, rollout.resources), rollout.placement_strategy, name=name)
@@ -127,7 +127,7 @@ class RolloutReplica:
         self._dead: str | None = None
 
     @classmethod
-    def create(cls, spec: RolloutWorkerSpec, rollout: RolloutConfig, name: str = "rollout-0") -> "RolloutReplica":
+    def create(cls, spec: RolloutRankSpec, rollout: RolloutConfig, name: str = "rollout-0") -> "RolloutReplica":
         return cls(spec, rollout, name).wait_ready()
 
     def wait_ready(self, timeout: float | None = None) -> "RolloutReplica":

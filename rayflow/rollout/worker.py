@@ -15,7 +15,7 @@ import torch
 
 from rayflow.cfg.policy import CFGPolicy
 from rayflow.distributed.process_group import CollectiveGroup, Rendezvous, node_ip
-from rayflow.rollout.rank import RolloutRank, RolloutWorkerSpec
+from rayflow.rollout.rank import RolloutRank, RolloutRankSpec
 from rayflow.sync.buckets import Manifest
 from rayflow.types import RolloutRequest, Trajectory
 
@@ -99,5 +99,5 @@ class RolloutRankHost:
 class RolloutWorker(RolloutRankHost):
     """A rollout rank that loads its own model and receives its weights from the weight-sync actor."""
 
-    def __init__(self, spec: RolloutWorkerSpec, rank: int, world_size: int):
+    def __init__(self, spec: RolloutRankSpec, rank: int, world_size: int):
         self.rank = RolloutRank(spec, rank, world_size)

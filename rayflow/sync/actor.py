@@ -38,7 +38,7 @@ import ray
 import torch
 
 from rayflow.distributed.process_group import CollectiveGroup, Rendezvous
-from rayflow.rollout.rank import RolloutWorkerSpec
+from rayflow.rollout.rank import RolloutRankSpec
 from rayflow.sync.fold import AdapterFolder
 from rayflow.sync.broadcast import send
 from rayflow.sync.buckets import Packed, WirePush, from_wire, make_manifest, pack_all
@@ -96,7 +96,7 @@ class SyncReport:
 
 @ray.remote(max_concurrency=8)
 class WeightSyncActor:
-    def __init__(self, spec: SyncSpec, rollout_spec: RolloutWorkerSpec):
+    def __init__(self, spec: SyncSpec, rollout_spec: RolloutRankSpec):
         """`rollout_spec` says what the receivers hold (model and LoRA shape); merged mode folds with it."""
         self.spec = spec
         # Full fine-tuning pushes the plain weights themselves: nothing to fold.

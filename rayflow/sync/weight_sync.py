@@ -25,7 +25,7 @@ import torch
 from rayflow.config import SyncConfig
 from rayflow.distributed.placement import make_bundles, place, resolve_gpus
 from rayflow.distributed.restart_budget import RestartBudget
-from rayflow.rollout.rank import RolloutWorkerSpec
+from rayflow.rollout.rank import RolloutRankSpec
 from rayflow.rollout.replica import RolloutReplica
 from rayflow.sync.actor import SyncReport, SyncSpec, WeightSyncActor, WeightSyncError, one_line
 from rayflow.sync.buckets import to_wire
@@ -38,7 +38,7 @@ WAIT_GRACE_S = 10.0
 
 
 class WeightSync:
-    def __init__(self, cfg: SyncConfig, rollout_spec: RolloutWorkerSpec, replicas: list[RolloutReplica],
+    def __init__(self, cfg: SyncConfig, rollout_spec: RolloutRankSpec, replicas: list[RolloutReplica],
                  timeout_s: float = 300.0, name: str = "rayflow-weight-sync"):
         self.cfg = cfg
         self.gpus = resolve_gpus(cfg.gpus)

@@ -18,7 +18,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from rayflow.learner.parallelize import reshard
+from rayflow.distributed.parallelize import reshard
 
 TRAINED = "default"
 BASE = "base"
