@@ -337,7 +337,7 @@ def test_weights_staged_on_live_ranks_apply_when_all_have_them(fresh_pool, tiny_
     v1, v2 = random_adapter(model, seed=4), random_adapter(model, seed=5)
     ray.get(replica.stage_weights(1, v1, ranks=[0]))
     assert replica.generate(request("only-rank-0"))[0].versions.tolist() == [0] * 4  # rank 1 lacks version 1
-    ray.get(pool.stage_weights(1, v1))  # every rank of every replica
+    ray.get(replica.stage_weights(1, v1))  # every rank
     set_adapter(model, v1)
     assert_same(replica.generate(request("both")), oracle(model, request("both"), TrueCFG(), {}, version=1))
     assert all(torch.equal(w[n], v1[n]) for w in replica.adapter_weights() for n in v1)

@@ -139,13 +139,22 @@ def test_a_dead_rollout_replica_is_replaced_or_routed_around(ray_session, tiny_m
     try:
         trainer.run()
         dead = trainer.rollout.replicas[1]
-        ray.kill(dead.workers[0])  # asynchronous: with requests of the next batch in flight on it
+        if max_staleness == 0:  # an evaluation meets the dead replica: its request goes to the other, same samples
+            served = dead.timings()[0]["requests"]
+            undisturbed = trainer._generate(trainer.evaluator.requests)
+            assert dead.timings()[0]["requests"] > served  # both replicas sample evaluation requests
+            ray.kill(dead.workers[0])
+            again = trainer._generate(trainer.evaluator.requests)
+            assert trainer.rollout.dead == [dead] and [t.seed for t in again] == [t.seed for t in undisturbed]
+            assert all(torch.equal(a.latents, b.latents) and (a.image == b.image).all() for a, b in zip(again, undisturbed))
+        else:
+            ray.kill(dead.workers[0])  # asynchronous: with requests of the next batch in flight on it
         history, deadline = [], time.monotonic() + 180
         # Until the replacement (if any) finished loading, the live replica samples every request.
         while time.monotonic() < deadline and (len(history) < 2 or trainer.rollout.starting):
             trainer.cfg.trainer.total_steps += 1
             history += trainer.run()[-1:]
-        assert trainer.dead_replicas == [dead] and not dead.alive
+        assert trainer.rollout.dead == [dead] and not dead.alive
         # The staleness bound held throughout (synchronous: every batch under the newest weights).
         assert all(h["staleness/max"] <= max_staleness for h in history)
         assert history[-1]["rollout/replica_restarts"] == max_restarts

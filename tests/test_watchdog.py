@@ -14,7 +14,7 @@ import pytest
 
 from rayflow import reference
 from rayflow.driver.trainer import Trainer
-from rayflow.driver.watchdog import Watchdog
+from rayflow.distributed.watchdog import Watchdog
 from rayflow.learner.worker import LearnerStalled
 from tiny_run import GRPO, small_cfg
 
@@ -75,11 +75,11 @@ def test_a_stopped_rank_is_reported_within_the_deadline_rollout_replaced_learner
         trainer.cfg.trainer.total_steps = 2
         with caplog.at_level(logging.ERROR, logger="rayflow"):
             trainer.run()
-        assert trainer.dead_replicas == [stopped] and trainer.rollout.restarts == [1]
+        assert trainer.rollout.dead == [stopped] and trainer.rollout.restarts == [1]
         stall = next(r for r in caplog.records if "stalled" in r.getMessage())
         assert "rank 0 of 1 (node 127.0.0.1" in stall.getMessage() and "while sampling requests ['g1-s0']" in stall.getMessage()
         # Told within the deadline (the floor: requests of the tiny model take well under floor/2), plus the loop's poll.
-        assert stall.created - stopped_at < trainer.watchdog.deadline_s() + 3.0
+        assert stall.created - stopped_at < trainer.rollout.watchdog.deadline_s() + 3.0
 
         # A learner rank stopped: the train step's deadline passes and the run stops, naming the rank.
         pid = ray.get(trainer.learners.workers[0].__ray_call__.remote(lambda worker: os.getpid()))
@@ -121,7 +121,7 @@ def test_a_stopped_cfg_parallel_rank_and_a_stopped_reward_worker_are_replaced_th
         trainer.cfg.trainer.total_steps = 2
         with caplog.at_level(logging.WARNING, logger="rayflow"):
             trainer.run()  # no CollectiveError: the replica is out of service, replaced, its request re-issued
-        assert trainer.dead_replicas == [stopped] and trainer.rollout.restarts == [1]
+        assert trainer.rollout.dead == [stopped] and trainer.rollout.restarts == [1]
         left = next(r for r in caplog.records if "left a collective" in r.getMessage())
         assert re.search(r"rank 0 of 2 \(node 127\.0\.0\.1, node id \w+\) left a collective during request 'g1-s0' "
                          r"because rank 1 of 2 \(node 127\.0\.0\.1, node id \w+\) died or stalled", left.getMessage())

@@ -25,6 +25,7 @@ import torch
 
 from rayflow.config import RayflowConfig
 from rayflow.distributed.placement import PlacedGroup, make_bundles, place, resolve_gpus
+from rayflow.distributed.watchdog import Watchdog
 from rayflow.errors import ConfigError
 from rayflow.learner.optim import offload_optimizer_state, reload_optimizer_state
 from rayflow.distributed.parallelize import gather_for_sampling, release_gathered
@@ -187,7 +188,7 @@ class ColocatedDevices:
             self.shutdown()
             raise
         # No replacements: a device's learner rank holds optimizer state that a new rollout rank alone cannot bring back.
-        self.rollout = RolloutPool(self.replicas)
+        self.rollout = RolloutPool(self.replicas, watchdog=Watchdog(cfg.rollout.stall_timeout_s, cfg.rollout.stall_factor))
         self.weights = SharedWeights()
 
     def shutdown(self) -> None:

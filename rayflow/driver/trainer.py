@@ -31,7 +31,7 @@ from rayflow.data.prompts import GroupSampler, PromptGroup, load_prompts
 from rayflow.distributed.colocated import ColocatedDevices
 from rayflow.driver.evaluation import Evaluator
 from rayflow.driver.queue import StalenessQueue
-from rayflow.driver.watchdog import Watchdog
+from rayflow.distributed.watchdog import Watchdog
 from rayflow.models.lora import EVAL_EMA_ADAPTER
 from rayflow.learner.minibatches import learner_batch
 from rayflow.learner.optim import SkippedSteps
@@ -39,9 +39,8 @@ from rayflow.learner.worker import LearnerError, LearnerGroup, LearnerStalled
 from rayflow.logging.monitor import Monitor
 from rayflow.rewards.normalize import training_rewards
 from rayflow.rewards.worker import RewardPool
-from rayflow.rollout.pool import RolloutPool
+from rayflow.rollout.pool import PoolFuture, RolloutPool
 from rayflow.rollout.rank import RolloutRankSpec
-from rayflow.rollout.replica import ReplicaError, RolloutFuture, RolloutReplica
 from rayflow.sampling.window import window_params
 from rayflow.sync.actor import ReceiversLost
 from rayflow.sync.weight_sync import WeightSync
@@ -72,17 +71,8 @@ class Trainer:
         self.history: list[dict[str, float]] = []
         self.train_s = 0.0
         """This start's training time so far: its steps' wall time, evaluations excluded (trainer.time_limit_s)."""
-        self.rollouts: list[RolloutFuture] = []
-        self.waiting: list[RolloutRequest] = []
-        """Requests with no live replica to serve them while replacements start."""
-        self.dead_replicas: list[RolloutReplica] = []
-        self.held: dict[str, RolloutFuture | None] = {}
-        """Requests the driver waits for itself (evaluation) instead of scoring them for training, by request id:
-        their future once finished."""
-        self.held_weights: ray.ObjectRef | None = None
-        """Synced-slot tensors the held requests sample under (the EMA adapter), or None: the rollout weights."""
-        self.watchdog = Watchdog(cfg.rollout.stall_timeout_s, cfg.rollout.stall_factor)
-        """Deadlines for the rollout replicas' requests (a stopped rank neither answers nor dies)."""
+        self.evaluating: set[PoolFuture] = set()
+        """Requests the driver waits for itself (evaluation) instead of scoring them for training."""
         self.learner_watchdog = Watchdog(cfg.learner.stall_timeout_s, cfg.rollout.stall_factor)
         """The deadline of a train step."""
         self.components: list = []  # shut down in reverse order
@@ -108,6 +98,7 @@ class Trainer:
             if not cfg.placement.colocated:
                 with phase("weight sync"):
                     self.sync = self._own(WeightSync(cfg.sync, spec, self.rollout.replicas, cfg.rollout.collective_timeout_s))
+            self.rollout.sync_with(self.sync)
             self.evaluator = Evaluator(cfg, prompts, self._generate, self.rewards)
             with phase("resume"):
                 self._resume()
@@ -133,7 +124,6 @@ class Trainer:
         clock = _Clock()
         while self.version < cfg.trainer.total_steps and not self.out_of_time:
             self._check_sync_failure(training_in_flight=training is not None)
-            self._promote_replacements()
             self._admit()
             if training is None:
                 batch, resubmit = self.queue.take_batch(self.version)
@@ -146,7 +136,7 @@ class Trainer:
                     trained, self.filtered_samples = learner_batch(batch, cfg, self.version)
                     training = self.learners.train_step(trained)
                     self.learner_watchdog.busy("learners")
-            clock.tick(rollout_busy=bool(self.rollouts), learner_busy=training is not None)
+            clock.tick(rollout_busy=bool(self.rollout.in_flight), learner_busy=training is not None)
             self._serve(training)
             if training is not None and self.learners.settled(training):
                 try:
@@ -163,14 +153,17 @@ class Trainer:
         return self.history
 
     def _serve(self, training: list[ray.ObjectRef] | None) -> None:
-        """Wait (at most POLL_S) for something to finish; finished rollouts go to rewards, scored trajectories
-        to the queue; replicas and reward workers past their deadlines are replaced."""
-        refs = self._pending_refs(training)
+        """Wait (at most POLL_S) for something to finish; finished rollouts go to rewards (evaluation's stay with
+        their futures), scored trajectories to the queue."""
+        watching = [self.sync.watching] if self.sync.watching is not None else []
+        refs = self.rollout.refs + self.rewards.refs + (training or []) + watching
         if refs:
             ray.wait(refs, num_returns=1, timeout=POLL_S)
         else:  # nothing in flight (requests wait for a replacement to load): poll without spinning
             time.sleep(POLL_S)
-        self._collect_rollouts()
+        for future in self.rollout.collect():
+            if future not in self.evaluating:
+                self.rewards.submit_rollout(future.ref, future.request)
         for trajectory in self.rewards.collect(timeout_s=0):
             self.queue.finished(trajectory)
 
@@ -196,39 +189,7 @@ class Trainer:
                 self.queue.submitted(group)
             sampling = window_params(self.cfg.sampling, self.cfg.trainer.seed, self.version)
             for request in group.requests(sampling, self.cfg.rollout.micro_batch_size):
-                self._send(request)
-
-    def _send(self, request: RolloutRequest) -> None:
-        """To the least-loaded live replica; held back while every replica is dead and replacements start."""
-        weights = self.held_weights if request.request_id in self.held else None
-        try:
-            self.rollouts.append(self.rollout.submit(request, weights=weights))
-            self.watchdog.busy(self.rollouts[-1].replica)
-        except ReplicaError:
-            if not self.rollout.starting:
-                raise
-            self.waiting.append(request)
-
-    def _replica_died(self, replica: RolloutReplica) -> None:
-        """Leave a dead replica out of weight sync and start its replacement (rollout.max_restarts)."""
-        if replica in self.dead_replicas:
-            return
-        self.dead_replicas.append(replica)
-        self.watchdog.forget(replica)
-        if self.rollout.replace(replica):
-            log.warning("rollout replica %r died; starting its replacement", replica.name)
-        else:
-            log.warning("rollout replica %r died and its restarts are used up; going on without it", replica.name)
-        self.sync.connect(self.rollout.replicas)  # a new sync group, without the dead ranks
-
-    def _promote_replacements(self) -> None:
-        """Replacements that finished loading get the current weights, then serve (held-back requests first)."""
-        for replica in self.rollout.promote_ready(lambda r: self.sync.attach(r, self.rollout.replicas)):
-            log.warning("rollout replica %r is back in service at version %d", replica.name, self.version)
-        if self.waiting and any(r.alive for r in self.rollout.replicas):
-            waiting, self.waiting = self.waiting, []
-            for request in waiting:
-                self._send(request)
+                self.rollout.submit(request)
 
     def _check_sync_failure(self, training_in_flight: bool) -> None:
         """Every pass of the loop (asynchronous mode waits for no version): a failed push or broadcast ends the run
@@ -258,71 +219,18 @@ class Trainer:
         except ray.exceptions.RayActorError as e:
             self._sync_failed(e)
             return
-        if not lost:
-            return
-        dead = [r for r in self.rollout.replicas if r.alive and not r.check_alive()]
-        if not dead:
-            raise RuntimeError("weight sync lost a receiver, but every rollout replica answers")
-        for replica in dead:
-            self._replica_died(replica)
-
-    def _collect_rollouts(self) -> None:
-        still, pending, finished_on = [], self.rollouts, []
-        self.rollouts = []  # _send adds resubmitted requests here
-        for future in pending:
-            if not future.done():
-                still.append(future)
-                continue
-            try:
-                future.wait(timeout=0)
-            except ReplicaError as e:  # the replica is out of service; another one samples the request
-                log.warning("%s; resubmitting request %s", e, future.request.request_id)
-                self._replica_died(future.replica)
-                self._send(future.request)
-                continue
-            if future.request.request_id in self.held:
-                self.held[future.request.request_id] = future
-            else:
-                self.rewards.submit_rollout(future.ref, future.request)
-            finished_on.append(future.replica)
-        self.rollouts = still + self.rollouts
-        for replica in set(finished_on):
-            self.watchdog.progressed(replica, still_busy=any(f.replica is replica for f in self.rollouts))
-        self._replace_stalled()
+        if lost:
+            self.rollout.find_dead()
 
     def _generate(self, requests: list[RolloutRequest], weights: ray.ObjectRef | None = None) -> list[Trajectory]:
-        """Blocking (evaluation): the requests' trajectories in request order, under the watchdog's deadlines
-        and with the replacements and re-issues of training requests (which go on meanwhile); `weights`:
-        held_weights."""
-        self.held_weights = weights
-        for request in requests:
-            self.held[request.request_id] = None
-            self._send(request)
-        while None in self.held.values():
-            self._promote_replacements()
+        """Blocking (evaluation): the requests' trajectories in request order, sampled under `weights` (synced-slot
+        tensors; None: the rollout weights) while the loop serves the training requests in flight."""
+        futures = self.rollout.map(requests, weights=weights)
+        self.evaluating = set(futures)
+        while not all(f.finished for f in futures):
             self._serve(training=None)
-        futures, self.held, self.held_weights = self.held, {}, None
-        return [t for request in requests for t in futures[request.request_id].result()]
-
-    def _replace_stalled(self) -> None:
-        """A replica past the watchdog's deadline is reported (ranks, nodes, requests) and replaced like a dead
-        one; its requests fail when its ranks are killed and are re-issued by _collect_rollouts."""
-        for replica, silent_s in self.watchdog.overdue():
-            futures = [f for f in self.rollouts if f.replica is replica]
-            late = replica.late_ranks(futures[0]) if futures else []
-            message = (
-                f"rollout replica {replica.name!r} stalled: {', '.join(late) or 'its ranks'} finished nothing for "
-                f"{silent_s:.0f}s (deadline {self.watchdog.deadline_s():.0f}s, rollout.stall_timeout_s="
-                f"{self.cfg.rollout.stall_timeout_s}) while sampling requests {[f.request.request_id for f in futures]}; "
-                f"replacing it and re-issuing them"
-            )
-            log.error("%s", message)
-            replica.mark_stalled(message)
-            self._replica_died(replica)
-
-    def _pending_refs(self, training: list[ray.ObjectRef] | None) -> list[ray.ObjectRef]:
-        watching = [self.sync.watching] if self.sync.watching is not None else []
-        return [f.refs[0] for f in self.rollouts] + self.rewards.refs + (training or []) + watching
+        self.evaluating = set()
+        return [t for future in futures for t in future.result()]
 
     def _step_done(self, metrics: dict[str, float], batch: list[TrajectoryRef], clock: "_Clock") -> None:
         """An optimizer step finished: new version → push weights → log → eval → checkpoint."""
@@ -474,13 +382,9 @@ class Trainer:
         log.warning("rewound to step %d; steps %d..%d are trained again", self.version, self.version + 1, lost)
 
     def _drop_in_flight(self) -> None:
-        """Wait for the rollouts and reward calls in flight (their replicas and workers serve requests in order) and
-        drop their results: they belong to the steps being rewound."""
-        refs = [f.refs[0] for f in self.rollouts]
-        ray.wait(refs, num_returns=len(refs), timeout=self.watchdog.deadline_s())
-        for future in self.rollouts:
-            self.watchdog.forget(future.replica)
-        self.rollouts, self.waiting = [], []
+        """Drop the rollouts and reward calls in flight (after they finish: replicas and workers serve in order): they
+        belong to the steps being rewound."""
+        self.rollout.drop_in_flight()
         self.rewards.drain()
 
     def shutdown(self) -> None:

@@ -18,7 +18,7 @@ import torch
 
 from rayflow.config import RewardConfig, RewardFnConfig
 from rayflow.distributed.placement import PlacedGroup, make_bundles, place
-from rayflow.driver.watchdog import Watchdog
+from rayflow.distributed.watchdog import Watchdog
 from rayflow.rewards.weighted import WeightedReward, reward_inputs
 from rayflow.distributed.restart_budget import RestartBudget
 from rayflow.types import RolloutRequest, Trajectory, TrajectoryRef

@@ -1,44 +1,89 @@
-"""RolloutPool: `rollout.num_replicas` replicas serving requests concurrently.
+"""RolloutPool: `rollout.num_replicas` replicas serving requests, with every replica failure handled inside.
 
-A prompt's group of G samples is split into micro-batches (`PromptGroup.requests(params,
-rollout.micro_batch_size)`); each request goes to the live replica with the fewest samples in
-flight. Every request carries its own seeds and each sample draws from its own generators, so a
-request's trajectories do not depend on which replica served it.
+    pool = RolloutPool.create(spec, cfg.rollout)   # every replica started and loaded
+    pool.sync_with(weight_sync)                    # the group that a dead replica leaves and a replacement joins
+    future = pool.submit(request)                  # a PoolFuture: good until the request is sampled, whatever dies
+    ray.wait(pool.refs, num_returns=1)             # something finished (or failed)
+    for future in pool.collect(): ...              # the requests sampled since the last call, each once
 
-A replica that died is replaced (`rollout.max_restarts` times per replica within any
-`rollout.restart_window_s` seconds, RestartBudget): `replace` frees its
-placement group and starts a new one under the same name without waiting for it to load;
-`promote_ready` puts a replacement into service once all its ranks joined, after a caller's hook
-(the weight sync's late-join) has run, so it never serves a request under stale weights.
+Routing: a request goes to the live replica with the fewest samples in flight (ties: the lowest index).
+Every request carries its own seeds and each sample draws from its own generators, so its trajectories
+do not depend on the replica that served it, nor on how often it was sent.
+
+What the caller never sees (it is told by the log, and `dead` / `restarts` count it):
+- a rank dies, or leaves a collective because a peer died or stalled: the replica goes out of service,
+  the weight-sync group is re-formed without its ranks, its requests go to the live replicas (or wait
+  while none is live and a replacement starts), and its replacement starts (`rollout.max_restarts`
+  times per replica within any `rollout.restart_window_s` seconds);
+- a rank stops without dying (SIGSTOP, a stuck kernel): past the watchdog's deadline the replica is
+  reported (ranks, nodes, requests) and handled as dead;
+- a replacement serves once all its ranks joined and the weight sync staged the current version on
+  it, so it never samples under stale weights;
+- the weight sync lost a receiver (`find_dead`): the replicas are asked, the dead ones handled as above.
+
+What it raises: a request's own error (a field its params contradict) from `collect`, and ReplicaError
+once every replica is out of service with no replacement starting.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Callable
+from typing import Callable, Protocol
 
 import ray
-import torch
 
 from rayflow.cfg.policy import CFGPolicy
 from rayflow.config import RolloutConfig
-from rayflow.rollout.rank import RolloutRankSpec
 from rayflow.distributed.restart_budget import RestartBudget
+from rayflow.distributed.watchdog import Watchdog
+from rayflow.rollout.rank import RolloutRankSpec
 from rayflow.rollout.replica import ReplicaError, RolloutFuture, RolloutReplica
 from rayflow.types import RolloutRequest, Trajectory
 
 log = logging.getLogger("rayflow")
 
 
+class ReplicaMembership(Protocol):
+    """The weight sync as the pool needs it: re-form its group with the live replicas; bring a replacement
+    into it at the current version."""
+
+    def connect(self, replicas: list[RolloutReplica]) -> None: ...
+
+    def attach(self, replica: RolloutReplica, replicas: list[RolloutReplica]) -> None: ...
+
+
+class PoolFuture:
+    """One request in the pool's care. `attempt` is its current run on a replica (None while it waits for one);
+    `finished` once `collect` returned it."""
+
+    def __init__(self, request: RolloutRequest, policy: CFGPolicy | None, weights: ray.ObjectRef | None):
+        self.request, self.policy, self.weights = request, policy, weights
+        self.attempt: RolloutFuture | None = None
+        self.finished = False
+
+    @property
+    def replica(self) -> RolloutReplica:
+        return self.attempt.replica
+
+    @property
+    def ref(self) -> ray.ObjectRef:
+        """Rank 0's trajectories, to hand on without fetching them."""
+        return self.attempt.ref
+
+    def result(self) -> list[Trajectory]:
+        """The trajectories, once finished."""
+        return self.attempt.result()
+
+
 class RolloutPool:
     def __init__(self, replicas: list[RolloutReplica], start_replica: Callable[[str], RolloutReplica] | None = None,
-                 max_restarts: int = 0, restart_window_s: float = 0.0):
+                 max_restarts: int = 0, restart_window_s: float = 0.0, watchdog: Watchdog | None = None):
         """`start_replica(name)` starts a replacement replica (without waiting for it); None: no restarts.
-        Each replica may be replaced `max_restarts` times within any `restart_window_s` seconds (0: in all)."""
+        Each replica may be replaced `max_restarts` times within any `restart_window_s` seconds (0: in all).
+        `watchdog`: the deadlines of busy replicas (None: none, a stopped rank is waited for)."""
         if not replicas:
             raise ValueError("a RolloutPool needs at least one replica")
         self.replicas = replicas
-        self._in_flight: list[list[RolloutFuture]] = [[] for _ in replicas]
         self._start_replica = start_replica
         self.max_restarts = max_restarts if start_replica is not None else 0
         self.restarts = [0] * len(replicas)
@@ -46,6 +91,13 @@ class RolloutPool:
         self.budgets = [RestartBudget(self.max_restarts, restart_window_s) for _ in replicas]
         self.starting: dict[int, RolloutReplica] = {}
         """Replacements still loading, by the index of the replica they replace."""
+        self.dead: list[RolloutReplica] = []
+        """Replicas taken out of service, in order."""
+        self.watchdog = watchdog or Watchdog(float("inf"), 1.0)
+        self.membership: ReplicaMembership | None = None
+        self.in_flight: list[PoolFuture] = []
+        self.waiting: list[PoolFuture] = []
+        """Requests with no live replica to serve them while replacements start."""
 
     @classmethod
     def create(cls, spec: RolloutRankSpec, rollout: RolloutConfig, name: str = "rollout") -> "RolloutPool":
@@ -56,9 +108,105 @@ class RolloutPool:
         replicas = [start(f"{name}-{i}") for i in range(rollout.num_replicas)]
         for replica in replicas:
             replica.wait_ready()
-        return cls(replicas, start, rollout.max_restarts, rollout.restart_window_s)
+        watchdog = Watchdog(rollout.stall_timeout_s, rollout.stall_factor)
+        return cls(replicas, start, rollout.max_restarts, rollout.restart_window_s, watchdog)
 
-    # -- replacing dead replicas ---------------------------------------------------------------------
+    def sync_with(self, membership: ReplicaMembership) -> None:
+        """The weight sync: a dead replica leaves its group, a replacement joins it and catches up before serving."""
+        self.membership = membership
+
+    # -- requests ------------------------------------------------------------------------------------
+    def submit(self, request: RolloutRequest, policy: CFGPolicy | None = None,
+               weights: ray.ObjectRef | None = None) -> PoolFuture:
+        """Sample `request` (under `policy`, default the spec's; `weights`: synced-slot tensors to sample under
+        instead of the applied version, RolloutReplica.submit's)."""
+        future = PoolFuture(request, policy, weights)
+        self._send(future)
+        return future
+
+    def map(self, requests: list[RolloutRequest], policy: CFGPolicy | None = None,
+            weights: ray.ObjectRef | None = None) -> list[PoolFuture]:
+        """Submit every request; futures in request order."""
+        return [self.submit(r, policy, weights) for r in requests]
+
+    @property
+    def refs(self) -> list[ray.ObjectRef]:
+        """One completion per request in flight: `ray.wait` on them returns when one finished or failed."""
+        return [f.attempt.refs[0] for f in self.in_flight]
+
+    def collect(self) -> list[PoolFuture]:
+        """Without waiting: the requests sampled since the last call. Requests of replicas that died are sent
+        again, stalled replicas replaced, replacements that finished loading put into service."""
+        self._promote_ready()
+        finished, failed, still = [], [], []
+        for future in self.in_flight:
+            if not future.attempt.done():
+                still.append(future)
+                continue
+            try:
+                future.attempt.wait(timeout=0)
+            except ReplicaError as e:  # the replica is out of service; another one samples the request
+                log.warning("%s; re-sending request %s", e, future.request.request_id)
+                failed.append(future)
+                continue
+            future.finished = True
+            finished.append(future)
+        self.in_flight = still
+        for future in failed:
+            self._out_of_service(future.replica)
+            self._send(future)
+        for replica in {f.replica for f in finished}:
+            self.watchdog.progressed(replica, still_busy=any(f.replica is replica for f in self.in_flight))
+        self._replace_stalled()
+        return finished
+
+    def _send(self, future: PoolFuture) -> None:
+        live = [i for i, r in enumerate(self.replicas) if r.alive]
+        if not live:
+            if not self.starting:
+                raise ReplicaError(f"every rollout replica of the pool is out of service ({len(self.replicas)} replicas)")
+            self.waiting.append(future)
+            return
+        replica = self.replicas[min(live, key=self._samples_in_flight)]
+        future.attempt = replica.submit(future.request, future.policy, future.weights)
+        self.in_flight.append(future)
+        self.watchdog.busy(replica)
+
+    def _samples_in_flight(self, index: int) -> int:
+        replica = self.replicas[index]
+        return sum(len(f.request.seeds) for f in self.in_flight if f.replica is replica and not f.attempt.done())
+
+    def drop_in_flight(self) -> None:
+        """Wait for the requests in flight (a replica serves in order, so later ones must not queue behind them) and
+        forget them: they belong to steps being rewound."""
+        refs = self.refs
+        ray.wait(refs, num_returns=len(refs), timeout=self.watchdog.deadline_s())
+        for future in self.in_flight:
+            self.watchdog.forget(future.replica)
+        self.in_flight, self.waiting = [], []
+
+    # -- failures ------------------------------------------------------------------------------------
+    def find_dead(self) -> None:
+        """The weight sync lost a receiver: ask every replica in service; take the dead ones out of service."""
+        dead = [r for r in self.replicas if r.alive and not r.check_alive()]
+        if not dead:
+            raise RuntimeError("weight sync lost a receiver, but every rollout replica answers")
+        for replica in dead:
+            self._out_of_service(replica)
+
+    def _out_of_service(self, replica: RolloutReplica) -> None:
+        """Leave a dead replica out of the weight sync and start its replacement (rollout.max_restarts)."""
+        if replica in self.dead:
+            return
+        self.dead.append(replica)
+        self.watchdog.forget(replica)
+        if self.replace(replica):
+            log.warning("rollout replica %r died; starting its replacement", replica.name)
+        else:
+            log.warning("rollout replica %r died and its restarts are used up; going on without it", replica.name)
+        if self.membership is not None:
+            self.membership.connect(self.replicas)  # a new sync group, without the dead ranks
+
     def replace(self, replica: RolloutReplica) -> bool:
         """Shut the dead `replica` down and start its replacement; False when its restarts are used up."""
         replica.shutdown()  # frees its placement group for the replacement
@@ -71,11 +219,26 @@ class RolloutPool:
         self.starting[index] = self._start_replica(self.replicas[index].name)
         return True
 
-    def promote_ready(self, before_serving: Callable[[RolloutReplica], None]) -> list[RolloutReplica]:
-        """Put every replacement whose ranks all joined into service, calling `before_serving(replica)`
-        once it is in `replicas` and before any request can reach it. A replacement that failed to start
-        counts as another death: it is replaced again while restarts are left."""
-        promoted = []
+    def _replace_stalled(self) -> None:
+        """A replica past the watchdog's deadline is reported (ranks, nodes, requests) and taken out of service; its
+        requests fail when its ranks are killed and are sent again by the next `collect`."""
+        for replica, silent_s in self.watchdog.overdue():
+            futures = [f for f in self.in_flight if f.replica is replica]
+            late = replica.late_ranks(futures[0].attempt) if futures else []
+            message = (
+                f"rollout replica {replica.name!r} stalled: {', '.join(late) or 'its ranks'} finished nothing for "
+                f"{silent_s:.0f}s (deadline {self.watchdog.deadline_s():.0f}s, rollout.stall_timeout_s="
+                f"{self.watchdog.floor_s}) while sampling requests {[f.request.request_id for f in futures]}; "
+                f"replacing it and re-issuing them"
+            )
+            log.error("%s", message)
+            replica.mark_stalled(message)
+            self._out_of_service(replica)
+
+    def _promote_ready(self) -> None:
+        """Put every replacement whose ranks all joined into service, once the weight sync brought it to the current
+        version; then the requests waiting for a live replica go out. A replacement that failed to start counts as
+        another death: it is replaced again while restarts are left."""
         for index, replica in list(self.starting.items()):
             try:
                 if not replica.ready():
@@ -86,39 +249,14 @@ class RolloutPool:
                 log.warning("%s; %s", e, "replacing it again" if self._restart(index) else "its restarts are used up")
                 continue
             del self.starting[index]
-            self.replicas[index], self._in_flight[index] = replica, []
-            before_serving(replica)
-            promoted.append(replica)
-        return promoted
-
-    def _samples_in_flight(self, index: int) -> int:
-        self._in_flight[index] = [f for f in self._in_flight[index] if not f.done()]
-        return sum(len(f.request.seeds) for f in self._in_flight[index])
-
-    def submit(self, request: RolloutRequest, policy: CFGPolicy | None = None,
-               weights: ray.ObjectRef | None = None) -> RolloutFuture:
-        """Send `request` to the least-loaded live replica (ties: the lowest index); `weights`: RolloutReplica.submit's."""
-        live = [i for i, r in enumerate(self.replicas) if r.alive]
-        if not live:
-            raise ReplicaError(f"every rollout replica of the pool is out of service ({len(self.replicas)} replicas)")
-        index = min(live, key=self._samples_in_flight)
-        future = self.replicas[index].submit(request, policy, weights)
-        self._in_flight[index].append(future)
-        return future
-
-    def map(self, requests: list[RolloutRequest], policy: CFGPolicy | None = None,
-            weights: ray.ObjectRef | None = None) -> list[RolloutFuture]:
-        """Submit every request; futures in request order."""
-        return [self.submit(r, policy, weights) for r in requests]
-
-    def generate(self, requests: list[RolloutRequest], policy: CFGPolicy | None = None) -> list[Trajectory]:
-        """Blocking: all trajectories, in request order."""
-        return [t for future in self.map(requests, policy) for t in future.result()]
-
-    def stage_weights(self, version: int, tensors: dict[str, torch.Tensor]) -> list[ray.ObjectRef]:
-        """Stage `version` on every rank of every live replica (each applies it at its next step boundary)."""
-        ref = ray.put(tensors)  # once for every rank of every replica
-        return [r for replica in self.replicas if replica.alive for r in replica.stage_weights(version, ref)]
+            self.replicas[index] = replica
+            if self.membership is not None:
+                self.membership.attach(replica, self.replicas)
+            log.warning("rollout replica %r is back in service", replica.name)
+        if self.waiting and any(r.alive for r in self.replicas):
+            waiting, self.waiting = self.waiting, []
+            for future in waiting:
+                self._send(future)
 
     def shutdown(self) -> None:
         for replica in self.replicas + list(self.starting.values()):
