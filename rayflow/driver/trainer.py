@@ -16,8 +16,6 @@ starts; the run then equals the single-process reference trainer (rayflow.refere
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import logging
 import time
 
@@ -31,6 +29,7 @@ from rayflow.data.prompts import GroupSampler, PromptGroup, load_prompts
 from rayflow.distributed.colocated import ColocatedDevices
 from rayflow.driver.evaluation import Evaluator
 from rayflow.driver.queue import StalenessQueue
+from rayflow.driver.timing import Phases, StepClock
 from rayflow.distributed.watchdog import Watchdog
 from rayflow.models.lora import EVAL_EMA_ADAPTER
 from rayflow.learner.minibatches import learner_batch
@@ -78,7 +77,7 @@ class Trainer:
         self.components: list = []  # shut down in reverse order
         self.startup_s: dict[str, float] = {}
         """Seconds of each start-up phase (logged by the launcher; tools/bench.py startup)."""
-        phase = _Phases(self.startup_s)
+        phase = Phases(self.startup_s)
         try:
             spec = RolloutRankSpec.from_config(cfg)
             # One role after the other. Starting every role's actors at once was tried (bench.py startup): no faster
@@ -121,21 +120,15 @@ class Trainer:
         batch: list[TrajectoryRef] = []
         if cfg.trainer.eval_at_start and self.version == 0:
             self.evaluator.run(0, self.monitor)
-        clock = _Clock()
+        clock = StepClock()
         while self.version < cfg.trainer.total_steps and not self.out_of_time:
             self._check_sync_failure(training_in_flight=training is not None)
             self._admit()
             if training is None:
-                batch, resubmit = self.queue.take_batch(self.version)
-                self._submit(resubmit)
+                batch, stale = self.queue.take_batch(self.version)
+                self._submit(stale)  # regenerated under the current weights
                 if batch is not None:
-                    totals, self.normalized_means = training_rewards(batch, cfg.reward.functions)
-                    adv = assign_advantages(batch, global_std=cfg.algorithm.global_std, clip_max=cfg.algorithm.adv_clip_max,
-                                            stat_tracking=cfg.algorithm.stat_tracking, rewards=totals)
-                    self.zero_signal_groups = adv.zero_signal_groups
-                    trained, self.filtered_samples = learner_batch(batch, cfg, self.version)
-                    training = self.learners.train_step(trained)
-                    self.learner_watchdog.busy("learners")
+                    training = self._train(batch)
             clock.tick(rollout_busy=bool(self.rollout.in_flight), learner_busy=training is not None)
             self._serve(training)
             if training is not None and self.learners.settled(training):
@@ -151,6 +144,18 @@ class Trainer:
             elif training is not None and self.learner_watchdog.overdue():
                 self._learner_stalled(training)
         return self.history
+
+    def _train(self, batch: list[TrajectoryRef]) -> list[ray.ObjectRef]:
+        """Rewards → advantages → the learners' train step (algorithm.steps_per_batch optimizer steps); refs to its
+        metrics."""
+        cfg = self.cfg
+        totals, self.normalized_means = training_rewards(batch, cfg.reward.functions)
+        adv = assign_advantages(batch, global_std=cfg.algorithm.global_std, clip_max=cfg.algorithm.adv_clip_max,
+                                stat_tracking=cfg.algorithm.stat_tracking, rewards=totals)
+        self.zero_signal_groups = adv.zero_signal_groups
+        trained, self.filtered_samples = learner_batch(batch, cfg, self.version)
+        self.learner_watchdog.busy("learners")
+        return self.learners.train_step(trained)
 
     def _serve(self, training: list[ray.ObjectRef] | None) -> None:
         """Wait (at most POLL_S) for something to finish; finished rollouts go to rewards (evaluation's stay with
@@ -232,7 +237,7 @@ class Trainer:
         self.evaluating = set()
         return [t for future in futures for t in future.result()]
 
-    def _step_done(self, metrics: dict[str, float], batch: list[TrajectoryRef], clock: "_Clock") -> None:
+    def _step_done(self, metrics: dict[str, float], batch: list[TrajectoryRef], clock: StepClock) -> None:
         """An optimizer step finished: new version → push weights → log → eval → checkpoint."""
         cfg = self.cfg
         self.version += 1
@@ -394,61 +399,3 @@ class Trainer:
             except Exception as e:  # keep tearing down the rest
                 log.warning("shutting down %s: %s", type(component).__name__, e)
         self.components = []
-
-
-class _Phases:
-    """`with phases("name"):` adds the block's wall time to durations["name"]."""
-
-    def __init__(self, durations: dict[str, float]):
-        self.durations = durations
-
-    @contextlib.contextmanager
-    def __call__(self, name: str):
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.durations[name] = self.durations.get(name, 0.0) + time.perf_counter() - start
-
-
-@dataclasses.dataclass
-class _Clock:
-    """Wall time per step, and how much of it rollout and learners spent with nothing to do."""
-
-    start: float = dataclasses.field(default_factory=time.perf_counter)
-    last: float = dataclasses.field(default_factory=time.perf_counter)
-    rollout_idle: float = 0.0
-    learner_idle: float = 0.0
-    _rollout_busy: bool = False
-    _learner_busy: bool = False
-
-    def tick(self, rollout_busy: bool, learner_busy: bool) -> None:
-        """Charge the time since the last tick to the state the loop saw then; remember the new state."""
-        now = time.perf_counter()
-        dt, self.last = now - self.last, now
-        self.rollout_idle += dt * (not self._rollout_busy)
-        self.learner_idle += dt * (not self._learner_busy)
-        self._rollout_busy, self._learner_busy = rollout_busy, learner_busy
-
-    @contextlib.contextmanager
-    def excluded(self):
-        """The block's wall time counts toward no step (and no idle share): evaluation."""
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            paused = time.perf_counter() - start
-            self.start += paused
-            self.last += paused
-
-    def lap(self, images: int) -> dict[str, float]:
-        self.tick(self._rollout_busy, self._learner_busy)
-        step_s = self.last - self.start
-        out = {
-            "perf/step_s": step_s,
-            "perf/images_per_s": images / step_s,
-            "perf/rollout_idle": self.rollout_idle / step_s,
-            "perf/learner_idle": self.learner_idle / step_s,
-        }
-        self.start, self.rollout_idle, self.learner_idle = self.last, 0.0, 0.0
-        return out

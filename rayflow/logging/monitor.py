@@ -75,7 +75,7 @@ def image_grid(images: list[torch.Tensor], columns: int = 4) -> torch.Tensor:
 class Monitor:
     """Writes one step's figures everywhere they are watched."""
 
-    def __init__(self, logdir: str, cfg: LoggingConfig, total_steps: int, start_step: int = 0, use_ray: bool = True,
+    def __init__(self, logdir: str, cfg: LoggingConfig, total_steps: int, start_step: int = 0,
                  wandb_run: dict | None = None):
         """`wandb_run`: wandb.init's name, dir and config (used when cfg.wandb)."""
         self.cfg = cfg
@@ -98,7 +98,7 @@ class Monitor:
             self.wandb = wandb.init(project=cfg.wandb_project, entity=cfg.wandb_entity, id=run.get("name"),
                                     resume="allow", **run)
         self.gauges, self.counters, self._counted = {}, {}, {}
-        if cfg.ray_metrics and use_ray:
+        if cfg.ray_metrics:
             from ray.util.metrics import Counter, Gauge
 
             self.gauges = {t: Gauge(_metric_name(t), description=t) for t in _GAUGES}
