@@ -73,7 +73,7 @@ def test_two_sharded_devices_serve_uneven_requests_end_where_the_reference_does_
         how to continue, instead of training on without that rank."""
         ray_session.kill(trainer.learners.workers[1])
         trainer.cfg.trainer.total_steps += 1
-        with pytest.raises(LearnerError, match=r"learner rank 1/2 .* in placement.mode=colocated .* trainer.resume=auto"):
+        with pytest.raises(LearnerError, match=r"learner rank 1 of 2 on node .* in placement.mode=colocated .* trainer.resume=auto"):
             trainer.run()
 
     history, _, adapters, ref_history, expected = run_both(
@@ -93,9 +93,11 @@ def test_two_sharded_devices_serve_uneven_requests_end_where_the_reference_does_
 def test_cfg_parallel_ranks_of_a_replica_share_a_node():
     """Replica i takes devices i·W .. i·W+W−1 (in the placement's rank order, grouped by node); a replica whose
     ranks would span two nodes is refused naming rollout.cfg_parallel_size and the devices per node."""
-    two_nodes = PlacedGroup(pg=None, rank_bundles=[0, 1, 2, 3], bundle_nodes={0: "a" * 16, 1: "a" * 16, 2: "b" * 16, 3: "b" * 16})
+    two_nodes = PlacedGroup(pg=None, rank_bundles=[0, 1, 2, 3], bundle_nodes={0: "a" * 16, 1: "a" * 16, 2: "b" * 16, 3: "b" * 16},
+                           bundles=[{"CPU": 1.0}] * 4)
     assert replica_ranks(two_nodes, 4, 2) == [[0, 1], [2, 3]]
-    uneven = PlacedGroup(pg=None, rank_bundles=[0, 1, 2, 3], bundle_nodes={0: "a" * 16, 1: "a" * 16, 2: "a" * 16, 3: "b" * 16})
+    uneven = PlacedGroup(pg=None, rank_bundles=[0, 1, 2, 3], bundle_nodes={0: "a" * 16, 1: "a" * 16, 2: "a" * 16, 3: "b" * 16},
+                        bundles=[{"CPU": 1.0}] * 4)
     with pytest.raises(ConfigError) as info:
         replica_ranks(uneven, 4, 2)
     assert info.value.key == "rollout.cfg_parallel_size" and "{'aaaaaaaaaaaa': 3, 'bbbbbbbbbbbb': 1}" in info.value.allowed

@@ -71,7 +71,7 @@ def test_faults_past_recovery_stop_an_asynchronous_run_before_another_step_namin
     try:
         run_to(trainer, 1)
         ray.kill(trainer.learners.workers[0])
-        with pytest.raises(LearnerError, match=r"learner rank 0/1 .*ActorDiedError.*restarts are used up "
+        with pytest.raises(LearnerError, match=r"learner rank 0 of 1 on node .*ActorDiedError.*restarts are used up "
                                                r"\(learner.max_restarts=0 per learner.restart_window_s=3600"):
             run_to(trainer, 3)
         # A push whose adapter binds nothing on the rollout ranks: every receiver refuses it and the broadcast fails.

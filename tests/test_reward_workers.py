@@ -183,7 +183,7 @@ def test_a_worker_whose_process_dies_is_replaced_while_its_restart_budget_lasts(
     # Reported once, naming the worker, its node and its batch; the batch was issued again without spending a
     # retry of the reward (max_retries=1 would otherwise be half used).
     (record,) = [r.getMessage() for r in caplog.records if r.name == "rayflow.rewards"]
-    assert re.search(r"reward worker 0 on 127\.0\.0\.1 \(node id \w+\) died while scoring a batch of 2 images", record)
+    assert re.search(r"reward worker 0 of \d+ on node 127\.0\.0\.1 \(node id \w+\) died while scoring a batch of 2 images", record)
     assert record.endswith("replacing it (restart 1)")
     expected = make_reward("color")(torch.stack([t.image for t in trajectories]), [t.prompt for t in trajectories])
     assert [t.reward for t in trajectories] == pytest.approx(expected.tolist())
@@ -216,7 +216,7 @@ def test_a_stopped_worker_is_reported_within_the_deadline_and_its_calls_reissued
         with contextlib.suppress(ProcessLookupError):  # killed as stalled, unless the test failed before
             os.kill(pid, signal.SIGCONT)
     (record,) = [r.getMessage() for r in caplog.records if r.name == "rayflow.rewards"]
-    assert re.search(r"reward worker 0 on 127\.0\.0\.1 \(node id \w+\) stalled: finished nothing for \d+s "
+    assert re.search(r"reward worker 0 of \d+ on node 127\.0\.0\.1 \(node id \w+\) stalled: finished nothing for \d+s "
                      r"\(deadline 3s, reward.stall_timeout_s=3.0\) while scoring a batch of 2 images", record)
     assert record.endswith("replacing it (restart 1)") and pool.restarts == [1, 0]
     # Told within the deadline (the floor: a color call takes milliseconds) plus the poll; then re-issued.

@@ -373,7 +373,7 @@ def test_a_killed_rank_is_reported_with_its_rank_and_node(fresh_pool):
         time.sleep(0.005)
     start = time.monotonic()
     ray.kill(replica.workers[1])
-    with pytest.raises(ReplicaError, match=r"rank 1 of 2 \(node 127\.0\.0\.1, node id \w+\) died"):
+    with pytest.raises(ReplicaError, match=r"rank 1 of 2 on node 127\.0\.0\.1 \(node id \w+\) died"):
         future.result(timeout=60)
     assert time.monotonic() - start < replica.collective_timeout_s
     with pytest.raises(ReplicaError, match="rank 1 of 2"):

@@ -77,7 +77,7 @@ def test_a_stopped_rank_is_reported_within_the_deadline_rollout_replaced_learner
             trainer.run()
         assert trainer.rollout.dead == [stopped] and trainer.rollout.restarts == [1]
         stall = next(r for r in caplog.records if "stalled" in r.getMessage())
-        assert "rank 0 of 1 (node 127.0.0.1" in stall.getMessage() and "while sampling requests ['g1-s0']" in stall.getMessage()
+        assert "rank 0 of 1 on node 127.0.0.1 (node id " in stall.getMessage() and "while sampling requests ['g1-s0']" in stall.getMessage()
         # Told within the deadline (the floor: requests of the tiny model take well under floor/2), plus the loop's poll.
         assert stall.created - stopped_at < trainer.rollout.watchdog.deadline_s() + 3.0
 
@@ -85,7 +85,7 @@ def test_a_stopped_rank_is_reported_within_the_deadline_rollout_replaced_learner
         pid = ray.get(trainer.learners.workers[0].__ray_call__.remote(lambda worker: os.getpid()))
         os.kill(pid, signal.SIGSTOP)
         trainer.cfg.trainer.total_steps = 3
-        with pytest.raises(LearnerStalled, match=r"train step 2 not done after \d+s .*learner rank 0/1 on 127\.0\.0\.1") as e:
+        with pytest.raises(LearnerStalled, match=r"train step 2 not done after \d+s .*learner rank 0 of 1 on node 127\.0\.0\.1") as e:
             trainer.run()
         assert float(re.search(r"not done after (\d+)s", str(e.value)).group(1)) <= trainer.learner_watchdog.deadline_s() + 2.0
     finally:
@@ -123,12 +123,12 @@ def test_a_stopped_cfg_parallel_rank_and_a_stopped_reward_worker_are_replaced_th
             trainer.run()  # no CollectiveError: the replica is out of service, replaced, its request re-issued
         assert trainer.rollout.dead == [stopped] and trainer.rollout.restarts == [1]
         left = next(r for r in caplog.records if "left a collective" in r.getMessage())
-        assert re.search(r"rank 0 of 2 \(node 127\.0\.0\.1, node id \w+\) left a collective during request 'g1-s0' "
-                         r"because rank 1 of 2 \(node 127\.0\.0\.1, node id \w+\) died or stalled", left.getMessage())
+        assert re.search(r"rank 0 of 2 on node 127\.0\.0\.1 \(node id \w+\) left a collective during request 'g1-s0' "
+                         r"because rank 1 of 2 on node 127\.0\.0\.1 \(node id \w+\) died or stalled", left.getMessage())
         assert left.created - rank_stopped_at < collective_s + 10.0  # the peer's timeout, plus a loaded machine's lag
         # The replacement's request then met the stopped reward worker: reported, replaced, the call re-issued.
         stall = next(r for r in caplog.records if "reward worker 0" in r.getMessage())
-        assert re.search(r"reward worker 0 on 127\.0\.0\.1 \(node id \w+\) stalled: finished nothing for \d+s \(deadline "
+        assert re.search(r"reward worker 0 of \d+ on node 127\.0\.0\.1 \(node id \w+\) stalled: finished nothing for \d+s \(deadline "
                          r"4s, reward.stall_timeout_s=4.0\) while scoring a batch of 4 images \(prompts \[.+\]\); "
                          r"re-issuing its calls; replacing it \(restart 1\)", stall.getMessage())
         assert trainer.rewards.restarts == [1]

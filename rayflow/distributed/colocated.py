@@ -24,7 +24,7 @@ import ray
 import torch
 
 from rayflow.config import RayflowConfig
-from rayflow.distributed.placement import PlacedGroup, make_bundles, place, resolve_gpus
+from rayflow.distributed.placement import PlacedGroup, place, resolve_gpus
 from rayflow.distributed.watchdog import Watchdog
 from rayflow.errors import ConfigError
 from rayflow.learner.optim import offload_optimizer_state, reload_optimizer_state
@@ -165,16 +165,14 @@ class ColocatedDevices:
     def __init__(self, cfg: RayflowConfig, spec: RolloutRankSpec, name: str = "rayflow-devices"):
         p, devices, W = cfg.placement, cfg.learner.world_size, cfg.rollout.cfg_parallel_size
         gpus = resolve_gpus(p.gpus_per_device)
-        self.placed = place(make_bundles(devices, p.cpus_per_device, gpus, p.resources), "PACK", name=name)
+        self.placed = place(devices, p.cpus_per_device, gpus, p.resources, name=name)
         self.workers: list = []
         self.replicas: list[RolloutReplica] = []
         try:
             groups = replica_ranks(self.placed, devices, W)
             spec = dataclasses.replace(spec, threads=cfg.learner.threads_per_rank)
             self.workers = [
-                DeviceWorker.options(num_cpus=p.cpus_per_device, num_gpus=gpus,
-                                     scheduling_strategy=self.placed.strategy_for_rank(d)).remote(cfg, d, spec, d % W, W)
-                for d in range(devices)
+                self.placed.spawn(d, DeviceWorker, cfg, d, spec, d % W, W) for d in range(devices)
             ]
             self.learners = LearnerGroup.over(cfg, self.placed.view(list(range(devices))), self.workers, name=f"{name}-learner")
             self.replicas = [

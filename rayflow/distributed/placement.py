@@ -1,8 +1,12 @@
-"""Placement groups: the one place rayflow asks Ray for resources.
+"""Placement groups: the one place rayflow asks Ray for resources and starts its actors.
 
-Everything rayflow runs (rollout ranks, learner ranks, reward workers, the weight-sync actor) is
-placed through a placement group built here, never by pinning node IPs, so Ray's autoscaler
-sees the demand and adds the nodes that satisfy it.
+Every role (rollout ranks, learner ranks, colocated devices, reward workers, the weight-sync actor) is
+
+    placed = place(count, cpus, gpus, resources, strategy, name)   # one bundle per rank, waited for
+    actor = placed.spawn(rank, ActorClass, *args)                   # in rank's bundle, with its CPUs and GPUs
+    f"learner rank {placed.describe(rank)}"                          # how every message names a rank
+
+never by pinning node IPs, so Ray's autoscaler sees the demand and adds the nodes that satisfy it.
 """
 
 from __future__ import annotations
@@ -30,6 +34,11 @@ def make_bundles(count: int, cpus: float, gpus: float, extra: dict[str, float] |
     return [dict(bundle) for _ in range(count)]
 
 
+def describe_rank(rank: int, size: int, address: str, node_id: str) -> str:
+    """How every message names a rank (after its role's words): "1 of 2 on node 10.0.0.5 (node id 3f2a...)"."""
+    return f"{rank} of {size} on node {address} (node id {node_id[:12]})"
+
+
 @dataclass
 class PlacedGroup:
     """A ready placement group and its bundles in rank order (by node, then bundle index)."""
@@ -37,6 +46,8 @@ class PlacedGroup:
     pg: PlacementGroup
     rank_bundles: list[int]
     bundle_nodes: dict[int, str]
+    bundles: list[dict[str, float]]
+    """The resources of each bundle, by bundle index."""
     owned: bool = True
     """False for a `view`: removing it leaves the placement group to its owner."""
 
@@ -50,26 +61,39 @@ class PlacedGroup:
     def node_of_rank(self, rank: int) -> str:
         return self.bundle_nodes[self.rank_bundles[rank]]
 
-    def node_label(self, rank: int) -> str:
-        """Where `rank` runs, for messages: its node's address and id."""
+    def address_of_rank(self, rank: int) -> str:
         node_id = self.node_of_rank(rank)
-        address = next((n["NodeManagerAddress"] for n in ray.nodes() if n["NodeID"] == node_id), "unknown address")
-        return f"{address} (node id {node_id[:12]})"
+        return next((n["NodeManagerAddress"] for n in ray.nodes() if n["NodeID"] == node_id), "unknown address")
+
+    def describe(self, rank: int) -> str:
+        """`rank` for messages: "1 of 2 on node ADDRESS (node id ID)" (describe_rank)."""
+        return describe_rank(rank, len(self.rank_bundles), self.address_of_rank(rank), self.node_of_rank(rank))
+
+    def spawn(self, rank: int, actor_class, *args, **options) -> ray.actor.ActorHandle:
+        """Start `actor_class(*args)` (a ray.remote class) in `rank`'s bundle, holding that bundle's CPUs and GPUs;
+        `options`: further actor options (name, max_restarts, concurrency_groups, ...)."""
+        bundle = self.bundles[self.rank_bundles[rank]]
+        return actor_class.options(
+            num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0), scheduling_strategy=self.strategy_for_rank(rank), **options
+        ).remote(*args)
 
     def view(self, ranks: list[int]) -> "PlacedGroup":
         """Ranks `ranks` of this group as ranks 0.. of a group that does not own the placement (colocated roles)."""
-        return PlacedGroup(self.pg, [self.rank_bundles[r] for r in ranks], self.bundle_nodes, owned=False)
+        return PlacedGroup(self.pg, [self.rank_bundles[r] for r in ranks], self.bundle_nodes, self.bundles, owned=False)
 
     def remove(self) -> None:
         if self.owned:
             remove_placement_group(self.pg)
 
 
-def place(bundles: list[dict[str, float]], strategy: str = "PACK", name: str = "", timeout_s: float = 600.0) -> PlacedGroup:
-    """Reserve `bundles` and wait until they are placed (an autoscaler may add nodes meanwhile).
+def place(count: int, cpus: float, gpus: float, resources: dict[str, float] | None = None, strategy: str = "PACK",
+          name: str = "", timeout_s: float = 600.0) -> PlacedGroup:
+    """Reserve `count` bundles of `cpus` CPUs, `gpus` GPUs and custom `resources` each (one per rank) and wait until
+    they are placed (an autoscaler may add nodes meanwhile).
 
     Raises TimeoutError naming the group and the bundles when the cluster cannot satisfy them in
     time; the placement group is removed so nothing stays reserved."""
+    bundles = make_bundles(count, cpus, gpus, resources)
     pg = placement_group(bundles, strategy=strategy, name=name)
     ready, _ = ray.wait([pg.ready()], timeout=timeout_s)
     if not ready:
@@ -84,4 +108,4 @@ def place(bundles: list[dict[str, float]], strategy: str = "PACK", name: str = "
     for i in sorted(nodes):
         node_order.setdefault(nodes[i], len(node_order))
     rank_bundles = sorted(nodes, key=lambda i: (node_order[nodes[i]], i))
-    return PlacedGroup(pg=pg, rank_bundles=rank_bundles, bundle_nodes=nodes)
+    return PlacedGroup(pg=pg, rank_bundles=rank_bundles, bundle_nodes=nodes, bundles=bundles)

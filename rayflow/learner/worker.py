@@ -23,7 +23,7 @@ import torch
 
 from rayflow.checkpoint import Checkpoint, CheckpointWriteError, check_identity, checkpoint_root, sharded_staging_dir
 from rayflow.config import RayflowConfig
-from rayflow.distributed.placement import PlacedGroup, make_bundles, place, resolve_gpus
+from rayflow.distributed.placement import PlacedGroup, place, resolve_gpus
 from rayflow.distributed.restart_budget import RestartBudget
 from rayflow.distributed.process_group import Rendezvous, init_default_group
 from rayflow.learner.backend import LearnerBackend
@@ -131,7 +131,7 @@ class LearnerGroup:
         self.cfg, self.name = cfg, name
         self.world_size = lc.world_size
         self.gpus = resolve_gpus(lc.gpus_per_rank)
-        self.placed = place(make_bundles(lc.world_size, lc.cpus_per_rank, self.gpus, lc.resources), lc.placement_strategy, name=name)
+        self.placed = place(lc.world_size, lc.cpus_per_rank, self.gpus, lc.resources, lc.placement_strategy, name=name)
         self.budget = RestartBudget(lc.max_restarts, lc.restart_window_s)
         self.restarts = 0
         """Times the group was started again after a rank died."""
@@ -150,13 +150,10 @@ class LearnerGroup:
 
     def _start(self) -> None:
         """Spawn the ranks in the placement group's bundles and build the sharded model on each (version 0)."""
-        lc, actor = self.cfg.learner, ray.remote(LearnerWorker)
+        actor = ray.remote(LearnerWorker)
         self.workers = [
-            actor.options(
-                num_cpus=lc.cpus_per_rank, num_gpus=self.gpus, scheduling_strategy=self.placed.strategy_for_rank(r),
-                name=f"{self.name}-{r}-{self.placed.pg.id.hex()[:8]}-{self.restarts}",
-            ).remote(self.cfg, r)
-            for r in range(lc.world_size)
+            self.placed.spawn(r, actor, self.cfg, r, name=f"{self.name}-{r}-{self.placed.pg.id.hex()[:8]}-{self.restarts}")
+            for r in range(self.world_size)
         ]
         self._setup()
 
@@ -253,7 +250,7 @@ class LearnerGroup:
             except ray.exceptions.RayError as e:
                 rank = refs.index(done)
                 raise LearnerError(
-                    f"learner rank {rank}/{self.world_size} on {self.placed.node_label(rank)} failed: "
+                    f"learner rank {self.placed.describe(rank)} failed: "
                     f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
                 ) from e
         return ray.get(refs)
@@ -274,7 +271,7 @@ class LearnerGroup:
     def late_ranks(self, refs: list[ray.ObjectRef]) -> list[str]:
         """The ranks whose per-rank `refs` are not done yet, with their nodes."""
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
-        return [f"learner rank {rank}/{self.world_size} on {self.placed.node_label(rank)}"
+        return [f"learner rank {self.placed.describe(rank)}"
                 for rank, ref in enumerate(refs) if ref not in ready]
 
     def shutdown(self) -> None:

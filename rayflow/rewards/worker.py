@@ -17,7 +17,7 @@ import ray
 import torch
 
 from rayflow.config import RewardConfig, RewardFnConfig
-from rayflow.distributed.placement import PlacedGroup, make_bundles, place
+from rayflow.distributed.placement import PlacedGroup, place
 from rayflow.distributed.watchdog import Watchdog
 from rayflow.rewards.weighted import WeightedReward, reward_inputs
 from rayflow.distributed.restart_budget import RestartBudget
@@ -95,10 +95,7 @@ class RewardPool:
 
     def __init__(self, cfg: RewardConfig, name: str = "rayflow-rewards"):
         self.cfg = cfg
-        self.placed: PlacedGroup = place(
-            make_bundles(cfg.num_workers, cfg.cpus_per_worker, cfg.gpus_per_worker, cfg.resources),
-            strategy="PACK", name=name,
-        )
+        self.placed: PlacedGroup = place(cfg.num_workers, cfg.cpus_per_worker, cfg.gpus_per_worker, cfg.resources, name=name)
         self.workers = [self._start(i) for i in range(cfg.num_workers)]
         self.restarts = [0] * cfg.num_workers
         """Replacements started per worker."""
@@ -118,10 +115,7 @@ class RewardPool:
         cfg = self.cfg
         # No restarts by Ray: the pool replaces a lost worker itself, so restarts count per window and a
         # stalled worker is handled like a dead one.
-        return RewardWorker.options(
-            num_cpus=cfg.cpus_per_worker, num_gpus=cfg.gpus_per_worker, max_restarts=0,
-            scheduling_strategy=self.placed.strategy_for_rank(index),
-        ).remote(cfg.functions, cfg.batch_size, cfg.max_outage_s)
+        return self.placed.spawn(index, RewardWorker, cfg.functions, cfg.batch_size, cfg.max_outage_s, max_restarts=0)
 
     def _send(self, call: _Call, avoid: int | None = None) -> _Call:
         """Send `call` to the next live worker in round robin, other than `avoid` (the worker it failed or
@@ -226,7 +220,7 @@ class RewardPool:
         again. The reward did not fail, so no retry is spent."""
         worker = call.worker
         if call.restarts == self.restarts[worker] and worker not in self.dead:
-            self._replace(worker, f"reward worker {worker} on {self.placed.node_label(worker)} died while scoring "
+            self._replace(worker, f"reward worker {self.placed.describe(worker)} died while scoring "
                                   f"{call.describe()}: {str(error).strip().splitlines()[0]}")
         self._send(call, avoid=worker)
 
@@ -236,7 +230,7 @@ class RewardPool:
         for worker, silent_s in self.watchdog.overdue():
             scoring = "; ".join(c.describe() for c in self.calls if c.worker == worker)
             self._replace(worker, (
-                f"reward worker {worker} on {self.placed.node_label(worker)} stalled: finished nothing for "
+                f"reward worker {self.placed.describe(worker)} stalled: finished nothing for "
                 f"{silent_s:.0f}s (deadline {self.watchdog.deadline_s():.0f}s, reward.stall_timeout_s="
                 f"{self.cfg.stall_timeout_s}) while scoring {scoring}; re-issuing its calls"
             ))

@@ -26,7 +26,7 @@ from ray.exceptions import RayActorError, RayTaskError
 
 from rayflow.cfg.policy import CFGPolicy
 from rayflow.config import RolloutConfig
-from rayflow.distributed.placement import PlacedGroup, make_bundles, place, resolve_gpus
+from rayflow.distributed.placement import PlacedGroup, describe_rank, place, resolve_gpus
 from rayflow.distributed.process_group import CollectiveError
 from rayflow.rollout.rank import RolloutRankSpec
 from rayflow.rollout.worker import RolloutWorker
@@ -94,13 +94,8 @@ class RolloutReplica:
     def __init__(self, spec: RolloutRankSpec, rollout: RolloutConfig, name: str = "rollout-0"):
         W = rollout.cfg_parallel_size
         gpus = resolve_gpus(rollout.gpus_per_rank)
-        placed = place(make_bundles(W, rollout.cpus_per_rank, gpus, rollout.resources), rollout.placement_strategy, name=name)
-        workers = [
-            RolloutWorker.options(
-                scheduling_strategy=placed.strategy_for_rank(r), num_cpus=rollout.cpus_per_rank, num_gpus=gpus
-            ).remote(spec, r, W)
-            for r in range(W)
-        ]
+        placed = place(W, rollout.cpus_per_rank, gpus, rollout.resources, rollout.placement_strategy, name=name)
+        workers = [placed.spawn(r, RolloutWorker, spec, r, W) for r in range(W)]
         self._join(name, placed, workers, spec.collective_timeout_s)
 
     @classmethod
@@ -171,8 +166,9 @@ class RolloutReplica:
         return [self.describe_rank(rank) for rank, ref in enumerate(future.refs) if ref not in ready]
 
     def describe_rank(self, rank: int) -> str:
-        address, node_id = self.nodes[rank]
-        return f"rank {rank} of {self.world_size} (node {address}, node id {node_id[:12]})"
+        """As every message names a rank (rayflow.distributed.placement.describe_rank), from the nodes seen at start:
+        still known after a shutdown released the placement group."""
+        return f"rank {describe_rank(rank, self.world_size, *self.nodes[rank])}"
 
     # --- requests ------------------------------------------------------------------------------
 

@@ -23,7 +23,7 @@ import ray
 import torch
 
 from rayflow.config import SyncConfig
-from rayflow.distributed.placement import make_bundles, place, resolve_gpus
+from rayflow.distributed.placement import place, resolve_gpus
 from rayflow.distributed.restart_budget import RestartBudget
 from rayflow.rollout.rank import RolloutRankSpec
 from rayflow.rollout.replica import RolloutReplica
@@ -42,7 +42,7 @@ class WeightSync:
                  timeout_s: float = 300.0, name: str = "rayflow-weight-sync"):
         self.cfg = cfg
         self.gpus = resolve_gpus(cfg.gpus)
-        self.placed = place(make_bundles(1, cfg.cpus, self.gpus, cfg.resources), "PACK", name=name)
+        self.placed = place(1, cfg.cpus, self.gpus, cfg.resources, name=name)
         self.spec = SyncSpec(cfg.mode, cfg.bucket_mb, cfg.verify_checksum, timeout_s)
         self.rollout_spec = rollout_spec
         self.timeout_s = timeout_s
@@ -61,9 +61,7 @@ class WeightSync:
 
     def _start_actor(self) -> None:
         # No restarts by Ray: a new actor must join a new group generation, which `restart` forms.
-        self.actor = WeightSyncActor.options(
-            num_cpus=self.cfg.cpus, num_gpus=self.gpus, max_restarts=0, scheduling_strategy=self.placed.strategy_for_rank(0)
-        ).remote(self.spec, self.rollout_spec)
+        self.actor = self.placed.spawn(0, WeightSyncActor, self.spec, self.rollout_spec, max_restarts=0)
         self._watch = self.actor.watch.remote()
 
     def connect(self, replicas: list[RolloutReplica]) -> None:
