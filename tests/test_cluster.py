@@ -206,6 +206,9 @@ def test_kuberay_rayjob_runs_the_recipe_on_its_own_cluster_and_shuts_it_down():
     cfg = load_config(str(REPO / config) if config else None, overrides)
     assert cfg.model.path.startswith("/mnt/models/") and cfg.trainer.output_dir.startswith("/mnt/outputs/")
     assert gpu_demand(cfg) <= max_gpus
+    # A dead driver is retried, and the retry continues the same run: named, on the volume, resume=auto.
+    assert spec["backoffLimit"] >= 1
+    assert any(o.startswith("trainer.run_name=") for o in overrides) and cfg.trainer.resume == "auto"
 
 
 # -- runtime env (ray job submit --runtime-env) ----------------------------------------------------
