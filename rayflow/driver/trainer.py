@@ -43,7 +43,7 @@ from rayflow.rollout.pool import RolloutPool
 from rayflow.rollout.rank import RolloutRankSpec
 from rayflow.rollout.replica import ReplicaError, RolloutFuture, RolloutReplica
 from rayflow.sampling.window import window_params
-from rayflow.sync.actor import ReceiversLost
+from rayflow.sync.source import ReceiversLost
 from rayflow.sync.weight_sync import WeightSync
 from rayflow.types import RolloutRequest, Trajectory, TrajectoryRef
 
