@@ -1,13 +1,14 @@
 """WeightSync: the driver-side handle of the WeightSyncActor and its group with the rollout ranks.
 
-    sync = WeightSync(cfg.sync, rollout_spec, pool.replicas)   # actor placed, group formed (rollout_spec: a SyncedModelSpec)
+    sync = WeightSync(cfg.sync, rollout_spec, pool.replicas)   # actor placed, group formed
     learners.push_weights(sync.actor)                          # learner rank 0 pushes version v
     sync.wait(v)                                               # staged on every rollout rank
     sync.attach(new_replica, pool.replicas)                    # late joiner: new group, current version
 
 The version protocol is rayflow.sync.source.WeightSource's. When a receiver dies, or stalls (no answer
-within the collective timeout), `wait` raises rayflow.sync.source.ReceiversLost (and `lost_versions` lists them) within `deadline_s`: `connect` the live
-replicas again and the newest version is broadcast to the new generation.
+within the collective timeout), `wait` raises rayflow.sync.source.ReceiversLost (and `lost_versions` lists
+them) within `deadline_s`: `connect` the live replicas again and the newest version is broadcast to the new
+generation.
 
 `failure()` answers at once with what stopped the sync (WeightSyncError: a refused push, a failed
 broadcast; or the actor's death), from one `watch` call kept in flight. A dead actor is replaced in its
@@ -56,6 +57,8 @@ class SyncedReplica(Protocol):
 class WeightSync:
     def __init__(self, cfg: SyncConfig, rollout_spec: SyncedModelSpec, replicas: list[SyncedReplica],
                  timeout_s: float = 300.0, name: str = "rayflow-weight-sync"):
+        """`rollout_spec`: what the rollout ranks hold (a rayflow.rollout.RolloutRankSpec is one); only its
+        SyncedModelSpec fields cross to the actor."""
         self.cfg = cfg
         self.gpus = resolve_gpus(cfg.gpus)
         self.placed = place(make_bundles(1, cfg.cpus, self.gpus, cfg.resources), "PACK", name=name)
