@@ -65,7 +65,8 @@ def run(model_dir: str, out_dir: str) -> dict:
         learners.get(learners.train_step(batch))
         pushed = learners.get(learners.push_weights(sync.actor))[0]
         report = sync.wait(pushed["version"], timeout_s=120.0)
-        version, adapter = learners.get(learners.rollout_weights())[0]
+        version = pushed["version"]
+        adapter = learners.get(learners.adapter_weights(learners.rollout_adapter_name))[0]
 
         params = SamplingParams(height=32, width=32, num_steps=2, guidance_scale=4.0, sde_type="sde")
         replicas = []

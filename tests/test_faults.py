@@ -13,7 +13,7 @@ from rayflow import reference
 from rayflow.checkpoint import checkpoint_root, load_checkpoint, step_dir
 from rayflow.driver.trainer import Trainer
 from rayflow.learner.worker import LearnerError
-from rayflow.sync.actor import WeightSyncError
+from rayflow.sync.source import WeightSyncError
 from rayflow.sync.buckets import to_wire
 from tiny_run import GRPO, small_cfg
 

@@ -228,9 +228,9 @@ def test_weight_sync_over_nccl_delivers_the_learners_adapter(ray_session, tiny_m
     try:
         batch, _ = reference.rollout(reference.build_run(cfg))
         learners.get(learners.train_step(batch))
-        learners.get(learners.push_weights(sync.actor))
-        sync.wait(1, timeout_s=120)
-        version, adapter = learners.get(learners.rollout_weights())[0]
+        version = learners.get(learners.push_weights(sync.actor))[0]["version"]
+        sync.wait(version, timeout_s=120)
+        adapter = learners.get(learners.adapter_weights(learners.rollout_adapter_name))[0]
         (held,) = replica.adapter_weights()
     finally:
         learners.shutdown()

@@ -21,6 +21,7 @@ from rayflow.distributed.parallelize import build_mesh, reshard
 from rayflow.learner.state import adapter_state, full_tensor, load_adapter_state, param_names
 from rayflow.learner.worker import LearnerError, LearnerGroup
 from rayflow.models.base import PromptEmbeds
+from rayflow.sync.buckets import from_wire
 from tiny_run import GRPO, NFT, small_cfg
 
 CPU = torch.device("cpu")
@@ -77,8 +78,9 @@ def test_rollout_adapter_name(mesh1, tiny_model_dir, tmp_path, recipe, expected)
     backend = LearnerBackend(small_cfg(recipe, tiny_model_dir, tmp_path, SHARD1), mesh1, CPU)
     assert backend.rollout_adapter_name == expected
     randomize_adapters([backend.transformer])  # "old" and "default" now differ
-    version, tensors = backend.rollout_weights()
-    assert version == 0
+    wire = backend.rollout_wire()  # what learner rank 0 hands the weight-sync actor
+    assert wire.manifest.version == 0
+    tensors = from_wire(wire, bucket_bytes=2**30, device="cpu", with_checksums=False).tensors()
     # Exactly the named adapter's tensors, under their canonical names.
     assert tensors.keys() == lora.adapter_parameters(backend.transformer, expected).keys()
     for name, p in lora.adapter_parameters(backend.transformer, expected).items():
@@ -147,8 +149,8 @@ def test_bf16_mixed_precision_computes_in_bf16_and_keeps_fp32_shards(mesh1, tiny
     with torch.no_grad():
         assert velocity(backend.model).dtype == torch.bfloat16
     reshard(backend.transformer)
-    version, tensors = backend.rollout_weights()
-    assert all(t.dtype == torch.float32 for t in tensors.values())
+    wire = backend.rollout_wire()
+    assert all(s.dtype == torch.float32 for s in wire.manifest.specs)
 
 
 @pytest.fixture(scope="module")
@@ -221,8 +223,8 @@ def test_world_size_2_and_1_end_where_the_reference_does(mesh1, learners2, tiny_
             torch.testing.assert_close(ckpt.adapters[name][k], v, rtol=0, atol=1e-5)
             torch.testing.assert_close(got1[k], v, rtol=0, atol=1e-5)
     assert max((initial[k] - ckpt.adapters["default"][k]).abs().max() for k in initial) > 1e-3  # it trained
-    version, tensors = group.get(group.rollout_weights())[0]
-    assert version == STEPS and tensors.keys() == ckpt.adapters[group.rollout_adapter_name].keys()
+    tensors = group.get(group.adapter_weights(group.rollout_adapter_name))[0]
+    assert tensors.keys() == ckpt.adapters[group.rollout_adapter_name].keys()
     assert all(torch.equal(tensors[k], v) for k, v in ckpt.adapters[group.rollout_adapter_name].items())
 
 

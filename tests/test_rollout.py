@@ -21,8 +21,8 @@ from rayflow.data.prompts import PromptGroup
 from rayflow.errors import ConfigError
 from rayflow.models.lora import TRAINED_ADAPTER, adapter_parameters, add_lora
 from rayflow.models import load_model
-from rayflow.rollout.rank import VOID_VERSION, RolloutRank, RolloutRankSpec
-from rayflow.rollout.weights import StagedWeights
+from rayflow.rollout.rank import RolloutRank, RolloutRankSpec
+from rayflow.sync.receiver import VOID_VERSION
 from rayflow.sampling.denoise import advance, finish_rollout, generate, local_guided_velocity, start_rollout
 from rayflow.types import RolloutRequest, SamplingParams
 from test_cfg_parallel import ThreadGroup, run_ranks
@@ -94,7 +94,7 @@ class StageAt:
 
     def all_gather(self, tensor):
         if self.calls == self.call:
-            self.target.stage_weights(self.version, self.weights)
+            self.target.receiver.stage(self.version, self.weights)
         self.calls += 1
         return self.inner.all_gather(tensor)
 
@@ -107,7 +107,7 @@ def two_ranks(tiny_model_dir, apply_at, weights, stage_call):
     group = ThreadGroup(2)
     ranks[0].join(group.rank(0))
     ranks[1].join(StageAt(group.rank(1), ranks[1], stage_call, 1, weights))
-    ranks[0].stage_weights(1, weights)
+    ranks[0].receiver.stage(1, weights)
     return ranks
 
 
@@ -167,28 +167,16 @@ def test_ranks_on_different_requests_fail_instead_of_mixing(tiny_model_dir):
         run_ranks(2, lambda r: ranks[r].generate(request(f"req-{r}")))
 
 
-def test_staging_checks_names_shapes_and_versions(tiny_model_dir):
+def test_staging_checks_names_and_shapes_against_the_ranks_lora_slot(tiny_model_dir):
     rank = RolloutRank(spec_for(tiny_model_dir), 0, 1)
     weights = rank.get_adapter_weights()
     name = sorted(weights)[0]
     with pytest.raises(ValueError, match="missing"):
-        rank.stage_weights(1, {n: t for n, t in weights.items() if n != name})
+        rank.receiver.stage(1, {n: t for n, t in weights.items() if n != name})
     with pytest.raises(ValueError, match="shape mismatches"):
-        rank.stage_weights(1, {**weights, name: torch.zeros(1)})
+        rank.receiver.stage(1, {**weights, name: torch.zeros(1)})
     with pytest.raises(ValueError, match="not newer"):
-        rank.stage_weights(0, weights)
-
-
-def test_staged_versions_are_taken_in_order():
-    staged = StagedWeights()
-    assert staged.newest(default=0) == 0
-    for v in (1, 2, 3):
-        staged.put(v, {"w": torch.tensor(float(v))})
-    assert staged.newest(default=0) == 3  # staging 3 dropped 1: at most the two newest are kept
-    assert staged.take(2)["w"].item() == 2.0
-    assert staged.newest(default=2) == 3
-    with pytest.raises(KeyError, match="not staged"):
-        staged.take(1)
+        rank.receiver.stage(0, weights)
 
 
 def test_a_rewind_voids_newer_versions_until_the_checkpoints_version_arrives_again(tiny_model_dir):
@@ -198,14 +186,15 @@ def test_a_rewind_voids_newer_versions_until_the_checkpoints_version_arrives_aga
     v2, v3 = random_adapter(model, seed=1), random_adapter(model, seed=2)
     rank = RolloutRank(spec_for(tiny_model_dir), 0, 1)
     rank.join(ThreadGroup(1).rank(0))
-    rank.apply_weights(3, v3)
-    rank.stage_weights(4, v3)
-    rank.rewind(3)  # the applied version is not after the checkpoint's: kept
-    assert rank.version == 3 and rank.staged.newest(default=3) == 3
-    rank.stage_weights(4, v3)
-    rank.rewind(2)
-    assert rank.version == VOID_VERSION and rank.staged.newest(default=VOID_VERSION) == VOID_VERSION
-    rank.stage_weights(2, v2)
+    rank.receiver.stage(3, v3)
+    rank.generate(request(steps=2, seeds=(11,)))  # applies version 3 before its first step
+    rank.receiver.stage(4, v3)
+    rank.receiver.rewind(3)  # the applied version is not after the checkpoint's: kept
+    assert rank.version == 3 and rank.receiver.newest() == 3
+    rank.receiver.stage(4, v3)
+    rank.receiver.rewind(2)
+    assert rank.version == VOID_VERSION and rank.receiver.newest() == VOID_VERSION
+    rank.receiver.stage(2, v2)
     (trajectory,) = rank.generate(request(steps=2, seeds=(11,)))
     assert trajectory.versions.tolist() == [2, 2] and rank.version == 2
     got = rank.get_adapter_weights()
@@ -354,11 +343,7 @@ def test_weights_staged_on_live_ranks_apply_when_all_have_them(fresh_pool, tiny_
     assert 3 <= k < T and versions == [1] * k + [2] * (T - k)
     set_adapter(model, v1)
     assert_same(future.result(), oracle(model, long, TrueCFG(), {k - 1: (2, v2)}, version=1))
-
-    # Applied directly (between requests, in request order): every rank holds exactly these tensors.
-    ray.get(replica.apply_weights(3, v1))
-    assert all(torch.equal(w[n], v1[n]) for w in replica.adapter_weights() for n in v1)
-    assert replica.generate(request("after-apply"))[0].versions.tolist() == [3] * 4
+    assert all(torch.equal(w[n], v2[n]) for w in replica.adapter_weights() for n in v2)
 
 
 def test_a_killed_rank_is_reported_with_its_rank_and_node(fresh_pool):

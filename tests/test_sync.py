@@ -1,6 +1,8 @@
-"""Weight sync: bucket packing (pure), then the WeightSyncActor broadcasting a learner's rollout adapter
+"""Weight sync on Ray: bucket packing (pure), then the WeightSyncActor broadcasting a learner's rollout adapter
 to every rank of two rollout replicas (W = 1 and W = 2), in lora and merged mode, for FlowGRPO and
-DiffusionNFT; verification failures; a late-joining replica; receivers that die or stall."""
+DiffusionNFT; verification failures; a late-joining replica; receivers that die or stall. Every push takes
+the learners' path to the actor (rayflow.sync.buckets.to_wire, then WeightSyncActor.push); the version
+protocol itself is tested without Ray in test_sync_protocol.py."""
 
 import dataclasses
 import os
@@ -21,8 +23,8 @@ from rayflow.rollout.pool import RolloutPool
 from rayflow.rollout.rank import RolloutRankSpec
 from rayflow.rollout.replica import RolloutReplica
 from rayflow.sync.broadcast import ReceiveBuffers
-from rayflow.sync.buckets import checksum, make_manifest, pack_all, plan_buckets
-from rayflow.sync.actor import ReceiversLost, WeightSyncError
+from rayflow.sync.buckets import checksum, make_manifest, pack_all, plan_buckets, to_wire
+from rayflow.sync.source import ReceiversLost, WeightSyncError
 from rayflow.sync.weight_sync import WeightSync
 from rayflow.types import RolloutRequest, SamplingParams
 from tiny_run import GRPO, NFT, small_cfg
@@ -71,17 +73,28 @@ def tiny_request(version_tag: str) -> RolloutRequest:
 
 @pytest.fixture(scope="module", params=["lora", "merged"])
 def rollout(request, ray_session, tiny_model_dir, tmp_path_factory):
-    """Two replicas (W = 1 and W = 2) and a WeightSync over them, in one sync mode."""
+    """Two replicas (W = 1 and W = 2) in one sync mode, shared by the tests of that mode (each syncs with `fresh_sync`)."""
     mode = request.param
     cfg = small_cfg(GRPO, tiny_model_dir, tmp_path_factory.mktemp(mode), f"sync.mode={mode}",
                     "sync.verify_checksum=true", "sync.bucket_mb=0.002", "sync.cpus=0.5")
     spec = dataclasses.replace(RolloutRankSpec.from_config(cfg), collective_timeout_s=60.0)
     replicas = [RolloutReplica(spec, RolloutConfig(cfg_parallel_size=w), name=f"sync-{mode}-w{w}") for w in (1, 2)]
     pool = RolloutPool([r.wait_ready() for r in replicas])
-    sync = WeightSync(cfg.sync, spec, pool.replicas, timeout_s=60.0, name=f"sync-{mode}")
-    yield mode, cfg, spec, pool, sync
-    sync.shutdown()
+    yield mode, cfg, spec, pool
     pool.shutdown()
+
+
+def fresh_sync(cfg, spec, pool: RolloutPool, name: str) -> WeightSync:
+    """A WeightSync of its own over `pool`, whose ranks first forget the versions earlier tests pushed (as after the
+    learners restarted from version 0: WeightSync.rewind's call), so a test's versions are new to them whatever ran
+    before it."""
+    ray.get([w.rewind_weights.remote(0) for r in pool.replicas for w in r.workers])
+    return WeightSync(cfg.sync, spec, pool.replicas, timeout_s=60.0, name=name)
+
+
+def push(sync: WeightSync, version: int, tensors: dict[str, torch.Tensor]) -> ray.ObjectRef:
+    """Hand `tensors` to the sync actor as learner rank 0 does (LearnerWorker.push_weights); resolves once it holds them."""
+    return sync.actor.push.remote(to_wire(version, tensors))
 
 
 def expected_rank_weights(mode, model_dir, adapter: dict[str, torch.Tensor], alpha: float, rank: int):
@@ -119,24 +132,28 @@ def trained_learners(ray_session, tiny_model_dir, tmp_path_factory):
 
 
 def test_after_a_sync_every_rank_holds_the_learners_rollout_adapter_bit_for_bit(rollout, trained_learners, tiny_model_dir):
-    mode, cfg, spec, pool, sync = rollout
-    pushed = 0
-    for recipe, steps, lcfg, learners in trained_learners:
-        timings = learners.get(learners.push_weights(sync.actor))[0]
-        assert timings["version"] == steps > pushed
-        report = sync.wait(steps, timeout_s=60)
-        pushed = steps
-        version, adapter = learners.get(learners.rollout_weights())[0]
-        assert learners.rollout_adapter_name == ("old" if recipe == NFT else TRAINED_ADAPTER)
-        expected = expected_rank_weights(mode, tiny_model_dir, adapter, lcfg.learner.lora_alpha, lcfg.learner.lora_rank)
-        assert report.version == version and report.bytes == sum(t.numel() * t.element_size() for t in expected.values())
-        for replica in pool.replicas:
-            (trajectory,) = replica.generate(tiny_request(f"{mode}-{recipe}-{replica.name}"))
-            assert trajectory.versions.tolist() == [version, version]  # applied before the first step
-            for rank_weights in replica.adapter_weights():
-                assert rank_weights.keys() == expected.keys()
-                for name, t in expected.items():
-                    assert torch.equal(rank_weights[name], t), f"{replica.name}: {name} differs after sync ({mode})"
+    mode, cfg, spec, pool = rollout
+    sync = fresh_sync(cfg, spec, pool, f"sync-{mode}")
+    try:
+        pushed = 0
+        for recipe, steps, lcfg, learners in trained_learners:
+            version = learners.get(learners.push_weights(sync.actor))[0]["version"]
+            assert version == steps > pushed
+            report = sync.wait(version, timeout_s=60)
+            pushed = steps
+            assert learners.rollout_adapter_name == ("old" if recipe == NFT else TRAINED_ADAPTER)
+            adapter = learners.get(learners.adapter_weights(learners.rollout_adapter_name))[0]
+            expected = expected_rank_weights(mode, tiny_model_dir, adapter, lcfg.learner.lora_alpha, lcfg.learner.lora_rank)
+            assert report.version == version and report.bytes == sum(t.numel() * t.element_size() for t in expected.values())
+            for replica in pool.replicas:
+                (trajectory,) = replica.generate(tiny_request(f"{mode}-{recipe}-{replica.name}"))
+                assert trajectory.versions.tolist() == [version, version]  # applied before the first step
+                for rank_weights in replica.adapter_weights():
+                    assert rank_weights.keys() == expected.keys()
+                    for name, t in expected.items():
+                        assert torch.equal(rank_weights[name], t), f"{replica.name}: {name} differs after sync ({mode})"
+    finally:
+        sync.shutdown()
 
 
 def adapter_like(spec: RolloutRankSpec, model_dir: str, value: float) -> dict[str, torch.Tensor]:
@@ -148,18 +165,18 @@ def adapter_like(spec: RolloutRankSpec, model_dir: str, value: float) -> dict[st
 
 @pytest.mark.parametrize("broken", ["without to_out.0", "empty"])
 def test_a_push_that_binds_other_modules_stops_the_sync_naming_them(rollout, tiny_model_dir, broken):
-    mode, cfg, spec, pool, _ = rollout
+    mode, cfg, spec, pool = rollout
     full = adapter_like(spec, tiny_model_dir, 0.01)
     payload = {n: t for n, t in full.items() if ".to_out.0." not in n} if broken != "empty" else {}
     expected_error = r"missing \d+ tensors of modules .*to_out\.0" if broken != "empty" else r"no tensors given"
+    sync = fresh_sync(cfg, spec, pool, f"sync-{mode}-{broken}")
     (before,) = pool.replicas[1].generate(tiny_request(f"before-failure-{mode}-{broken}"))
-    sync = WeightSync(cfg.sync, spec, pool.replicas, timeout_s=60.0, name=f"sync-{mode}-{broken}")  # a new group
     try:
         if mode == "merged":  # the folding actor refuses it at once
             with pytest.raises(Exception, match=expected_error):
-                ray.get(sync.push(10, payload))
+                ray.get(push(sync, 10, payload))
         else:  # every receiver refuses it; the sync stops
-            ray.get(sync.push(10, payload))
+            ray.get(push(sync, 10, payload))
             with pytest.raises(Exception, match=expected_error):
                 sync.wait(10, timeout_s=60)
             # The asynchronous driver's watch raises the cause too (it never waits for a version).
@@ -168,7 +185,7 @@ def test_a_push_that_binds_other_modules_stops_the_sync_naming_them(rollout, tin
             with pytest.raises(Exception, match=expected_error):
                 sync.lost_versions()
             with pytest.raises(WeightSyncError, match="stopped at version 10: .*" + expected_error):
-                ray.get(sync.push(11, full))
+                ray.get(push(sync, 11, full))
     finally:
         sync.shutdown()
     # Nothing was staged: the replicas still serve under their previous version.
@@ -177,11 +194,11 @@ def test_a_push_that_binds_other_modules_stops_the_sync_naming_them(rollout, tin
 
 
 def test_a_replica_that_joins_later_gets_the_current_version_before_serving(rollout, tiny_model_dir):
-    mode, cfg, spec, pool, _ = rollout
-    sync = WeightSync(cfg.sync, spec, pool.replicas, timeout_s=60.0, name=f"sync-{mode}-late")
+    mode, cfg, spec, pool = rollout
+    sync = fresh_sync(cfg, spec, pool, f"sync-{mode}-late")
     late = RolloutReplica(spec, RolloutConfig(cfg_parallel_size=1), name=f"late-replica-{mode}").wait_ready()
     try:
-        ray.get(sync.push(20, adapter_like(spec, tiny_model_dir, 0.02)))
+        ray.get(push(sync, 20, adapter_like(spec, tiny_model_dir, 0.02)))
         sync.wait(20, timeout_s=60)
         pool.replicas[0].generate(tiny_request(f"apply-20-{mode}"))
         up_to_date = pool.replicas[0].adapter_weights()[0]
@@ -193,7 +210,7 @@ def test_a_replica_that_joins_later_gets_the_current_version_before_serving(roll
         assert late_weights.keys() == up_to_date.keys()
         assert all(torch.equal(late_weights[n], t) for n, t in up_to_date.items())
         # The new group generation reaches the old replicas and the late one alike.
-        ray.get(sync.push(21, adapter_like(spec, tiny_model_dir, 0.03)))
+        ray.get(push(sync, 21, adapter_like(spec, tiny_model_dir, 0.03)))
         sync.wait(21, timeout_s=60)
         for replica in (pool.replicas[1], late):
             (trajectory,) = replica.generate(tiny_request(f"v21-{mode}-{replica.name}"))
@@ -210,15 +227,15 @@ def test_a_receiver_that_dies_or_stalls_is_left_out_and_the_newest_version_is_se
     sync = WeightSync(cfg.sync, spec, pool.replicas, timeout_s=5.0, name="sync-lost")
     replacement, stopped_pid = None, None
     try:
-        ray.get(sync.push(1, adapter_like(spec, tiny_model_dir, 0.01)))
+        ray.get(push(sync, 1, adapter_like(spec, tiny_model_dir, 0.01)))
         sync.wait(1, timeout_s=60)
         ray.kill(pool.replicas[1].workers[0])
-        ray.get(sync.push(2, adapter_like(spec, tiny_model_dir, 0.02)))
+        ray.get(push(sync, 2, adapter_like(spec, tiny_model_dir, 0.02)))
         with pytest.raises(ReceiversLost, match=r"receivers \[2\] .* version 2"):
             sync.wait(2, timeout_s=60)
         # Pushes go on; their broadcasts wait for a group without the dead rank.
         newest = adapter_like(spec, tiny_model_dir, 0.03)
-        ray.get(sync.push(3, newest))
+        ray.get(push(sync, 3, newest))
         with pytest.raises(ReceiversLost):
             sync.wait(3, timeout_s=60)
         assert sync.lost_versions() == [2, 3]
@@ -230,7 +247,7 @@ def test_a_receiver_that_dies_or_stalls_is_left_out_and_the_newest_version_is_se
         held = pool.replicas[0].adapter_weights()[0]
         assert held.keys() == newest.keys() and all(torch.equal(held[n], t) for n, t in newest.items())
         # Later pushes go to the new generation as usual.
-        ray.get(sync.push(4, adapter_like(spec, tiny_model_dir, 0.04)))
+        ray.get(push(sync, 4, adapter_like(spec, tiny_model_dir, 0.04)))
         assert sync.wait(4, timeout_s=60).version == 4
 
         # A receiver stopped by the OS neither answers nor dies: the broadcast fails within its deadline instead
@@ -240,7 +257,7 @@ def test_a_receiver_that_dies_or_stalls_is_left_out_and_the_newest_version_is_se
         os.kill(stopped_pid, signal.SIGSTOP)
         replacement = RolloutReplica(spec, RolloutConfig(), name="lost-2")  # loads while the broadcast fails
         start, newest = time.monotonic(), adapter_like(spec, tiny_model_dir, 0.05)
-        ray.get(sync.push(5, newest))
+        ray.get(push(sync, 5, newest))
         with pytest.raises(ReceiversLost, match=r"receivers \[1\] .* died or stalled during the broadcast of version 5"):
             sync.wait(5, timeout_s=sync.deadline_s)
         assert time.monotonic() - start < sync.deadline_s

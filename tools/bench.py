@@ -291,7 +291,7 @@ def _receive_raw(worker, numel: int) -> None:
 
 def _time_one_copy(worker) -> float:
     """On a learner rank: the time one copy of the rollout adapter takes (the push's reference cost)."""
-    _, tensors = worker.backend.rollout_weights()
+    tensors = worker.backend.adapter_weights(worker.backend.rollout_adapter_name)
     start = time.perf_counter()
     [t.clone() for t in tensors.values()]
     return time.perf_counter() - start

@@ -36,7 +36,7 @@ from rayflow.rollout.pool import RolloutPool
 from rayflow.rollout.rank import RolloutRank, RolloutRankSpec, SharedModel
 from rayflow.rollout.replica import RolloutReplica
 from rayflow.rollout.worker import CONCURRENCY_GROUPS, RolloutRankHost
-from rayflow.sync.actor import SyncReport
+from rayflow.sync.source import SyncReport
 
 
 @ray.remote(concurrency_groups=CONCURRENCY_GROUPS)
@@ -66,9 +66,6 @@ class DeviceWorker(RolloutRankHost):
 
     def train_step(self, batch: list) -> dict[str, float]:
         return self._training(self.learner.train_step, batch)
-
-    def rollout_weights(self) -> tuple[int, dict[str, torch.Tensor] | None]:
-        return self._training(self.learner.rollout_weights)
 
     def adapter_weights(self, adapter: str) -> dict[str, torch.Tensor] | None:
         return self._training(self.learner.adapter_weights, adapter)
@@ -107,7 +104,7 @@ class DeviceWorker(RolloutRankHost):
             self._offloaded = offload_optimizer_state(backend.optimizer)
         self._sampling.enter_context(using_weights(backend.transformer, backend.rollout_adapter_name))
         gather_for_sampling(backend.transformer)
-        self.rank.version = backend.version
+        self.rank.receiver.adopt(backend.version)
 
 
 class SharedWeights:

@@ -140,9 +140,6 @@ class CollectiveGroup:
         self._wait(self._pg.broadcast([tensor], options), "broadcast")
         return tensor
 
-    def barrier(self) -> None:
-        self.all_gather(torch.zeros(1, device=self.device))
-
     def destroy(self) -> None:
         """Release the group's connections (and, on rank 0, the store)."""
         pg, self._pg = self._pg, None

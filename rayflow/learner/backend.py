@@ -4,7 +4,7 @@ AdamW optimizer, the policy version — and the operations on it.
 A plain class: the LearnerWorker actor holds one and forwards calls; tests drive it in-process.
 It runs the same code as the reference trainer (`load_policy_model`, `minibatches.train_batch`), so with the same trajectories any world size reaches the reference's weights (LoRA, or with learner.train_mode=full the whole transformer).
 
-Collectives: `train_step`, `rollout_weights`, `state_dict` and the constructor communicate over
+Collectives: `train_step`, `rollout_wire`, `adapter_weights`, `state_dict` and the constructor communicate over
 the mesh; every rank calls them in the same order with shards of the same size.
 """
 
@@ -111,10 +111,6 @@ class LearnerBackend:
             "train/ema_decay": result.ema_decay,
             "train/version": float(self.version),
         }
-
-    def rollout_weights(self) -> tuple[int, dict[str, torch.Tensor] | None]:
-        """(version, {canonical name: full tensor}) of the rollout adapter; the tensors on rank 0 only."""
-        return self.version, self.adapter_weights(self.rollout_adapter_name)
 
     def adapter_weights(self, adapter: str) -> dict[str, torch.Tensor] | None:
         """{canonical name: full tensor} of `adapter` on rank 0, None on the others (every rank gathers)."""

@@ -3,7 +3,7 @@ driver-side LearnerGroup that places the ranks, slices batches and collects resu
 
     group = LearnerGroup(cfg)                      # learner.world_size ranks in one placement group
     metrics = group.get(group.train_step(batch))[0]
-    version, tensors = group.get(group.rollout_weights())[0]
+    group.get(group.push_weights(sync_actor))      # rank 0 hands the rollout weights to rayflow.sync's actor
     save_checkpoint(root, group.checkpoint(step, sampler.state_dict()), keep)
     group.restore(load_checkpoint(path, group.identity))
     group.restart(error)                           # a rank died: new ranks in the same bundles (learner.max_restarts)
@@ -70,9 +70,6 @@ class LearnerWorker:
         needed = sorted({i for step in self.backend.rank_steps(len(batch)) for i in step})
         fetched = dict(zip(needed, fetch_shard([batch[i] for i in needed])))
         return self.backend.train_step([fetched.get(i) for i in range(len(batch))])
-
-    def rollout_weights(self) -> tuple[int, dict[str, torch.Tensor] | None]:
-        return self.backend.rollout_weights()
 
     def adapter_weights(self, adapter: str) -> dict[str, torch.Tensor] | None:
         return self.backend.adapter_weights(adapter)
@@ -194,10 +191,6 @@ class LearnerGroup:
         """Refs to each rank's push timings; rank 0 hands the rollout adapter to `sync_actor`
         (rayflow.sync.actor.WeightSyncActor), which then broadcasts it to every rollout rank."""
         return [w.push_weights.remote(sync_actor) for w in self.workers]
-
-    def rollout_weights(self) -> list[ray.ObjectRef]:
-        """Refs to each rank's (version, tensors); rank 0's holds the full rollout adapter, the others None."""
-        return [w.rollout_weights.remote() for w in self.workers]
 
     def adapter_weights(self, adapter: str) -> list[ray.ObjectRef]:
         """Refs to each rank's full tensors of `adapter` (rank 0's; the others None)."""

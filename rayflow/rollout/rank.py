@@ -9,15 +9,14 @@ threads of one process over an in-process group. Per request every rank of a rep
               -> advance(state, v, version) -> at the boundary, apply the newly agreed version
     rank 0: finish_rollout (decode) -> trajectories; other ranks return None
 
-so all ranks hold identical latents and record identical per-step versions.
+so all ranks hold identical latents and record identical per-step versions. Weights (receive, verify,
+stage, agree, load) are the rank's WeightReceiver's (rayflow.sync.receiver), whose docstring states the rules.
 """
 
 from __future__ import annotations
 
-import contextlib
 import time
 import zlib
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -26,16 +25,14 @@ from transformers.utils import logging as transformers_logging
 
 from rayflow.cfg.parallel import CFGParallel, Group, all_gather_header
 from rayflow.cfg.policy import CFGPolicy, TrueCFG
-from rayflow.config import ModelConfig, RayflowConfig
+from rayflow.config import RayflowConfig
 from rayflow.models.lora import TRAINED_ADAPTER, adapter_parameters, add_lora, target_weight_names
 from rayflow.models.weight_sets import named_weights
 from rayflow.models import DiffusionModel, load_model
 from rayflow.models.speed import apply_speed_options
 from rayflow.models.tiny import resolve_model_path
-from rayflow.distributed.process_group import CollectiveGroup
-from rayflow.rollout.weights import KEEP_STAGED, StagedWeights, check_adapter, load_weights
-from rayflow.sync.broadcast import ReceiveBuffers, receive, verify_checksums
-from rayflow.sync.buckets import Manifest
+from rayflow.models.synced import SyncedModelSpec
+from rayflow.sync.receiver import WeightReceiver
 from rayflow.sampling.denoise import advance, finish_rollout, start_rollout
 from rayflow.types import RolloutRequest, Trajectory
 
@@ -44,17 +41,12 @@ SYNC_MODES = ("lora", "merged")
 
 
 @dataclass(frozen=True)
-class RolloutRankSpec:
-    """Everything a rollout rank needs to build itself; the same for every rank of every replica."""
+class RolloutRankSpec(SyncedModelSpec):
+    """Everything a rollout rank needs to build itself; the same for every rank of every replica. The model and the
+    shape of its synced weights are SyncedModelSpec's fields (what weight sync needs to know of a rank)."""
 
-    model: ModelConfig
     policy: CFGPolicy = field(default_factory=TrueCFG)
     """The CFG policy requests sample under unless they name their own."""
-    lora_rank: int = 8
-    lora_alpha: float = 8.0
-    lora_targets: tuple[str, ...] | None = None
-    """None: the model's attention projections (as the learner's default)."""
-    lora_init: str = "gaussian"
     seed: int = 0
     """The run seed, set right before the LoRA slot is added so it starts equal to the learner's adapter."""
     threads: int = 1
@@ -67,10 +59,9 @@ class RolloutRankSpec:
     sync_mode: str = "lora"
     """"lora": the rank holds a LoRA slot and receives adapters; "merged": no LoRA, it receives the
     weights of the adapted linears with the adapter folded in (train_mode "full": every transformer weight)."""
-    train_mode: str = "lora"
-    """The learners' learner.train_mode: "full" trains, and so syncs, every transformer weight."""
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.apply_at not in APPLY_AT:
             raise ValueError(f"apply_at: got {self.apply_at!r}; allowed: {list(APPLY_AT)}")
         if self.sync_mode not in SYNC_MODES:
@@ -121,10 +112,6 @@ class TimedGroup:
             self.seconds += time.perf_counter() - start
 
 
-VOID_VERSION = -1
-"""A rank's version after a rewind past the weights it holds: older than any version the learners push."""
-
-
 def request_tag(request: RolloutRequest) -> int:
     """A number every rank derives from the request alone, to check that all ranks run the same one."""
     return zlib.crc32(request.request_id.encode())
@@ -147,9 +134,7 @@ class RolloutRank:
             self.model = shared.model
         else:
             self._load_own_model()
-        self.version = 0
-        self.staged = StagedWeights()
-        self.receive_buffers = ReceiveBuffers(slots=KEEP_STAGED + 1)
+        self.receiver = WeightReceiver(self._synced_weights, where=f"rollout rank {rank}/{world_size}")
         self.group: TimedGroup | None = None
         self.progress: tuple[str, int] | None = None
         """(request id, step) while a request is in flight."""
@@ -188,46 +173,17 @@ class RolloutRank:
             return named_weights(self.model.transformer, self.shared.slot)
         return self._synced
 
-    def stage_weights(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
-        """Keep `tensors` to apply once every rank has them (at a step boundary, or between requests).
-        Checked now (names and shapes), so a bad sync fails at once, not mid-request."""
-        if version <= self.version:
-            raise ValueError(f"stage_weights: version {version} is not newer than the applied version {self.version}")
-        check_adapter(self._synced_weights(), tensors)
-        self.staged.put(version, tensors)
-
-    def receive_weights(self, group: CollectiveGroup, manifest: Manifest, bucket_bytes: int) -> None:
-        """Join the weight-sync source's broadcast of one version, verify it, and stage it (unless applied).
-
-        The whole broadcast is received before anything is checked: a rank that left early would
-        leave the source and every other rank waiting in the collective."""
-        tensors = receive(group, manifest, bucket_bytes, self.receive_buffers)
-        verify_checksums(manifest, tensors, where=f"rollout rank {self.rank}/{self.world_size}")
-        if manifest.version <= self.version:
-            return  # sent again to a new group generation (after a receiver died); this rank applied it already
-        self.stage_weights(manifest.version, tensors)
-
-    def rewind(self, version: int) -> None:
-        """The learners restarted from a checkpoint of `version`: later versions are void. Staged ones are dropped;
-        if the applied one is later, this rank holds no valid version (VOID) until `version` is received again, which
-        is then staged and agreed on like any newer version."""
-        self.staged.drop_after(version)
-        if self.version > version:
-            self.version = VOID_VERSION
-
-    def apply_weights(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
-        """Load `tensors` now (call between requests, on every rank of the replica)."""
-        if version < self.version:
-            raise ValueError(f"apply_weights: version {version} is older than the applied version {self.version}")
-        load_weights(self._synced_weights(), tensors)
-        self.version = version
-
     def get_adapter_weights(self) -> dict[str, torch.Tensor]:
         """The adapter the rank samples under, canonical names, CPU copies."""
         return {name: p.detach().cpu().clone() for name, p in self._synced_weights().items()}
 
+    @property
+    def version(self) -> int:
+        """The applied weights' version."""
+        return self.receiver.version
+
     def _header(self, tag: int) -> list[int]:
-        return [max(self.version, self.staged.newest(self.version)), tag]
+        return [self.receiver.newest(), tag]
 
     def _agree(self, headers: torch.Tensor, tag: int, apply: bool) -> None:
         """Check every rank runs this request; apply the newest version staged on all ranks if `apply`."""
@@ -237,10 +193,7 @@ class RolloutRank:
                 f"rollout rank {self.rank}: the ranks of this replica run different requests (tags {tags.tolist()}); "
                 f"requests must reach every rank in the same order"
             )
-        agreed = int(headers[:, 0].min())
-        if apply and agreed > self.version:
-            load_weights(self._synced_weights(), self.staged.take(agreed))
-            self.version = agreed
+        self.receiver.agree(headers[:, 0].tolist(), apply)
 
     # --- sampling ------------------------------------------------------------------------------
 
@@ -257,20 +210,8 @@ class RolloutRank:
         tag = request_tag(request)
         self._agree(all_gather_header(self.group, self._header(tag)), tag, apply=True)
         guidance = CFGParallel(self.group, len(state.branches), self.spec.batch_branches)
-        with self._sampling_under(weights):
+        with self.receiver.sampling_under(weights):
             return self._denoise(request, state, policy, tag, guidance, apply=weights is None)
-
-    @contextlib.contextmanager
-    def _sampling_under(self, weights: dict[str, torch.Tensor] | None) -> Iterator[None]:
-        if weights is None:
-            yield
-            return
-        applied = {name: p.detach().to("cpu", copy=True) for name, p in self._synced_weights().items()}  # off the GPU
-        load_weights(self._synced_weights(), weights)
-        try:
-            yield
-        finally:
-            load_weights(self._synced_weights(), applied)
 
     def _denoise(self, request: RolloutRequest, state, policy: CFGPolicy, tag: int, guidance: CFGParallel,
                  apply: bool) -> list[Trajectory] | None:

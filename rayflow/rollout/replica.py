@@ -194,12 +194,6 @@ class RolloutReplica:
         ref = tensors if isinstance(tensors, ray.ObjectRef) else ray.put(tensors)
         return [self.workers[r].stage_weights.remote(version, ref) for r in self._ranks(ranks)]
 
-    def apply_weights(self, version: int, tensors: dict[str, torch.Tensor]) -> list[ray.ObjectRef]:
-        """Load `tensors` on every rank after the requests already submitted (in request order)."""
-        ref = ray.put(tensors)
-        with self._submit_lock:
-            return [w.apply_weights.remote(version, ref) for w in self.workers]
-
     def adapter_weights(self) -> list[dict[str, torch.Tensor]]:
         """Each rank's adapter, after the requests already submitted."""
         return self._collect([w.get_adapter_weights.remote() for w in self.workers], "adapter_weights", None)

@@ -53,19 +53,16 @@ class RolloutRankHost:
         trajectories = self.rank.generate(request, policy, weights)
         return (0 if trajectories is None else len(trajectories)), trajectories
 
-    def apply_weights(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
-        self.rank.apply_weights(version, tensors)
-
     def get_adapter_weights(self) -> dict[str, torch.Tensor]:
         return self.rank.get_adapter_weights()
 
     @ray.method(concurrency_group="weights")
     def stage_weights(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
-        self.rank.stage_weights(version, tensors)
+        self.rank.receiver.stage(version, tensors)
 
     @ray.method(concurrency_group="weights")
     def rewind_weights(self, version: int) -> None:
-        self.rank.rewind(version)
+        self.rank.receiver.rewind(version)
 
     @ray.method(concurrency_group="weights")
     def join_sync(self, rendezvous: Rendezvous, group_name: str, rank: int, size: int) -> None:
@@ -78,7 +75,7 @@ class RolloutRankHost:
     @ray.method(concurrency_group="weights")
     def receive_weights(self, manifest: Manifest, bucket_bytes: int) -> None:
         """Join the sync source's broadcast of one version and stage it (runs beside a request)."""
-        self.rank.receive_weights(self.sync_group, manifest, bucket_bytes)
+        self.rank.receiver.receive(self.sync_group, manifest, bucket_bytes)
 
     @ray.method(concurrency_group="monitor")
     def progress(self) -> tuple[str, int] | None:

@@ -148,12 +148,12 @@ def advance(state: RolloutState, velocity: torch.Tensor, version: int) -> None:
 
 
 @torch.no_grad()
-def finish_rollout(model: DiffusionModel, state: RolloutState, decode: bool = True) -> list[Trajectory]:
+def finish_rollout(model: DiffusionModel, state: RolloutState) -> list[Trajectory]:
     """Decode the final latents and split the batch into one Trajectory per sample."""
     if not state.done:
         raise RuntimeError(f"finish_rollout at step {state.step} of {state.num_steps}")
     req, p = state.request, state.params
-    images = model.decode(state.latents, p.height, p.width) if decode else None
+    images = model.decode(state.latents, p.height, p.width)
     indices = sorted(state.captured)
     rows = [state.captured[i] for i in indices]
     B, N, C = state.latents.shape

@@ -37,7 +37,7 @@ class ReceiveBuffers:
     first pushes receiving allocates nothing (fresh pages for every push cost more than the copy
     itself on a CPU) and at most `slots` versions' memory exists.
 
-    Safe when a receiver keeps at most slots − 1 versions staged (rayflow.rollout.weights.StagedWeights
+    Safe when a receiver keeps at most slots − 1 versions staged (rayflow.sync.receiver.StagedWeights
     keeps two): the slot written is always one no version still staged, or being applied, lives in."""
 
     def __init__(self, slots: int = 3):

@@ -6,9 +6,9 @@ import torch
 
 from rayflow.models.lora import TRAINED_ADAPTER, adapter_parameters, add_lora, merged_weights
 from rayflow.models import load_model
+from rayflow.models.synced import SyncedModelSpec
 from rayflow.models.tiny import resolve_model_path
-from rayflow.rollout.rank import RolloutRankSpec
-from rayflow.rollout.weights import load_weights
+from rayflow.sync.receiver import load_weights
 
 
 class AdapterFolder:
@@ -16,7 +16,7 @@ class AdapterFolder:
     pushed adapter into the slot and returns W + ΔW for every adapted linear (peft's merge), named as
     in the plain transformer."""
 
-    def __init__(self, spec: RolloutRankSpec):
+    def __init__(self, spec: SyncedModelSpec):
         m = spec.model
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         path = resolve_model_path(m.path, m.cache_dir, m.tiny_size, m.tiny_seed, m.tiny_arch)

@@ -5,9 +5,10 @@
     sync.wait(v)                                               # staged on every rollout rank
     sync.attach(new_replica, pool.replicas)                    # late joiner: new group, current version
 
-When a receiver dies, or stalls (no answer within the collective timeout), `wait` raises
-rayflow.sync.actor.ReceiversLost (and `lost_versions` lists them) within `deadline_s`: `connect` the live
-replicas again and the newest version is broadcast to the new generation.
+The version protocol is rayflow.sync.source.WeightSource's. When a receiver dies, or stalls (no answer
+within the collective timeout), `wait` raises rayflow.sync.source.ReceiversLost (and `lost_versions` lists
+them) within `deadline_s`: `connect` the live replicas again and the newest version is broadcast to the new
+generation.
 
 `failure()` answers at once with what stopped the sync (WeightSyncError: a refused push, a failed
 broadcast; or the actor's death), from one `watch` call kept in flight. A dead actor is replaced in its
@@ -18,6 +19,7 @@ then pushes the current version again.
 from __future__ import annotations
 
 import logging
+from typing import Protocol
 
 import ray
 import torch
@@ -25,10 +27,9 @@ import torch
 from rayflow.config import SyncConfig
 from rayflow.distributed.placement import place, resolve_gpus
 from rayflow.distributed.restart_budget import RestartBudget
-from rayflow.rollout.rank import RolloutRankSpec
-from rayflow.rollout.replica import RolloutReplica
-from rayflow.sync.actor import SyncReport, SyncSpec, WeightSyncActor, WeightSyncError, one_line
-from rayflow.sync.buckets import to_wire
+from rayflow.models.synced import SyncedModelSpec
+from rayflow.sync.actor import WeightSyncActor
+from rayflow.sync.source import SyncReport, SyncSpec, WeightSyncError, one_line
 
 log = logging.getLogger("rayflow")
 
@@ -37,14 +38,32 @@ WAIT_GRACE_S = 10.0
 """A waiter's margin over the actor's broadcast deadline, so the actor's verdict arrives first."""
 
 
+class SyncedReplica(Protocol):
+    """What WeightSync needs of a rollout replica (rayflow.rollout.RolloutReplica is one)."""
+
+    name: str
+    world_size: int
+    workers: list[ray.actor.ActorHandle]
+    """Rank actors serving `join_sync`, `receive_weights` and `rewind_weights` (rayflow.rollout.worker.RolloutRankHost)."""
+
+    @property
+    def alive(self) -> bool: ...
+
+    def describe_rank(self, rank: int) -> str: ...
+
+    def stage_weights(self, version: int, tensors: dict[str, torch.Tensor]) -> list[ray.ObjectRef]: ...
+
+
 class WeightSync:
-    def __init__(self, cfg: SyncConfig, rollout_spec: RolloutRankSpec, replicas: list[RolloutReplica],
+    def __init__(self, cfg: SyncConfig, rollout_spec: SyncedModelSpec, replicas: list[SyncedReplica],
                  timeout_s: float = 300.0, name: str = "rayflow-weight-sync"):
+        """`rollout_spec`: what the rollout ranks hold (a rayflow.rollout.RolloutRankSpec is one); only its
+        SyncedModelSpec fields cross to the actor."""
         self.cfg = cfg
         self.gpus = resolve_gpus(cfg.gpus)
         self.placed = place(1, cfg.cpus, self.gpus, cfg.resources, name=name)
         self.spec = SyncSpec(cfg.mode, cfg.bucket_mb, cfg.verify_checksum, timeout_s)
-        self.rollout_spec = rollout_spec
+        self.synced = rollout_spec.synced_model()
         self.timeout_s = timeout_s
         self.deadline_s = self.spec.broadcast_deadline_s + WAIT_GRACE_S
         """How long to `wait` for a version: past the actor's own verdict on its broadcast (ReceiversLost)."""
@@ -61,10 +80,10 @@ class WeightSync:
 
     def _start_actor(self) -> None:
         # No restarts by Ray: a new actor must join a new group generation, which `restart` forms.
-        self.actor = self.placed.spawn(0, WeightSyncActor, self.spec, self.rollout_spec, max_restarts=0)
+        self.actor = self.placed.spawn(0, WeightSyncActor, self.spec, self.synced, max_restarts=0)
         self._watch = self.actor.watch.remote()
 
-    def connect(self, replicas: list[RolloutReplica]) -> None:
+    def connect(self, replicas: list[SyncedReplica]) -> None:
         """Form a new generation of the group: the actor as rank 0, every rank of every live replica after it.
         Raises TimeoutError naming the ranks that did not join (stalled) instead of waiting for them forever."""
         members = [(r, rank) for r in replicas if r.alive for rank in range(r.world_size)]
@@ -83,11 +102,6 @@ class WeightSync:
             raise TimeoutError(f"weight-sync group {name!r}: {', '.join(late)} did not join within "
                                f"{self.deadline_s + self.timeout_s:.0f}s (stalled)")
         ray.get(refs)
-
-    def push(self, version: int, tensors: dict[str, torch.Tensor]) -> ray.ObjectRef:
-        """Hand `version` to the actor from the driver (learners push with LearnerGroup.push_weights);
-        the ref resolves once the actor holds it."""
-        return self.actor.push.remote(to_wire(version, tensors))
 
     def slot_tensors(self, adapter: dict[str, torch.Tensor]) -> ray.ObjectRef:
         """`adapter` (full tensors of a learner adapter) as the rollout ranks' slot holds it (merged mode: folded into
@@ -120,7 +134,7 @@ class WeightSync:
             return e
         raise AssertionError("WeightSyncActor.watch returned without a failure")
 
-    def restart(self, replicas: list[RolloutReplica], died: BaseException) -> None:
+    def restart(self, replicas: list[SyncedReplica], died: BaseException) -> None:
         """Replace the dead actor in its bundle and form a new group generation with the live `replicas`; the
         caller pushes the current version again. Raises WeightSyncError once sync.max_restarts per
         sync.restart_window_s are used up."""
@@ -134,20 +148,20 @@ class WeightSync:
         log.error("the weight-sync actor died (%s); replacing it (restart %d) and re-forming its group", cause, self.restarts)
         self._replace_actor(replicas)
 
-    def rewind(self, version: int, replicas: list[RolloutReplica]) -> None:
+    def rewind(self, version: int, replicas: list[SyncedReplica]) -> None:
         """The learners restarted from a checkpoint of `version`: the versions after it are void. A new actor (so no
         push of the lost learners reaches the rollouts) and a new group; every rank of the live `replicas` drops the
-        newer versions it holds (RolloutRank.rewind). The caller pushes `version` next."""
+        newer versions it holds (rayflow.sync.receiver.WeightReceiver.rewind). The caller pushes `version` next."""
         ray.kill(self.actor)  # first: it broadcasts none of those versions after the ranks forgot them
         ray.get([w.rewind_weights.remote(version) for r in replicas if r.alive for w in r.workers])
         self._replace_actor(replicas)
 
-    def _replace_actor(self, replicas: list[RolloutReplica]) -> None:
+    def _replace_actor(self, replicas: list[SyncedReplica]) -> None:
         ray.kill(self.actor)
         self._start_actor()
         self.connect(replicas)
 
-    def attach(self, replica: RolloutReplica, replicas: list[RolloutReplica]) -> None:
+    def attach(self, replica: SyncedReplica, replicas: list[SyncedReplica]) -> None:
         """Bring a restarted or added `replica` (one of `replicas`) into the group, and stage the current
         version on it before it serves a request."""
         self.connect(replicas)

@@ -1,0 +1,36 @@
+"""SyncedModelSpec: the model every rollout rank holds and the shape of the weights the learners sync into it.
+
+Weight sync (rayflow.sync) needs this much of a rollout rank and no more: the folding actor of sync.mode=merged
+builds the same model with the same LoRA slot. rayflow.rollout.RolloutRankSpec extends it with how a rank samples.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rayflow.config import TRAIN_MODES, ModelConfig
+
+
+@dataclass(frozen=True)
+class SyncedModelSpec:
+    model: ModelConfig
+    """The base model (path, dtype, tiny twin) every rollout rank loads."""
+    lora_rank: int = 8
+    """Rank of the LoRA slot the learners' adapter is synced into (learner.lora_rank)."""
+    lora_alpha: float = 8.0
+    """LoRA scaling numerator (learner.lora_alpha)."""
+    lora_targets: tuple[str, ...] | None = None
+    """Adapted modules; None: the model's attention projections (as the learner's default)."""
+    lora_init: str = "gaussian"
+    """Initialisation of the slot's A matrices (learner.lora_init)."""
+    train_mode: str = "lora"
+    """The learners' learner.train_mode: "full" trains, and so syncs, every transformer weight."""
+
+    def __post_init__(self) -> None:
+        if self.train_mode not in TRAIN_MODES:
+            raise ValueError(f"train_mode: got {self.train_mode!r}; allowed: {list(TRAIN_MODES)}")
+
+    def synced_model(self) -> "SyncedModelSpec":
+        """These fields alone (a subclass's extra fields dropped): what crosses to the weight-sync actor."""
+        return SyncedModelSpec(self.model, self.lora_rank, self.lora_alpha, self.lora_targets, self.lora_init,
+                               self.train_mode)
