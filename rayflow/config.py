@@ -86,14 +86,6 @@ class CFGConfig:
         _need(self.policy in POLICIES, f"{prefix}.policy", self.policy, f"one of {sorted(POLICIES)}")
         _need(self.avoid_scale >= 0, f"{prefix}.avoid_scale", self.avoid_scale, "a float >= 0")
 
-    def make_policy(self):
-        from rayflow.cfg.policy import DualNegativeCFG, make_policy
-
-        extra = {}
-        if self.policy == DualNegativeCFG.name:
-            extra = {"avoid_prompt": self.avoid_prompt, "avoid_scale": self.avoid_scale}
-        return make_policy(self.policy, parallel_arithmetic=self.parallel_arithmetic, **extra)
-
 
 @dataclass
 class RolloutConfig:
@@ -140,6 +132,8 @@ class RolloutConfig:
 
 
 TRAIN_MODES = ("lora", "full")
+MIXED_PRECISION = ("none", "bf16", "autocast")
+LORA_INITS = ("gaussian", "default")
 LORA_OPTIONS = ("lora_rank", "lora_alpha", "lora_targets", "lora_init")
 """LearnerConfig keys that only LoRA training reads."""
 
@@ -232,9 +226,9 @@ class LearnerConfig:
             self.lora_targets is None or len(self.lora_targets) > 0,
             f"{prefix}.lora_targets", self.lora_targets, "null or a non-empty list of module names",
         )
-        _need(self.lora_init in ("gaussian", "default"), f"{prefix}.lora_init", self.lora_init, "'gaussian' or 'default'")
-        _need(self.mixed_precision in ("none", "bf16", "autocast"), f"{prefix}.mixed_precision", self.mixed_precision,
-              "'none', 'bf16' or 'autocast'")
+        _need(self.lora_init in LORA_INITS, f"{prefix}.lora_init", self.lora_init, f"one of {list(LORA_INITS)}")
+        _need(self.mixed_precision in MIXED_PRECISION, f"{prefix}.mixed_precision", self.mixed_precision,
+              f"one of {list(MIXED_PRECISION)}")
         _need(self.shard in ("auto", "always"), f"{prefix}.shard", self.shard, "'auto' or 'always'")
         _validate_resources(self, prefix)
 
@@ -389,6 +383,7 @@ class RewardConfig:
 
     def validate(self, prefix: str = "reward") -> None:
         from rayflow.rewards import registered_rewards
+        from rayflow.rewards.normalize import NORMALIZE_MODES
         from rayflow.rewards.validation import check_reward_kwargs
 
         _need(len(self.functions) >= 1, f"{prefix}.functions", self.functions, "at least one reward function")
@@ -396,8 +391,8 @@ class RewardConfig:
             names = registered_rewards()
             _need(fn.name in names, f"{prefix}.functions[{i}].name", fn.name, f"one of {names}")
             check_reward_kwargs(fn.name, fn.kwargs, f"{prefix}.functions[{i}].kwargs")
-            _need(fn.normalize in ("none", "group", "batch"), f"{prefix}.functions[{i}].normalize", fn.normalize,
-                  "'none', 'group' or 'batch'")
+            _need(fn.normalize in NORMALIZE_MODES, f"{prefix}.functions[{i}].normalize", fn.normalize,
+                  f"one of {list(NORMALIZE_MODES)}")
         _need(self.num_workers >= 1, f"{prefix}.num_workers", self.num_workers, "an integer >= 1")
         _need(self.batch_size >= 1, f"{prefix}.batch_size", self.batch_size, "an integer >= 1")
         _need(self.max_retries >= 0, f"{prefix}.max_retries", self.max_retries, "an integer >= 0")
@@ -408,19 +403,26 @@ class RewardConfig:
         _need(self.max_outage_s >= 0, f"{prefix}.max_outage_s", self.max_outage_s, "a number of seconds >= 0")
 
 
+OVER_STALE = ("regenerate", "drop")
+
+
 @dataclass
 class AsyncConfig:
     max_staleness: int = 0
     """0: synchronous and on-policy (bit-identical to the reference trainer); k: trajectories may be
     up to k policy versions behind the learner."""
     partial_rollout: bool = True
-    """A trajectory in flight when weights change continues under the new weights (per-step versions)."""
+    """true: new weights reach a trajectory in flight at its next denoising-step boundary (each step records its
+    version); false: rollout ranks apply new weights only between requests, so a trajectory keeps one version."""
     over_stale: str = "regenerate"
     """A group staler than max_staleness is "regenerate"d or "drop"ped (and counted)."""
 
     def validate(self, prefix: str = "async") -> None:
         _need(self.max_staleness >= 0, f"{prefix}.max_staleness", self.max_staleness, "an integer >= 0")
-        _need(self.over_stale in ("regenerate", "drop"), f"{prefix}.over_stale", self.over_stale, "'regenerate' or 'drop'")
+        _need(self.over_stale in OVER_STALE, f"{prefix}.over_stale", self.over_stale, f"one of {list(OVER_STALE)}")
+
+
+SYNC_MODES = ("lora", "merged")
 
 
 @dataclass
@@ -430,8 +432,6 @@ class SyncConfig:
     learner.train_mode=full, the only mode: every transformer weight, as trained)."""
     bucket_mb: float = 64.0
     """Broadcast bucket size."""
-    apply_at: str = "step"
-    """Rollout ranks apply new weights at the next denoising "step" boundary or between "request"s."""
     verify_checksum: bool = False
     """Also compare a checksum per tensor between the source and every rank."""
     cpus: float = 1.0
@@ -448,9 +448,8 @@ class SyncConfig:
     """max_restarts counts restarts within any this many seconds (0: over the whole run)."""
 
     def validate(self, prefix: str = "sync") -> None:
-        _need(self.mode in ("lora", "merged"), f"{prefix}.mode", self.mode, "'lora' or 'merged'")
+        _need(self.mode in SYNC_MODES, f"{prefix}.mode", self.mode, f"one of {list(SYNC_MODES)}")
         _need(self.bucket_mb > 0, f"{prefix}.bucket_mb", self.bucket_mb, "a float > 0")
-        _need(self.apply_at in ("step", "request"), f"{prefix}.apply_at", self.apply_at, "'step' or 'request'")
         _need(self.cpus >= 0, f"{prefix}.cpus", self.cpus, "a float >= 0")
         _need(self.gpus is None or self.gpus >= 0, f"{prefix}.gpus", self.gpus, "null or a float >= 0")
         _need(self.max_restarts >= 0, f"{prefix}.max_restarts", self.max_restarts, "an integer >= 0")
@@ -772,12 +771,22 @@ def _convert(tp: Any, value: Any, key: str) -> Any:
     raise ConfigError(key, value, _describe(tp))
 
 
+REMOVED_KEYS = {
+    "sync.apply_at": "nothing, the key is gone: set async.partial_rollout instead (true = the old apply_at=step, new "
+                     "weights reach a trajectory at its next denoising-step boundary; false = the old apply_at=request, "
+                     "new weights between requests only)",
+}
+"""Keys a config no longer has, with what to write instead."""
+
+
 def _build(cls: type, data: dict, prefix: str) -> Any:
     hints = typing.get_type_hints(cls)
     fields = {_key(f.name): f for f in dataclasses.fields(cls)}
     kwargs = {}
     for name, value in data.items():
         key = f"{prefix}.{name}" if prefix else str(name)
+        if key in REMOVED_KEYS:
+            raise ConfigError(key, value, REMOVED_KEYS[key])
         if name not in fields:
             raise ConfigError(key, value, f"a known key; {prefix or 'the config'} has {sorted(fields)}")
         f = fields[name]
