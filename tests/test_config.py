@@ -3,7 +3,8 @@ import re
 
 import pytest
 
-from rayflow.config import RayflowConfig, _relative_to, from_dict, load_config, to_dict, to_yaml
+from rayflow.config import RayflowConfig, from_dict, load_config, to_dict, to_yaml
+from rayflow.config.loading import _relative_to
 from rayflow.errors import ConfigError
 
 
