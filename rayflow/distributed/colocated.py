@@ -1,6 +1,6 @@
 """Colocated placement: every device holds the pipeline once and alternates sampling and training.
 
-    devices = ColocatedDevices(learner_spec, rollout_spec, cfg.placement, cfg.rollout.cfg_parallel_size)
+    devices = ColocatedDevices(learner_spec, rollout_spec, cfg.placement, cfg.rollout)
     devices.learners                                # LearnerGroup over the devices (learner.world_size ranks)
     devices.rollout                                 # RolloutPool: replica i = devices i·W .. i·W+W−1 (W = cfg_parallel_size)
     devices.weights                                 # SharedWeights: the hand-off, which sends nothing
@@ -23,7 +23,7 @@ import dataclasses
 import ray
 import torch
 
-from rayflow.config import PlacementConfig
+from rayflow.config import PlacementConfig, RolloutConfig
 from rayflow.distributed.placement import PlacedGroup, make_bundles, place, resolve_gpus
 from rayflow.distributed.watchdog import Watchdog
 from rayflow.errors import ConfigError
@@ -163,10 +163,11 @@ def replica_ranks(placed: PlacedGroup, devices: int, replica_size: int) -> list[
 class ColocatedDevices:
     """learner.world_size DeviceWorkers in one placement group, seen as a LearnerGroup and a RolloutPool."""
 
-    def __init__(self, learner_spec: LearnerSpec, spec: RolloutRankSpec, placement: PlacementConfig, replica_size: int,
+    def __init__(self, learner_spec: LearnerSpec, spec: RolloutRankSpec, placement: PlacementConfig, rollout: RolloutConfig,
                  name: str = "rayflow-devices"):
-        """`replica_size`: rollout.cfg_parallel_size, the devices of one rollout replica."""
-        p, devices, W = placement, learner_spec.learner.world_size, replica_size
+        """`rollout`: its cfg_parallel_size (the devices of one replica) and the watchdog's stall_*; its resources are
+        disaggregated placement's."""
+        p, devices, W = placement, learner_spec.learner.world_size, rollout.cfg_parallel_size
         gpus = resolve_gpus(p.gpus_per_device)
         self.placed = place(make_bundles(devices, p.cpus_per_device, gpus, p.resources), "PACK", name=name)
         self.workers: list = []
@@ -191,7 +192,7 @@ class ColocatedDevices:
             self.shutdown()
             raise
         # No replacements: a device's learner rank holds optimizer state that a new rollout rank alone cannot bring back.
-        self.rollout = RolloutPool(self.replicas, watchdog=Watchdog(cfg.rollout.stall_timeout_s, cfg.rollout.stall_factor))
+        self.rollout = RolloutPool(self.replicas, watchdog=Watchdog(rollout.stall_timeout_s, rollout.stall_factor))
         self.weights = SharedWeights()
 
     def shutdown(self) -> None:

@@ -86,7 +86,7 @@ class Trainer:
             # ("partially initialized module 'torch'"), a cause not pinned down.
             if cfg.placement.colocated:
                 with phase("devices"):
-                    devices = self._own(ColocatedDevices(learner_spec, spec, cfg.placement, cfg.rollout.cfg_parallel_size))
+                    devices = self._own(ColocatedDevices(learner_spec, spec, cfg.placement, cfg.rollout))
                 self.learners, self.rollout, self.sync = devices.learners, devices.rollout, devices.weights
             else:
                 with phase("learners"):
