@@ -1,7 +1,8 @@
 """The single-process reference trainer: FlowGRPO or DiffusionNFT on one DiffusionModel, LoRA or full fine-tuning.
 
 No Ray, no process groups: the oracle the distributed system is checked against (same config
-and seeds → same rewards, losses and LoRA). One step reads top to bottom:
+and seeds → same rewards, losses and LoRA). It is the whole run, so it keeps the whole RayflowConfig; its model
+and steps take the learners' LearnerSpec, built from it. One step reads top to bottom:
 
     groups → rollout (under the rollout adapter) → rewards → advantages → loss/backward → optimizer step → checkpoint
 
@@ -26,7 +27,6 @@ from rayflow.checkpoint import (
     Checkpoint, base_model_record, checkpoint_root, is_save_step, load_checkpoint, resolve_resume, save_checkpoint,
     sharded_staging_dir,
 )
-from rayflow.cfg.policy import CFGPolicy
 from rayflow.config import RayflowConfig, load_config
 from rayflow.runs import USER_ERRORS, RunComplete, preflight, write_run_config
 from rayflow.data.prompts import GroupSampler, load_prompts
@@ -34,6 +34,7 @@ from rayflow.models.lora import rollout_adapter_name
 from rayflow.learner.model import add_full_weight_copies, load_policy_model, policy_identity
 from rayflow.learner.minibatches import BatchResult, learner_batch, minibatch_plan, train_batch
 from rayflow.learner.optim import SkippedSteps, build_optimizer
+from rayflow.learner.spec import LearnerSpec
 from rayflow.learner.sharded import capture_trained, restore_trained
 from rayflow.models.weight_sets import using_weights
 from rayflow.models import DiffusionModel
@@ -63,9 +64,10 @@ class Run:
     """The reference trainer's state: model, optimizer and everything the loop draws from."""
 
     cfg: RayflowConfig
+    spec: LearnerSpec
+    """What the model and its training read of cfg (as a learner rank's)."""
     model: DiffusionModel
     optimizer: torch.optim.Optimizer
-    policy: CFGPolicy
     reward: WeightedReward
     sampler: GroupSampler
     identity: dict
@@ -77,15 +79,16 @@ class Run:
 
 
 def build_run(cfg: RayflowConfig) -> Run:
-    model = load_policy_model(cfg)
-    add_full_weight_copies(cfg, model.transformer)
+    spec = LearnerSpec.from_config(cfg)
+    model = load_policy_model(spec)
+    add_full_weight_copies(spec, model.transformer)
     return Run(
         cfg=cfg,
+        spec=spec,
         model=model,
         # Before any training: the fingerprint reads the base weights.
-        identity=policy_identity(cfg, model),
+        identity=policy_identity(spec, model),
         optimizer=build_optimizer(model.transformer, cfg.learner),
-        policy=cfg.cfg.make_policy(),
         reward=WeightedReward(cfg.reward.functions, cfg.reward.max_outage_s),
         sampler=GroupSampler(load_prompts(cfg.data.prompts, cfg.data.max_prompt_chars), cfg.algorithm.group_size, cfg.trainer.seed, cfg.data.shuffle),
         skips=SkippedSteps(cfg.trainer.max_skipped_steps),
@@ -103,7 +106,7 @@ def next_requests(run: Run) -> list[RolloutRequest]:
 def sample(run: Run, request: RolloutRequest) -> list[Trajectory]:
     """One request sampled under the rollout adapter (DiffusionNFT: the EMA "old" one)."""
     with using_weights(run.model.transformer, rollout_adapter_name(run.cfg.algorithm.needs_ema_rollout)):
-        return generate(run.model, request, run.policy, version=run.step)
+        return generate(run.model, request, run.spec.policy, version=run.step)
 
 
 def assign(run: Run, trajectories: list[Trajectory]) -> Advantages:
@@ -124,10 +127,10 @@ def rollout(run: Run) -> tuple[list[Trajectory], Advantages]:
 def learn(run: Run, trajectories: list[Trajectory]) -> tuple[dict[str, float], BatchResult]:
     """The batch's optimizer steps (algorithm.num_inner_epochs x num_minibatches), then version + 1."""
     algo = run.cfg.algorithm
-    trajectories, filtered = learner_batch(trajectories, run.cfg, run.step)
+    trajectories, filtered = learner_batch(trajectories, run.spec, run.step)
     plan = minibatch_plan(len(trajectories), run.cfg.trainer.seed, run.step, algo.num_inner_epochs, algo.num_minibatches)
     steps = [[trajectories[i] for i in indices] for indices in plan]
-    metrics, result = train_batch(run.cfg, run.model, run.optimizer, run.policy, steps, version=run.step)
+    metrics, result = train_batch(run.spec, run.model, run.optimizer, run.spec.policy, steps, version=run.step)
     run.step += 1
     return {**metrics, "train/filtered_samples": float(filtered)}, result
 

@@ -27,6 +27,7 @@ from ray.cluster_utils import Cluster
 
 from rayflow import reference
 from rayflow.learner.worker import LearnerGroup
+from rayflow.learner.spec import LearnerSpec
 from rayflow.rollout.pool import RolloutPool
 from rayflow.rollout.rank import RolloutRankSpec
 from rayflow.sync.weight_sync import WeightSync
@@ -57,7 +58,7 @@ def run(model_dir: str, out_dir: str) -> dict:
     sync = learners = None
     try:
         sync = WeightSync(cfg.sync, spec, pool.replicas, timeout_s=120.0, name="xnode-sync")
-        learners = LearnerGroup(cfg, name="xnode-learner")
+        learners = LearnerGroup(LearnerSpec.from_config(cfg), name="xnode-learner")
         before = [replica.adapter_weights() for replica in pool.replicas]
 
         run_state = reference.build_run(cfg)  # the driver samples the batch in-process

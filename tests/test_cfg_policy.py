@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from rayflow.cfg.policy import CFGPolicy, DualNegativeCFG, NoCFG, TrueCFG, make_policy
+from rayflow.cfg.policy import CFGPolicy, DualNegativeCFG, NoCFG, TrueCFG, guidance_policy, make_policy
 from rayflow.config import CFGConfig
 from rayflow.errors import ConfigError
 from rayflow.models.base import PromptEmbeds
@@ -78,9 +78,9 @@ def test_dual_negative(parallel, scale, avoid_scale):
 
 def test_make_policy():
     assert type(make_policy("true_cfg")) is TrueCFG and make_policy("standard", parallel_arithmetic=True).parallel_arithmetic
-    dual = CFGConfig(policy="dual_negative", avoid_prompt="dark", avoid_scale=0.3).make_policy()
+    dual = guidance_policy(CFGConfig(policy="dual_negative", avoid_prompt="dark", avoid_scale=0.3))
     assert (type(dual), dual.avoid_prompt, dual.avoid_scale) == (DualNegativeCFG, "dark", 0.3)
-    with pytest.raises(ConfigError) as info:
-        make_policy("cfg_plus_plus")
+    with pytest.raises(ConfigError) as info:  # checked once, where the cfg section is defined
+        CFGConfig(policy="cfg_plus_plus").validate()
     assert (info.value.key, info.value.value) == ("cfg.policy", "cfg_plus_plus")
     assert "'true_cfg'" in info.value.allowed

@@ -13,6 +13,7 @@ from rayflow.checkpoint import Checkpoint, CheckpointMismatch, latest_checkpoint
 from rayflow.models.lora import adapter_names
 from rayflow.learner.model import load_policy_model, policy_identity
 from rayflow.learner.optim import build_optimizer
+from rayflow.learner.spec import LearnerSpec
 from rayflow.learner.state import adapter_state, load_optimizer_state, optimizer_state
 from rayflow.models.tiny import save_tiny_model
 from tiny_run import GRPO, NFT, small_cfg
@@ -76,7 +77,7 @@ def test_a_checkpoint_with_a_pickled_object_is_not_unpickled(tmp_path):
 
 def test_optimizer_state_restores_by_name_and_keeps_this_runs_hyperparameters(tiny_model_dir, tmp_path):
     cfg = small_cfg(GRPO, tiny_model_dir, tmp_path)
-    model = load_policy_model(cfg, "cpu")
+    model = load_policy_model(LearnerSpec.from_config(cfg), "cpu")
     trained = build_optimizer(model.transformer, cfg.learner)
     for p in trained.param_groups[0]["params"]:
         p.grad = torch.randn_like(p)
@@ -128,7 +129,8 @@ def grpo_checkpoint(tiny_model_dir, tmp_path_factory):
 
 
 def identity_of(cfg):
-    return policy_identity(cfg, load_policy_model(cfg, "cpu"))
+    spec = LearnerSpec.from_config(cfg)
+    return policy_identity(spec, load_policy_model(spec, "cpu"))
 
 
 def test_refuses_a_checkpoint_of_another_lora_config_or_algorithm_naming_what_differs(tiny_model_dir, tmp_path, grpo_checkpoint):

@@ -255,7 +255,7 @@ def test_runtime_env_is_valid_for_ray_job_submit_and_uploads_only_code(tmp_path)
 
     # This repository as `ray job submit --working-dir .` uploads it: the code, nothing of .git, small.
     names = packed(REPO, data["excludes"], tmp_path / "repo.zip", include_gitignore=True)
-    assert {"setup.py", "rayflow/config.py", "recipes/flowgrpo_qwen_image.py", "recipes/flowgrpo_qwen_image.yaml"} <= names
+    assert {"setup.py", "rayflow/config/root.py", "recipes/flowgrpo_qwen_image.py", "recipes/flowgrpo_qwen_image.yaml"} <= names
     # The default recipes' base model travels with the code (a job's driver checks it against its manifest).
     assert {f"models/shapes-qwen-image/{f}" for f in json.loads((REPO / "models/shapes-qwen-image/rayflow_shapes.json")
                                                                  .read_text())["files"]} <= names

@@ -3,7 +3,8 @@ import re
 
 import pytest
 
-from rayflow.config import RayflowConfig, _relative_to, from_dict, load_config, to_dict, to_yaml
+from rayflow.config import RayflowConfig, from_dict, load_config, to_dict, to_yaml
+from rayflow.config.loading import _relative_to
 from rayflow.errors import ConfigError
 
 
@@ -120,7 +121,10 @@ def test_user_interpolation_resolves(tmp_path):
         (["trainer.ema_every=0"], "trainer.ema_every", 0, ">= 1"),
         (["trainer.time_limit_s=0"], "trainer.time_limit_s", 0.0, "seconds > 0"),
         (["reward.functions=[{name: nope}]"], "reward.functions[0].name", "nope", "'color'"),
-        (["async.over_stale=later"], "async.over_stale", "later", "'regenerate' or 'drop'"),
+        (["async.over_stale=later"], "async.over_stale", "later", "['regenerate', 'drop']"),
+        # One switch for partial rollout: the old second one names it and what each value maps to.
+        (["sync.apply_at=request"], "sync.apply_at", "request", "async.partial_rollout instead (true = the old apply_at=step"),
+        (["learner.mixed_precision=fp8"], "learner.mixed_precision", "fp8", "['none', 'bf16', 'autocast']"),
         (["placement.mode=hybrid"], "placement.mode", "hybrid", "['disaggregated', 'colocated']"),
         (["placement.mode=colocated", "rollout.num_replicas=2"], "learner.world_size", 1,
          "rollout.num_replicas x rollout.cfg_parallel_size = 2 in placement.mode=colocated"),

@@ -9,7 +9,7 @@ def test_each_eval_prompt_gets_eval_seeds_distinct_fixed_seeds():
     cfg = RayflowConfig()
     cfg.data.eval_prompts = recipe("prompts/shapes_eval.txt")
     cfg.data.eval_seeds = 3
-    requests = Evaluator(cfg, [], generate=None, rewards=None).requests
+    requests = Evaluator(cfg.data, cfg.sampling, [], generate=None, rewards=None).requests
     assert len(requests) == 20
     assert requests[1].prompts == ["a green circle"] * 3 and requests[1].seeds == [3, 4, 5]
     assert {g for r in requests for g in r.group_ids} == {EVAL_GROUP_ID}

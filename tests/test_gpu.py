@@ -99,10 +99,12 @@ def test_fsdp2_on_cuda_computes_as_the_plain_model(cuda_mesh, tiny_model_dir, tm
 
     from rayflow.learner.backend import LearnerBackend
     from rayflow.learner.model import load_policy_model
+    from rayflow.learner.spec import LearnerSpec
     from rayflow.models.base import PromptEmbeds
 
     cfg = small_cfg(GRPO, tiny_model_dir, tmp_path, "learner.shard=always")
-    backend, plain = LearnerBackend(cfg, cuda_mesh, CUDA), load_policy_model(cfg, CUDA, transformer_only=True)
+    spec = LearnerSpec.from_config(cfg)
+    backend, plain = LearnerBackend(spec, cuda_mesh, CUDA), load_policy_model(spec, CUDA, transformer_only=True)
     g = torch.Generator().manual_seed(0)
     x, cond = torch.randn(2, 16, 16, generator=g).to(CUDA), PromptEmbeds(torch.randn(2, 5, 32, generator=g).to(CUDA), None)
     with torch.no_grad():
@@ -117,11 +119,12 @@ def test_bf16_autocast_training_step_on_cuda(cuda_mesh, tiny_model_dir, tmp_path
     from rayflow import reference
     from rayflow.learner.backend import LearnerBackend
     from rayflow.models.lora import adapter_parameters
+    from rayflow.learner.spec import LearnerSpec
 
     cfg = small_cfg(GRPO, tiny_model_dir, tmp_path, "model.dtype=bfloat16", "learner.mixed_precision=autocast")
     run = reference.build_run(dataclasses.replace(cfg, learner=dataclasses.replace(cfg.learner, mixed_precision="none")))
     batch = reference.rollout(run)[0]
-    backend = LearnerBackend(cfg, cuda_mesh, CUDA)
+    backend = LearnerBackend(LearnerSpec.from_config(cfg), cuda_mesh, CUDA)
     before = {k: p.detach().clone() for k, p in adapter_parameters(backend.transformer, "default").items()}
     metrics = backend.train_step(batch)
     assert metrics["train/skipped"] == 0 and torch.isfinite(torch.tensor(metrics["train/grad_norm"]))
@@ -215,6 +218,7 @@ def test_weight_sync_over_nccl_delivers_the_learners_adapter(ray_session, tiny_m
     from rayflow import reference
     from rayflow.config import RolloutConfig
     from rayflow.learner.worker import LearnerGroup
+    from rayflow.learner.spec import LearnerSpec
     from rayflow.rollout.rank import RolloutRankSpec
     from rayflow.rollout.replica import RolloutReplica
     from rayflow.sync.weight_sync import WeightSync
@@ -224,7 +228,7 @@ def test_weight_sync_over_nccl_delivers_the_learners_adapter(ray_session, tiny_m
     spec = RolloutRankSpec.from_config(cfg)
     replica = RolloutReplica(spec, RolloutConfig(cfg_parallel_size=1, gpus_per_rank=1), name="gpu-sync-rollout").wait_ready()
     sync = WeightSync(cfg.sync, spec, [replica], timeout_s=120.0, name="gpu-sync")
-    learners = LearnerGroup(cfg, name="gpu-sync-learner")
+    learners = LearnerGroup(LearnerSpec.from_config(cfg), name="gpu-sync-learner")
     try:
         batch, _ = reference.rollout(reference.build_run(cfg))
         learners.get(learners.train_step(batch))

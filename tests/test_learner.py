@@ -17,6 +17,7 @@ from rayflow.distributed.process_group import Rendezvous, init_default_group
 from rayflow.models import lora
 from rayflow.learner.backend import LearnerBackend
 from rayflow.learner.model import load_policy_model
+from rayflow.learner.spec import LearnerSpec
 from rayflow.distributed.parallelize import build_mesh, reshard
 from rayflow.learner.state import adapter_state, full_tensor, load_adapter_state, param_names
 from rayflow.learner.worker import LearnerError, LearnerGroup
@@ -61,7 +62,8 @@ def randomize_adapters(transformers, seed=1):
 
 def test_fsdp_shards_each_block_then_the_root_and_computes_as_the_plain_model(mesh1, tiny_model_dir, tmp_path):
     cfg = small_cfg(GRPO, tiny_model_dir, tmp_path, SHARD1)
-    backend, plain = LearnerBackend(cfg, mesh1, CPU), load_policy_model(cfg, CPU)
+    spec = LearnerSpec.from_config(cfg)
+    backend, plain = LearnerBackend(spec, mesh1, CPU), load_policy_model(spec, CPU)
     t = backend.transformer
     assert isinstance(t, FSDPModule) and all(isinstance(b, FSDPModule) for b in t.transformer_blocks)
     outside_blocks = [m for n, m in t.named_modules() if n and not n.startswith("transformer_blocks")]
@@ -75,7 +77,7 @@ def test_fsdp_shards_each_block_then_the_root_and_computes_as_the_plain_model(me
 
 @pytest.mark.parametrize("recipe, expected", [(GRPO, "default"), (NFT, "old")])
 def test_rollout_adapter_name(mesh1, tiny_model_dir, tmp_path, recipe, expected):
-    backend = LearnerBackend(small_cfg(recipe, tiny_model_dir, tmp_path, SHARD1), mesh1, CPU)
+    backend = LearnerBackend(LearnerSpec.from_config(small_cfg(recipe, tiny_model_dir, tmp_path, SHARD1)), mesh1, CPU)
     assert backend.rollout_adapter_name == expected
     randomize_adapters([backend.transformer])  # "old" and "default" now differ
     wire = backend.rollout_wire()  # what learner rank 0 hands the weight-sync actor
@@ -100,7 +102,8 @@ def test_swapping_adapters_keeps_default_trainable_without_resharding(mesh1, tin
     # reshard_after_forward=False keeps blocks unsharded after a forward: a swap then flips requires_grad on
     # the unsharded parameters only, and FSDP2 copies the sharded flag back at the next all-gather.
     cfg = small_cfg(NFT, tiny_model_dir, tmp_path, SHARD1, "learner.reshard_after_forward=false")
-    backend, plain = LearnerBackend(cfg, mesh1, CPU), load_policy_model(cfg, CPU)
+    spec = LearnerSpec.from_config(cfg)
+    backend, plain = LearnerBackend(spec, mesh1, CPU), load_policy_model(spec, CPU)
     models = [backend.model, plain]
     randomize_adapters([m.transformer for m in models])
     for swap in (lambda t: lora.using_adapter(t, "old"), lora.base_model, lambda t: lora.using_adapter(t, "old")):
@@ -129,7 +132,7 @@ def test_activation_checkpointing_recomputes_each_block_with_the_same_gradients(
     grads, calls = {}, {}
     for ac in (False, True):
         cfg = small_cfg(GRPO, tiny_model_dir, tmp_path, SHARD1, f"learner.activation_checkpointing={str(ac).lower()}")
-        backend = LearnerBackend(cfg, mesh1, CPU)
+        backend = LearnerBackend(LearnerSpec.from_config(cfg), mesh1, CPU)
         randomize_adapters([backend.transformer])
         count = []
         backend.transformer.transformer_blocks[0].register_forward_pre_hook(lambda *args: count.append(1))
@@ -144,7 +147,7 @@ def test_activation_checkpointing_recomputes_each_block_with_the_same_gradients(
 
 def test_bf16_mixed_precision_computes_in_bf16_and_keeps_fp32_shards(mesh1, tiny_model_dir, tmp_path):
     cfg = small_cfg(NFT, tiny_model_dir, tmp_path, "learner.mixed_precision=bf16")
-    backend = LearnerBackend(cfg, mesh1, CPU)
+    backend = LearnerBackend(LearnerSpec.from_config(cfg), mesh1, CPU)
     assert all(p.dtype == torch.float32 for p in backend.transformer.parameters())
     with torch.no_grad():
         assert velocity(backend.model).dtype == torch.bfloat16
@@ -161,7 +164,7 @@ def grpo_batches(tiny_model_dir, tmp_path_factory):
 
 
 def test_non_finite_grad_norm_skips_the_step_and_counts_it(mesh1, tiny_model_dir, tmp_path, grpo_batches):
-    backend = LearnerBackend(small_cfg(GRPO, tiny_model_dir, tmp_path, SHARD1), mesh1, CPU)
+    backend = LearnerBackend(LearnerSpec.from_config(small_cfg(GRPO, tiny_model_dir, tmp_path, SHARD1)), mesh1, CPU)
     before = adapter_state(backend.transformer, "default")
     poisoned = [dataclasses.replace(t, advantage=float("nan")) for t in grpo_batches[0]]
     metrics = backend.train_step(poisoned)
@@ -187,7 +190,7 @@ def learners2(ray_session, tiny_model_dir, tmp_path_factory):
             # LoRA by ~lr x relative rounding of the smallest gradients: lr 1e-3 keeps 3 steps well inside 1e-5.
             cfg = small_cfg(recipe, tiny_model_dir, tmp_path_factory.mktemp("learners2"), "learner.world_size=2",
                             "learner.lr=0.001")
-            newest[recipe] = cfg, LearnerGroup(cfg, name=f"test-learners2-{len(started)}")
+            newest[recipe] = cfg, LearnerGroup(LearnerSpec.from_config(cfg), name=f"test-learners2-{len(started)}")
             started.append(newest[recipe][1])
         return newest[recipe]
 
@@ -202,7 +205,7 @@ def learners2(ray_session, tiny_model_dir, tmp_path_factory):
 def test_world_size_2_and_1_end_where_the_reference_does(mesh1, learners2, tiny_model_dir, recipe):
     cfg2, group = learners2(recipe, untrained=True)
     cfg1 = dataclasses.replace(cfg2, learner=dataclasses.replace(cfg2.learner, world_size=1, shard="always"))
-    ws1, run = LearnerBackend(cfg1, mesh1, CPU), reference.build_run(cfg1)
+    ws1, run = LearnerBackend(LearnerSpec.from_config(cfg1), mesh1, CPU), reference.build_run(cfg1)
     initial = adapter_state(run.model.transformer, "default")
     for _ in range(STEPS):
         batch, _ = reference.rollout(run)  # on-policy for all three: they hold the same LoRA
@@ -249,7 +252,7 @@ def test_autocast_trains_fp32_lora_over_bf16_weights(mesh1, tiny_model_dir, tmp_
     """learner.mixed_precision=autocast: bf16 base weights, fp32 LoRA masters and AdamW state, bf16 matmuls."""
     cfg = small_cfg(GRPO, tiny_model_dir, tmp_path, "model.dtype=bfloat16", "learner.mixed_precision=autocast")
     assert not cfg.learner.sharded  # autocast needs no FSDP2 mixed-precision policy
-    backend = LearnerBackend(cfg, mesh1, CPU)
+    backend = LearnerBackend(LearnerSpec.from_config(cfg), mesh1, CPU)
     lora_params = lora.adapter_parameters(backend.transformer, "default")
     assert {p.dtype for p in lora_params.values()} == {torch.float32}
     assert {p.dtype for n, p in backend.transformer.named_parameters() if ".lora_" not in n} == {torch.bfloat16}
@@ -284,7 +287,7 @@ def test_flow_grpo_kl_types_divide_by_std_dev_t_or_the_transition_variance(tiny_
     kls = {}
     for kl_type in ("flow_grpo", "transition"):
         typed = dataclasses.replace(cfg, algorithm=dataclasses.replace(cfg.algorithm, kl_type=kl_type))
-        kls[kl_type] = backward(typed, run.model, run.policy, batch, version=0)["loss/kl"]
+        kls[kl_type] = backward(LearnerSpec.from_config(typed), run.model, run.spec.policy, batch, version=0)["loss/kl"]
         run.optimizer.zero_grad(set_to_none=True)
 
     t, params = batch[0], batch[0].params
@@ -298,9 +301,9 @@ def test_flow_grpo_kl_types_divide_by_std_dev_t_or_the_transition_variance(tiny_
                          prev_sample=x_next, sigma_max=t.sigmas[1])[2]
 
     with torch.no_grad():
-        mu = mean(_guided_velocity(run.model, run.policy, x, t.timesteps[j], conds, params))
+        mu = mean(_guided_velocity(run.model, run.spec.policy, x, t.timesteps[j], conds, params))
         with lora.base_model(run.model.transformer):
-            mu_ref = mean(_guided_velocity(run.model, run.policy, x, t.timesteps[j], conds, params))
+            mu_ref = mean(_guided_velocity(run.model, run.spec.policy, x, t.timesteps[j], conds, params))
     expected = (((mu - mu_ref) ** 2).mean(dim=tuple(range(1, mu.ndim))) / (2 * std_dev_t**2)).mean()
     assert float(expected) > 0
     assert kls["flow_grpo"] == pytest.approx(float(expected), rel=1e-4)
@@ -329,7 +332,7 @@ def test_eval_ema_follows_flow_grpos_ema_module_wrapper_rule(tiny_model_dir, tmp
     from rayflow.learner.optim import update_eval_ema
 
     cfg = small_cfg(GRPO, tiny_model_dir, tmp_path, "trainer.ema_decay=0.2", "trainer.ema_every=2")
-    model = load_policy_model(cfg, CPU)
+    model = load_policy_model(LearnerSpec.from_config(cfg), CPU)
     assert lora.adapter_names(model.transformer) == ["default", "ema"]
     expected = adapter_state(model.transformer, lora.EVAL_EMA_ADAPTER)
     assert all(torch.equal(v, adapter_state(model.transformer, "default")[k]) for k, v in expected.items())  # starts as a copy
@@ -337,7 +340,7 @@ def test_eval_ema_follows_flow_grpos_ema_module_wrapper_rule(tiny_model_dir, tmp
     for n in range(1, 6):  # flow_grpo: ema.step(params, global_step) after global_step += 1
         default = {k: torch.randn(v.shape, generator=g) for k, v in expected.items()}
         load_adapter_state(model.transformer, "default", default)
-        update_eval_ema(model.transformer, cfg.trainer, n)
+        update_eval_ema(model.transformer, cfg.trainer.ema_decay, cfg.trainer.ema_every, n)
         if (n + 1) % 2 == 0:  # its update_step_interval rule
             d = min((1 + n) / (10 + n), 0.2)  # its get_current_decay
             expected = {k: v + (1 - d) * (default[k] - v) for k, v in expected.items()}
@@ -363,11 +366,11 @@ def test_rollouts_record_each_stochastic_steps_mean_for_ratio_norm(tiny_model_di
         conds = _conds(batch, CPU)
         for j in (1, 2):
             x, x_next = (torch.stack([b.latent(i) for b in batch]) for i in (j, j + 1))
-            v = _guided_velocity(run.model, run.policy, x, t.timesteps[j], conds, params)
+            v = _guided_velocity(run.model, run.spec.policy, x, t.timesteps[j], conds, params)
             _, _, mean, _ = flow_step(v, x, t.sigmas[j], t.sigmas[j + 1], sde_type="sde", noise_level=params.noise_level,
                                       prev_sample=x_next, sigma_max=t.sigmas[1])
             assert torch.equal(torch.stack([b.step_mean(j) for b in batch]), mean)
-    metrics = backward(cfg, run.model, run.policy, batch, version=0)
+    metrics = backward(run.spec, run.model, run.spec.policy, batch, version=0)
     assert metrics["train/clip_frac"] == 0
 
 
@@ -383,8 +386,9 @@ def test_full_fine_tuning_shards_every_weight_and_forwards_under_each_copy_as_th
     from rayflow.models.weight_sets import named_weights, using_reference, using_weights
 
     cfg = small_cfg(NFT, tiny_model_dir, tmp_path, SHARD1, *FULL, "algorithm.kl_beta=0.01", "learner.reshard_after_forward=false")
-    backend, plain = LearnerBackend(cfg, mesh1, CPU), load_policy_model(cfg, CPU)
-    add_full_weight_copies(cfg, plain.transformer)
+    spec = LearnerSpec.from_config(cfg)
+    backend, plain = LearnerBackend(spec, mesh1, CPU), load_policy_model(spec, CPU)
+    add_full_weight_copies(spec, plain.transformer)
     params = dict(backend.transformer.named_parameters())
     assert weight_copies.weight_names(backend.transformer) == ["default", "old"]  # what checkpoints hold (not the base)
     assert all(p.requires_grad and isinstance(p, DTensor) and p.placements == (Shard(0),) for p in params.values())
@@ -420,7 +424,7 @@ def test_full_fine_tuning_on_2_ranks_follows_the_reference_and_resumes_across_wo
     overrides = (*FULL, "algorithm.kl_beta=0.01", "learner.lr=0.001")  # lr: see learners2
     cfg2 = small_cfg(GRPO, tiny_model_dir, tmp_path / "ws2", *overrides, "learner.world_size=2")
     cfg1 = small_cfg(GRPO, tiny_model_dir, tmp_path / "ws1", *overrides)
-    group, run = LearnerGroup(cfg2, name="test-full-2"), reference.build_run(cfg1)
+    group, run = LearnerGroup(LearnerSpec.from_config(cfg2), name="test-full-2"), reference.build_run(cfg1)
     try:
         base = {n: p.detach().clone() for n, p in run.model.transformer.named_parameters()}
         batch, _ = reference.rollout(run)
@@ -465,7 +469,7 @@ def test_autocast_full_fine_tuning_trains_fp32_master_weights_over_a_bf16_model(
 
     cfg = small_cfg(GRPO, tiny_model_dir, tmp_path, SHARD1, *FULL, "model.dtype=bfloat16", "learner.mixed_precision=autocast",
                     "learner.lr=1e-6")
-    backend = LearnerBackend(cfg, mesh1, CPU)
+    backend = LearnerBackend(LearnerSpec.from_config(cfg), mesh1, CPU)
     bf16 = dict(load_model(tiny_model_dir, dtype=torch.bfloat16, transformer_only=True).transformer.named_parameters())
     before = adapter_state(backend.transformer, "default")
     assert before.keys() == bf16.keys() and all(v.dtype == torch.float32 and torch.equal(v, bf16[k].float()) for k, v in before.items())

@@ -120,5 +120,3 @@ def test_incomplete_or_unscored_groups_wait():
 def test_bad_settings_are_refused():
     with pytest.raises(ValueError, match="multiple of the group size"):
         StalenessQueue(batch_size=5, group_size=2, max_staleness=0)
-    with pytest.raises(ValueError, match="over_stale"):
-        StalenessQueue(batch_size=4, group_size=2, max_staleness=0, over_stale="keep")

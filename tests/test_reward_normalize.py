@@ -50,7 +50,7 @@ def test_training_rewards_weights_normalised_components_and_keeps_totals_without
 
 
 def test_bad_normalize_mode_is_a_config_error():
-    with pytest.raises(ConfigError, match=r"reward.functions\[0\].normalize: got 'rank'; allowed: 'none', 'group' or 'batch'"):
+    with pytest.raises(ConfigError, match=r"reward.functions\[0\].normalize: got 'rank'; allowed: one of \['none', 'group', 'batch'\]"):
         from_dict({"reward": {"functions": [{"name": "color", "normalize": "rank"}]}})
 
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 from PIL import Image
 
-from rayflow.cfg.policy import DualNegativeCFG, TrueCFG
+from rayflow.cfg.policy import DualNegativeCFG, TrueCFG, guidance_policy
 from rayflow.config import ModelConfig, RolloutConfig
 from rayflow.data.prompts import PromptGroup
 from rayflow.errors import ConfigError
@@ -210,10 +210,8 @@ def test_spec_from_config_takes_the_learners_lora_and_the_apply_policy():
     spec = RolloutRankSpec.from_config(cfg)
     assert (spec.lora_rank, spec.lora_targets, spec.seed) == (16, ("to_q", "to_v"), 7)
     assert (spec.threads, spec.batch_branches, spec.apply_at) == (2, True, "step")
-    assert spec.policy == cfg.cfg.make_policy()
+    assert spec.policy == guidance_policy(cfg.cfg)
     cfg.async_.partial_rollout = False  # a trajectory finishes under the weights it started with
-    assert RolloutRankSpec.from_config(cfg).apply_at == "request"
-    cfg.async_.partial_rollout, cfg.sync.apply_at = True, "request"
     assert RolloutRankSpec.from_config(cfg).apply_at == "request"
 
 

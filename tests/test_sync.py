@@ -18,6 +18,7 @@ from rayflow import reference
 from rayflow.config import RolloutConfig
 from rayflow.models.lora import TRAINED_ADAPTER, adapter_parameters, add_lora
 from rayflow.learner.worker import LearnerGroup
+from rayflow.learner.spec import LearnerSpec
 from rayflow.models import load_model
 from rayflow.rollout.pool import RolloutPool
 from rayflow.rollout.rank import RolloutRankSpec
@@ -119,7 +120,7 @@ def trained_learners(ray_session, tiny_model_dir, tmp_path_factory):
     try:
         for recipe, steps in ((GRPO, 1), (NFT, 2)):
             lcfg = small_cfg(recipe, tiny_model_dir, tmp_path_factory.mktemp("learner"))
-            learners = LearnerGroup(lcfg, name=f"sync-learner-{lcfg.algorithm.name}")
+            learners = LearnerGroup(LearnerSpec.from_config(lcfg), name=f"sync-learner-{lcfg.algorithm.name}")
             trained.append((recipe, steps, lcfg, learners))
             run = reference.build_run(lcfg)
             for _ in range(steps):

@@ -185,6 +185,7 @@ def bench_sync(args: argparse.Namespace) -> dict:
     ray = start_local_ray(num_cpus=6)
     from rayflow import reference  # imports ray: after its environment is set
     from rayflow.config import load_config
+    from rayflow.learner.spec import LearnerSpec
     from rayflow.learner.worker import LearnerGroup
     from rayflow.rollout import RolloutReplica, RolloutRankSpec
     from rayflow.sync.weight_sync import WeightSync
@@ -195,7 +196,7 @@ def bench_sync(args: argparse.Namespace) -> dict:
         "rollout.micro_batch_size=2", "sampling.num_steps=2", f"sync.bucket_mb={args.bucket_mb}", "trainer.output_dir=/tmp/rayflow-bench",
     ])
     batch, _ = reference.rollout(reference.build_run(cfg))  # one small batch to train on between pushes
-    learners = LearnerGroup(cfg, name="bench-learner")
+    learners = LearnerGroup(LearnerSpec.from_config(cfg), name="bench-learner")
     results = {}
     try:
         for mode in ("lora", "merged"):

@@ -13,7 +13,7 @@ import inspect
 import os
 import typing
 
-from rayflow.config import RayflowConfig, _key
+from rayflow.config import RayflowConfig, yaml_key
 from rayflow.paths import REPO_ROOT
 
 
@@ -53,10 +53,10 @@ def reference() -> str:
     for section in dataclasses.fields(RayflowConfig):
         cls = hints_root[section.name]
         docs, hints = field_docs(cls), typing.get_type_hints(cls)
-        out += [f"### `{_key(section.name)}`", "", "| key | type | default | meaning |", "|---|---|---|---|"]
+        out += [f"### `{yaml_key(section.name)}`", "", "| key | type | default | meaning |", "|---|---|---|---|"]
         for f in dataclasses.fields(cls):
             meaning = docs.get(f.name, "").replace("|", "\\|")
-            out.append(f"| `{_key(section.name)}.{f.name}` | {_type_name(hints[f.name])} | {_default(f)} | {meaning} |")
+            out.append(f"| `{yaml_key(section.name)}.{f.name}` | {_type_name(hints[f.name])} | {_default(f)} | {meaning} |")
         out.append("")
     return "\n".join(out)
 

@@ -143,22 +143,24 @@ def _learner(cfg, device: str):
 
     from rayflow.distributed.process_group import Rendezvous, init_default_group
     from rayflow.learner.backend import LearnerBackend
+    from rayflow.learner.spec import LearnerSpec
     from rayflow.distributed.parallelize import build_mesh
 
     if not dist.is_initialized():
         init_default_group(Rendezvous.on_this_node(), 0, 1, device)
-    return LearnerBackend(cfg, build_mesh(torch.device(device), 1), torch.device(device))
+    return LearnerBackend(LearnerSpec.from_config(cfg), build_mesh(torch.device(device), 1), torch.device(device))
 
 
-def _rollouts(args, path: str, cfg):
+def _rollouts(args, path: str, config):
     """Trajectories of one micro-batch with advantages (their values do not matter here), sampled by the
     single-process sampler on a model that is freed before the learner loads (one 20B model at a time)."""
+    from rayflow.cfg.policy import guidance_policy
     from rayflow.models import load_model
     from rayflow.sampling.denoise import generate
 
     model = load_model(path, device=args.device, dtype=getattr(torch, args.dtype))
     with torch.no_grad():
-        trajs = generate(model, _request(cfg, args.learner_batch, 0), cfg.cfg.make_policy())
+        trajs = generate(model, _request(config, args.learner_batch, 0), guidance_policy(config.cfg))
     del model
     _free(args.device)
     return [dataclasses.replace(t, advantage=float(i % 2) - 0.5) for i, t in enumerate(trajs)]

@@ -13,12 +13,14 @@ They agree to rounding, not bit for bit.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from rayflow.errors import ConfigError
 from rayflow.models.base import PromptEmbeds
+
+if TYPE_CHECKING:
+    from rayflow.config import CFGConfig
 
 
 @dataclass(frozen=True)
@@ -153,6 +155,13 @@ POLICIES: dict[str, type[CFGPolicy]] = {cls.name: cls for cls in (CFGPolicy, NoC
 
 
 def make_policy(name: str, parallel_arithmetic: bool = False, **kwargs: Any) -> CFGPolicy:
-    if name not in POLICIES:
-        raise ConfigError("cfg.policy", name, f"one of {sorted(POLICIES)}")
+    """The policy registered as `name` (one of POLICIES; a config's cfg.policy is checked by CFGConfig.validate)."""
     return POLICIES[name](parallel_arithmetic=parallel_arithmetic, **kwargs)
+
+
+def guidance_policy(guidance: CFGConfig) -> CFGPolicy:
+    """The policy a run's `cfg:` section describes: what rollouts sample under and FlowGRPO's learner replays."""
+    extra = {}
+    if guidance.policy == DualNegativeCFG.name:
+        extra = {"avoid_prompt": guidance.avoid_prompt, "avoid_scale": guidance.avoid_scale}
+    return make_policy(guidance.policy, parallel_arithmetic=guidance.parallel_arithmetic, **extra)

@@ -1,6 +1,6 @@
 """Colocated placement: every device holds the pipeline once and alternates sampling and training.
 
-    devices = ColocatedDevices(cfg, rollout_spec)   # one placement group, one DeviceWorker per device
+    devices = ColocatedDevices(learner_spec, rollout_spec, cfg.placement, cfg.rollout)
     devices.learners                                # LearnerGroup over the devices (learner.world_size ranks)
     devices.rollout                                 # RolloutPool: replica i = devices i·W .. i·W+W−1 (W = cfg_parallel_size)
     devices.weights                                 # SharedWeights: the hand-off, which sends nothing
@@ -23,7 +23,7 @@ import dataclasses
 import ray
 import torch
 
-from rayflow.config import RayflowConfig
+from rayflow.config import PlacementConfig, RolloutConfig
 from rayflow.distributed.placement import PlacedGroup, place, resolve_gpus
 from rayflow.distributed.watchdog import Watchdog
 from rayflow.errors import ConfigError
@@ -31,6 +31,7 @@ from rayflow.learner.optim import offload_optimizer_state, reload_optimizer_stat
 from rayflow.distributed.parallelize import gather_for_sampling, release_gathered
 from rayflow.models.lora import TRAINED_ADAPTER
 from rayflow.models.weight_sets import using_weights
+from rayflow.learner.spec import LearnerSpec
 from rayflow.learner.worker import LearnerGroup, LearnerWorker
 from rayflow.rollout.pool import RolloutPool
 from rayflow.rollout.rank import RolloutRank, RolloutRankSpec, SharedModel
@@ -46,9 +47,9 @@ class DeviceWorker(RolloutRankHost):
     Learner calls come to every device at once and in the same order (they are collectives over the learner
     mesh); requests run on the same thread, between them, so sampling and training never overlap."""
 
-    def __init__(self, cfg: RayflowConfig, rank: int, spec: RolloutRankSpec, replica_rank: int, replica_size: int):
-        self.cfg = cfg
-        self.learner = LearnerWorker(cfg, rank, whole_pipeline=True)
+    def __init__(self, learner_spec: LearnerSpec, rank: int, spec: RolloutRankSpec, replica_rank: int, replica_size: int):
+        self.learner_config = learner_spec.learner
+        self.learner = LearnerWorker(learner_spec, rank, whole_pipeline=True)
         self._rollout_rank = (spec, replica_rank, replica_size)
         self._offloaded: list = []
         self._sampling = contextlib.ExitStack()
@@ -59,7 +60,7 @@ class DeviceWorker(RolloutRankHost):
         identity = self.learner.setup(rendezvous)
         backend = self.learner.backend
         # LoRA samples with the rollout adapter; full fine-tuning swaps the rollout weights into the parameters.
-        slot = backend.rollout_adapter_name if self.cfg.learner.train_mode == "lora" else TRAINED_ADAPTER
+        slot = backend.rollout_adapter_name if self.learner_config.train_mode == "lora" else TRAINED_ADAPTER
         self.rank = RolloutRank(*self._rollout_rank, shared=SharedModel(backend.model, slot))
         self._to_sampling()
         return identity
@@ -87,7 +88,7 @@ class DeviceWorker(RolloutRankHost):
         """`call` with the trained weights in place and the parameters as the optimizer owns them (sharded), then
         the device is made ready to sample again."""
         backend = self.learner.backend
-        release_gathered(backend.transformer, self.cfg.learner.reshard_after_forward)
+        release_gathered(backend.transformer, self.learner_config.reshard_after_forward)
         self._sampling.close()
         reload_optimizer_state(self._offloaded)
         self._offloaded = []
@@ -100,7 +101,7 @@ class DeviceWorker(RolloutRankHost):
         """The rollout weights in the forward's place (NFT's "old"), then (FSDP2) gathered whole until the next
         learner call; the optimizer state parked on the CPU if learner.offload_optimizer_during_rollout."""
         backend = self.learner.backend
-        if self.cfg.learner.offload_optimizer_during_rollout:
+        if self.learner_config.offload_optimizer_during_rollout:
             self._offloaded = offload_optimizer_state(backend.optimizer)
         self._sampling.enter_context(using_weights(backend.transformer, backend.rollout_adapter_name))
         gather_for_sampling(backend.transformer)
@@ -159,19 +160,22 @@ def replica_ranks(placed: PlacedGroup, devices: int, replica_size: int) -> list[
 class ColocatedDevices:
     """learner.world_size DeviceWorkers in one placement group, seen as a LearnerGroup and a RolloutPool."""
 
-    def __init__(self, cfg: RayflowConfig, spec: RolloutRankSpec, name: str = "rayflow-devices"):
-        p, devices, W = cfg.placement, cfg.learner.world_size, cfg.rollout.cfg_parallel_size
+    def __init__(self, learner_spec: LearnerSpec, spec: RolloutRankSpec, placement: PlacementConfig, rollout: RolloutConfig,
+                 name: str = "rayflow-devices"):
+        """`rollout`: its cfg_parallel_size (the devices of one replica) and the watchdog's stall_*; its resources are
+        disaggregated placement's."""
+        p, devices, W = placement, learner_spec.learner.world_size, rollout.cfg_parallel_size
         gpus = resolve_gpus(p.gpus_per_device)
         self.placed = place(devices, p.cpus_per_device, gpus, p.resources, name=name)
         self.workers: list = []
         self.replicas: list[RolloutReplica] = []
         try:
             groups = replica_ranks(self.placed, devices, W)
-            spec = dataclasses.replace(spec, threads=cfg.learner.threads_per_rank)
+            spec = dataclasses.replace(spec, threads=learner_spec.learner.threads_per_rank)
             self.workers = [
-                self.placed.spawn(d, DeviceWorker, cfg, d, spec, d % W, W) for d in range(devices)
+                self.placed.spawn(d, DeviceWorker, learner_spec, d, spec, d % W, W) for d in range(devices)
             ]
-            self.learners = LearnerGroup.over(cfg, self.placed.view(list(range(devices))), self.workers, name=f"{name}-learner")
+            self.learners = LearnerGroup.over(learner_spec, self.placed.view(list(range(devices))), self.workers, name=f"{name}-learner")
             self.replicas = [
                 RolloutReplica.over(f"rollout-{i}", self.placed.view(ranks), [self.workers[r] for r in ranks],
                                     spec.collective_timeout_s)
@@ -183,7 +187,7 @@ class ColocatedDevices:
             self.shutdown()
             raise
         # No replacements: a device's learner rank holds optimizer state that a new rollout rank alone cannot bring back.
-        self.rollout = RolloutPool(self.replicas, watchdog=Watchdog(cfg.rollout.stall_timeout_s, cfg.rollout.stall_factor))
+        self.rollout = RolloutPool(self.replicas, watchdog=Watchdog(rollout.stall_timeout_s, rollout.stall_factor))
         self.weights = SharedWeights()
 
     def shutdown(self) -> None:

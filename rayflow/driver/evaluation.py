@@ -10,27 +10,28 @@ from typing import Callable
 import ray
 import torch
 
-from rayflow.config import RayflowConfig
+from rayflow.config import DataConfig
 from rayflow.data.prompts import load_prompts
 from rayflow.logging.monitor import Monitor, image_grid
 from rayflow.rewards.worker import RewardPool
-from rayflow.types import RolloutRequest, Trajectory
+from rayflow.types import RolloutRequest, SamplingParams, Trajectory
 
 EVAL_GROUP_ID = -1
 """Evaluation samples never enter the training queue; their group id says so."""
 
 
 class Evaluator:
-    def __init__(self, cfg: RayflowConfig, train_prompts: list[str],
+    def __init__(self, data: DataConfig, sampling: SamplingParams, train_prompts: list[str],
                  generate: Callable[[list[RolloutRequest], ray.ObjectRef | None], list[Trajectory]], rewards: RewardPool,
                  num_prompts: int = 4):
-        """`generate(requests, weights)`: their trajectories in request order (the trainer's, under its deadlines)."""
-        prompts = load_prompts(cfg.data.eval_prompts, cfg.data.max_prompt_chars) if cfg.data.eval_prompts else train_prompts[:num_prompts]
-        T = cfg.sampling.num_steps
-        params = dataclasses.replace(cfg.sampling, sde_type="ode", sde_step_indices=None, return_step_indices=[T])
+        """`data`: its eval_* keys; `sampling`: the run's, evaluated as ODE; `generate(requests, weights)`: their
+        trajectories in request order (the trainer's, under its deadlines)."""
+        prompts = load_prompts(data.eval_prompts, data.max_prompt_chars) if data.eval_prompts else train_prompts[:num_prompts]
+        T = sampling.num_steps
+        params = dataclasses.replace(sampling, sde_type="ode", sde_step_indices=None, return_step_indices=[T])
         # One request per prompt, seeds i·n .. i·n + n − 1 for prompt i (n = data.eval_seeds): the same images
         # every evaluation but for the weights.
-        n = cfg.data.eval_seeds
+        n = data.eval_seeds
         self.requests = [
             RolloutRequest(f"eval-{i}", [p] * n, [i] * n, [EVAL_GROUP_ID] * n, list(range(i * n, (i + 1) * n)), params)
             for i, p in enumerate(prompts)

@@ -53,10 +53,9 @@ class QueueStats:
 
 class StalenessQueue:
     def __init__(self, batch_size: int, group_size: int, max_staleness: int, over_stale: str = "regenerate"):
+        """`max_staleness`, `over_stale`: the run's async.* (checked by AsyncConfig.validate)."""
         if batch_size % group_size:
             raise ValueError(f"batch size {batch_size} is not a multiple of the group size {group_size}")
-        if over_stale not in ("regenerate", "drop"):
-            raise ValueError(f"async.over_stale: got {over_stale!r}; allowed: 'regenerate' or 'drop'")
         self.batch_size = batch_size
         self.group_size = group_size
         self.max_staleness = max_staleness

@@ -34,6 +34,7 @@ from rayflow.distributed.watchdog import Watchdog
 from rayflow.models.lora import EVAL_EMA_ADAPTER
 from rayflow.learner.minibatches import learner_batch
 from rayflow.learner.optim import SkippedSteps
+from rayflow.learner.spec import LearnerSpec
 from rayflow.learner.worker import LearnerError, LearnerGroup, LearnerStalled
 from rayflow.logging.monitor import Monitor
 from rayflow.rewards.normalize import training_rewards
@@ -79,17 +80,17 @@ class Trainer:
         """Seconds of each start-up phase (logged by the launcher; tools/bench.py startup)."""
         phase = Phases(self.startup_s)
         try:
-            spec = RolloutRankSpec.from_config(cfg)
+            spec, learner_spec = RolloutRankSpec.from_config(cfg), LearnerSpec.from_config(cfg)
             # One role after the other. Starting every role's actors at once was tried (bench.py startup): no faster
             # on 2 cores, and on the fake autoscaling cluster a rollout actor then failed to import torch
             # ("partially initialized module 'torch'"), a cause not pinned down.
             if cfg.placement.colocated:
                 with phase("devices"):
-                    devices = self._own(ColocatedDevices(cfg, spec))
+                    devices = self._own(ColocatedDevices(learner_spec, spec, cfg.placement, cfg.rollout))
                 self.learners, self.rollout, self.sync = devices.learners, devices.rollout, devices.weights
             else:
                 with phase("learners"):
-                    self.learners = self._own(LearnerGroup(cfg))
+                    self.learners = self._own(LearnerGroup(learner_spec))
                 with phase("rollout"):
                     self.rollout = self._own(RolloutPool.create(spec, cfg.rollout))
             with phase("rewards"):
@@ -98,7 +99,7 @@ class Trainer:
                 with phase("weight sync"):
                     self.sync = self._own(WeightSync(cfg.sync, spec, self.rollout.replicas, cfg.rollout.collective_timeout_s))
             self.rollout.sync_with(self.sync)
-            self.evaluator = Evaluator(cfg, prompts, self._generate, self.rewards)
+            self.evaluator = Evaluator(cfg.data, cfg.sampling, prompts, self._generate, self.rewards)
             with phase("resume"):
                 self._resume()
             wandb_run = {"name": cfg.trainer.run_name, "dir": cfg.trainer.run_dir, "config": to_dict(cfg)}
@@ -153,7 +154,7 @@ class Trainer:
         adv = assign_advantages(batch, global_std=cfg.algorithm.global_std, clip_max=cfg.algorithm.adv_clip_max,
                                 stat_tracking=cfg.algorithm.stat_tracking, rewards=totals)
         self.zero_signal_groups = adv.zero_signal_groups
-        trained, self.filtered_samples = learner_batch(batch, cfg, self.version)
+        trained, self.filtered_samples = learner_batch(batch, self.learners.spec, self.version)
         self.learner_watchdog.busy("learners")
         return self.learners.train_step(trained)
 

@@ -14,11 +14,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from rayflow.config import RayflowConfig
 from rayflow.models.lora import adapters_to_fp32, rollout_adapter_name
 from rayflow.learner.model import add_full_weight_copies, load_policy_model, policy_identity
 from rayflow.learner.minibatches import minibatch_plan, train_batch
 from rayflow.learner.optim import build_optimizer
+from rayflow.learner.spec import LearnerSpec
 from rayflow.distributed.parallelize import (
     apply_activation_checkpointing,
     autocast,
@@ -39,35 +39,34 @@ from rayflow.types import Trajectory
 class LearnerBackend:
     """FSDP2 learner state of one rank (LoRA adapters, or with learner.train_mode=full every transformer weight).
 
-    Reads cfg.model, cfg.learner, cfg.algorithm, cfg.cfg (the guidance the rollout used, replayed
-    by FlowGRPO) and cfg.trainer.seed — the sections the reference trainer reads too.
+    The reference trainer builds its model and trains with the same spec and functions.
     """
 
-    def __init__(self, cfg: RayflowConfig, mesh: DeviceMesh, device: torch.device, transformer_only: bool = True):
+    def __init__(self, spec: LearnerSpec, mesh: DeviceMesh, device: torch.device, transformer_only: bool = True):
         """`transformer_only`: no text encoder or VAE, which training never runs (colocated placement samples too)."""
-        self.cfg = cfg
+        self.spec = spec
         self.mesh = mesh
-        self.model = load_policy_model(cfg, device, transformer_only=transformer_only)
+        self.model = load_policy_model(spec, device, transformer_only=transformer_only)
         # Before sharding: the fingerprint reads whole base weights.
-        self.identity = policy_identity(cfg, self.model)
-        transformer = self.model.transformer
-        if cfg.learner.activation_checkpointing:
+        self.identity = policy_identity(spec, self.model)
+        transformer, learner = self.model.transformer, spec.learner
+        if learner.activation_checkpointing:
             apply_activation_checkpointing(transformer)
         # autocast: the trained weights (LoRA adapters, or every weight) and AdamW's state in fp32, the master weights.
-        fp32_masters, full = cfg.learner.mixed_precision == "autocast", cfg.learner.train_mode == "full"
+        fp32_masters, full = learner.mixed_precision == "autocast", learner.train_mode == "full"
         if fp32_masters and not full:
             adapters_to_fp32(transformer)
         master_dtype = torch.float32 if fp32_masters and full else None
-        apply_speed_options(transformer, cfg.model.attention_backend, cfg.model.compile)
-        if cfg.learner.sharded:
-            apply_fsdp(transformer, mesh, mixed_precision_policy(cfg.learner.mixed_precision), cfg.learner.reshard_after_forward,
+        apply_speed_options(transformer, spec.model.attention_backend, spec.model.compile)
+        if learner.sharded:
+            apply_fsdp(transformer, mesh, mixed_precision_policy(learner.mixed_precision), learner.reshard_after_forward,
                        master_dtype)
         else:
             cast_parameters(transformer.parameters(), master_dtype)
         # After sharding: full-weight copies are shards like the parameters, and the optimizer owns the DTensor shards.
-        add_full_weight_copies(cfg, transformer)
-        self.optimizer = build_optimizer(transformer, cfg.learner)
-        self.policy = cfg.cfg.make_policy()
+        add_full_weight_copies(spec, transformer)
+        self.optimizer = build_optimizer(transformer, learner)
+        self.policy = spec.policy
         self.version = 0
         """Batches trained (algorithm.steps_per_batch optimizer steps each; skipped ones included: they
         still advance the EMA schedule)."""
@@ -81,13 +80,13 @@ class LearnerBackend:
     def rollout_adapter_name(self) -> str:
         """The adapter rollouts sample under ("old" for an EMA rollout, else "default"): the one place
         evaluation swaps and weight sync ask."""
-        return rollout_adapter_name(self.cfg.algorithm.needs_ema_rollout)
+        return rollout_adapter_name(self.spec.algorithm.needs_ema_rollout)
 
     def rank_steps(self, batch_size: int) -> list[list[int]]:
         """Indices into the batch this rank trains on at each optimizer step of the current version:
         its contiguous slice of every planned mini-batch (rayflow.learner.minibatches.minibatch_plan)."""
-        algo, ranks = self.cfg.algorithm, self.mesh.size()
-        plan = minibatch_plan(batch_size, self.cfg.trainer.seed, self.version, algo.num_inner_epochs, algo.num_minibatches)
+        algo, ranks = self.spec.algorithm, self.mesh.size()
+        plan = minibatch_plan(batch_size, self.spec.seed, self.version, algo.num_inner_epochs, algo.num_minibatches)
         n = batch_size // algo.num_minibatches // ranks
         rank = self.mesh.get_rank()
         return [indices[rank * n : (rank + 1) * n] for indices in plan]
@@ -99,8 +98,8 @@ class LearnerBackend:
 
         Returns the batch's metrics, equal on every rank: losses are means over all ranks' samples."""
         steps = [[batch[i] for i in indices] for indices in self.rank_steps(len(batch))]
-        with autocast(self.cfg.learner.mixed_precision, self.model.device):
-            metrics, result = train_batch(self.cfg, self.model, self.optimizer, self.policy, steps, self.version)
+        with autocast(self.spec.learner.mixed_precision, self.model.device):
+            metrics, result = train_batch(self.spec, self.model, self.optimizer, self.policy, steps, self.version)
         self.version += 1
         self.skipped_steps += result.skipped_steps
         return {

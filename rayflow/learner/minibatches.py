@@ -15,7 +15,7 @@ import torch
 
 from rayflow.algorithms.diffusion_nft import ema_step
 from rayflow.cfg.policy import CFGPolicy
-from rayflow.config import RayflowConfig
+from rayflow.learner.spec import LearnerSpec
 from rayflow.learner.objective import backward
 from rayflow.learner.optim import optimizer_step, update_eval_ema, update_rollout_ema
 from rayflow.distributed.parallelize import reshard
@@ -56,14 +56,16 @@ def trained_subset(advantages: list[float], unit: int, run_seed: int, version: i
     return sorted(keep + added)
 
 
-def learner_batch(batch: list, cfg: RayflowConfig, version: int) -> tuple[list, int]:
+def learner_batch(batch: list, spec: LearnerSpec, version: int) -> tuple[list, int]:
     """The part of a scored batch (advantages assigned) the learners train on, and how many samples were
     left out: FlowGRPO drops zero-advantage samples (`trained_subset`); DiffusionNFT keeps them all (A = 0
-    still pulls toward r = ½, as in DiffusionNFT, which does not filter)."""
-    if cfg.algorithm.name != "flow_grpo":
+    still pulls toward r = ½, as in DiffusionNFT, which does not filter).
+
+    Runs on the driver (the trainer's loop and the reference trainer)."""
+    if spec.algorithm.name != "flow_grpo":
         return batch, 0
-    unit = cfg.algorithm.num_minibatches * cfg.learner.world_size
-    kept = trained_subset([t.advantage for t in batch], unit, cfg.trainer.seed, version)
+    unit = spec.algorithm.num_minibatches * spec.learner.world_size
+    kept = trained_subset([t.advantage for t in batch], unit, spec.seed, version)
     return [batch[i] for i in kept], len(batch) - len(kept)
 
 
@@ -84,7 +86,7 @@ class BatchResult:
     """η of the batch's "old" EMA update (DiffusionNFT; 0 otherwise)."""
 
 
-def train_batch(cfg: RayflowConfig, model: DiffusionModel, optimizer: torch.optim.Optimizer, policy: CFGPolicy,
+def train_batch(spec: LearnerSpec, model: DiffusionModel, optimizer: torch.optim.Optimizer, policy: CFGPolicy,
                 steps: list[list[Trajectory]], version: int) -> tuple[dict[str, float], BatchResult]:
     """Train one batch (version `version`): per entry of `steps` (this process's trajectories of one
     planned mini-batch, in plan order) accumulate its gradients, then one optimizer step (and, with
@@ -92,15 +94,15 @@ def train_batch(cfg: RayflowConfig, model: DiffusionModel, optimizer: torch.opti
 
     Returns the metrics averaged over the steps, and the batch's result. Old log-probs stay the rollout's:
     every mini-batch's ratio is taken against the policy that sampled it, as in flow_grpo."""
-    algo = cfg.algorithm
+    algo = spec.algorithm
     metrics: dict[str, float] = defaultdict(float)
     results = []
     for i, shard in enumerate(steps):
-        step_metrics = backward(cfg, model, policy, shard, pass_index(version, i // algo.num_minibatches, algo.num_inner_epochs))
+        step_metrics = backward(spec, model, policy, shard, pass_index(version, i // algo.num_minibatches, algo.num_inner_epochs))
         reshard(model.transformer)
-        results.append(optimizer_step(model.transformer, optimizer, cfg.learner))
-        if cfg.trainer.ema_decay > 0:
-            update_eval_ema(model.transformer, cfg.trainer, version * len(steps) + i + 1)
+        results.append(optimizer_step(model.transformer, optimizer, spec.learner))
+        if spec.ema_decay > 0:
+            update_eval_ema(model.transformer, spec.ema_decay, spec.ema_every, version * len(steps) + i + 1)
         for name, value in step_metrics.items():
             metrics[name] += value / len(steps)
     eta = 0.0

@@ -13,7 +13,8 @@ import json
 
 import torch
 
-from rayflow.config import RayflowConfig
+from rayflow.config import LearnerConfig
+from rayflow.learner.spec import LearnerSpec
 from rayflow.models.weight_copies import BASE, add_weight_copies
 from rayflow.models.lora import EMA_ADAPTER, EVAL_EMA_ADAPTER, add_lora
 from rayflow.models import DiffusionModel, load_model
@@ -23,48 +24,47 @@ _FINGERPRINT_ELEMENTS = 256
 """Leading elements of each base weight that enter the weights fingerprint (cheap for a 20B model)."""
 
 
-def load_policy_model(cfg: RayflowConfig, device: str | torch.device | None = None,
+def load_policy_model(spec: LearnerSpec, device: str | torch.device | None = None,
                       transformer_only: bool = False) -> DiffusionModel:
     """The model with its LoRA adapters ("default" and the `ema_copies`), or with learner.train_mode=full the
     plain model (its copies come after sharding: `add_full_weight_copies`). `transformer_only` (learner ranks):
-    no text encoder or VAE, which a learner never runs.
-
-    Reads cfg.model, cfg.learner (LoRA), cfg.algorithm and cfg.trainer (EMAs or not) and cfg.trainer.seed."""
+    no text encoder or VAE, which a learner never runs."""
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    path = resolve_model_path(cfg.model.path, cfg.model.cache_dir, cfg.model.tiny_size, cfg.model.tiny_seed,
-                              cfg.model.tiny_arch)
-    model = load_model(path, device=device, dtype=getattr(torch, cfg.model.dtype), transformer_only=transformer_only)
-    if cfg.learner.train_mode == "full":
+    m, learner = spec.model, spec.learner
+    path = resolve_model_path(m.path, m.cache_dir, m.tiny_size, m.tiny_seed, m.tiny_arch)
+    model = load_model(path, device=device, dtype=getattr(torch, m.dtype), transformer_only=transformer_only)
+    if learner.train_mode == "full":
         return model
     # Same weights on every process for the same seed (the LoRA A matrices are random).
-    torch.manual_seed(cfg.trainer.seed)
+    torch.manual_seed(spec.seed)
     add_lora(
         model.transformer,
-        rank=cfg.learner.lora_rank,
-        alpha=cfg.learner.lora_alpha,
-        targets=lora_targets(cfg, model),
-        init=cfg.learner.lora_init,
-        shadows=ema_copies(cfg),
+        rank=learner.lora_rank,
+        alpha=learner.lora_alpha,
+        targets=lora_targets(learner, model),
+        init=learner.lora_init,
+        shadows=ema_copies(spec),
     )
     return model
 
 
-def ema_copies(cfg: RayflowConfig) -> tuple[str, ...]:
+def ema_copies(spec: LearnerSpec) -> tuple[str, ...]:
     """The EMAs of the trained weights a run keeps: "old" when the algorithm rolls out under one (DiffusionNFT),
     "ema" when trainer.ema_decay > 0."""
-    return (EMA_ADAPTER,) * cfg.algorithm.needs_ema_rollout + (EVAL_EMA_ADAPTER,) * (cfg.trainer.ema_decay > 0)
+    return (EMA_ADAPTER,) * spec.algorithm.needs_ema_rollout + (EVAL_EMA_ADAPTER,) * (spec.ema_decay > 0)
 
 
-def add_full_weight_copies(cfg: RayflowConfig, transformer: torch.nn.Module) -> None:
+def add_full_weight_copies(spec: LearnerSpec, transformer: torch.nn.Module) -> None:
     """learner.train_mode=full: every parameter trainable, and whole-weight copies for the `ema_copies` and, with
     algorithm.kl_beta > 0, the frozen base ("base", the KL reference). Call after sharding (the copies take the
     parameters' layout). LoRA: nothing (its copies are adapters, added by `load_policy_model`)."""
-    if cfg.learner.train_mode == "full":
-        add_weight_copies(transformer, ema_copies(cfg) + (BASE,) * (cfg.algorithm.kl_beta > 0))
+    if spec.learner.train_mode == "full":
+        add_weight_copies(transformer, ema_copies(spec) + (BASE,) * (spec.algorithm.kl_beta > 0))
 
 
-def lora_targets(cfg: RayflowConfig, model: DiffusionModel) -> list[str]:
-    return list(cfg.learner.lora_targets or model.lora_target_modules)
+def lora_targets(learner: LearnerConfig, model: DiffusionModel) -> list[str]:
+    """learner.lora_targets, or the model's attention projections when it names none."""
+    return list(learner.lora_targets or model.lora_target_modules)
 
 
 def base_weights_fingerprint(transformer: torch.nn.Module) -> str:
@@ -80,7 +80,7 @@ def base_weights_fingerprint(transformer: torch.nn.Module) -> str:
     return h.hexdigest()[:16]
 
 
-def policy_identity(cfg: RayflowConfig, model: DiffusionModel) -> dict:
+def policy_identity(spec: LearnerSpec, model: DiffusionModel) -> dict:
     """What a checkpoint must match, as JSON-ready data: base model, LoRA config (or "train_mode": "full"),
     algorithm. A LoRA identity has no train_mode key, as before full fine-tuning, so older checkpoints resume.
     Call before sharding."""
@@ -92,11 +92,11 @@ def policy_identity(cfg: RayflowConfig, model: DiffusionModel) -> dict:
             "transformer_config": json.loads(json.dumps(config, default=list)),
             "weights_fingerprint": base_weights_fingerprint(model.transformer),
         },
-        **({"train_mode": "full"} if cfg.learner.train_mode == "full" else {"lora": {
-            "rank": cfg.learner.lora_rank,
-            "alpha": cfg.learner.lora_alpha,
-            "targets": lora_targets(cfg, model),
+        **({"train_mode": "full"} if spec.learner.train_mode == "full" else {"lora": {
+            "rank": spec.learner.lora_rank,
+            "alpha": spec.learner.lora_alpha,
+            "targets": lora_targets(spec.learner, model),
         }}),
-        "algorithm": cfg.algorithm.name,
+        "algorithm": spec.algorithm.name,
     }
 

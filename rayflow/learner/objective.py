@@ -15,7 +15,8 @@ import torch
 from rayflow.algorithms.diffusion_nft import diffusion_nft_loss, noised, optimality_probability
 from rayflow.algorithms.flow_grpo import RatioNorm, flow_grpo_loss
 from rayflow.cfg.policy import CFGPolicy
-from rayflow.config import AlgorithmConfig, RayflowConfig
+from rayflow.config import AlgorithmConfig
+from rayflow.learner.spec import LearnerSpec
 from rayflow.models.lora import EMA_ADAPTER
 from rayflow.models.weight_sets import using_reference, using_weights
 from rayflow.models.base import DiffusionModel, PromptEmbeds
@@ -203,11 +204,10 @@ def diffusion_nft_backward(
     return metrics.result()
 
 
-def backward(cfg: RayflowConfig, model: DiffusionModel, policy: CFGPolicy, shard: list[Trajectory], version: int
+def backward(spec: LearnerSpec, model: DiffusionModel, policy: CFGPolicy, shard: list[Trajectory], version: int
              ) -> dict[str, float]:
     """Accumulate the configured algorithm's gradients over a shard of scored trajectories (the mean
     over the shard's samples x trained steps); `version` is the policy version being trained."""
-    if cfg.algorithm.name == "flow_grpo":
-        return flow_grpo_backward(model, policy, shard, cfg.algorithm, cfg.learner.micro_batch_size)
-    return diffusion_nft_backward(model, policy, shard, cfg.algorithm, cfg.learner.micro_batch_size, cfg.trainer.seed,
-                                  version)
+    if spec.algorithm.name == "flow_grpo":
+        return flow_grpo_backward(model, policy, shard, spec.algorithm, spec.learner.micro_batch_size)
+    return diffusion_nft_backward(model, policy, shard, spec.algorithm, spec.learner.micro_batch_size, spec.seed, version)

@@ -13,7 +13,7 @@ from torch.distributed.tensor import DTensor
 
 from rayflow.algorithms.diffusion_nft import ema_decay, ema_update
 from rayflow.algorithms.flow_grpo import train_ema_decay
-from rayflow.config import AlgorithmConfig, LearnerConfig, TrainerConfig
+from rayflow.config import AlgorithmConfig, LearnerConfig
 from rayflow.models.lora import EMA_ADAPTER, EVAL_EMA_ADAPTER, TRAINED_ADAPTER
 from rayflow.models.weight_sets import named_weights
 
@@ -71,12 +71,12 @@ def update_rollout_ema(transformer: nn.Module, algo: AlgorithmConfig, optimizer_
     return eta
 
 
-def update_eval_ema(transformer: nn.Module, trainer: TrainerConfig, optimizer_steps: int) -> None:
+def update_eval_ema(transformer: nn.Module, decay: float, every: int, optimizer_steps: int) -> None:
     """flow_grpo's `ema.step(params, global_step)` after optimizer step number `optimizer_steps` (1-based, skipped
-    steps included): "ema" ← d·ema + (1 − d)·default with d = train_ema_decay(n, trainer.ema_decay), when
-    (n + 1) is a multiple of trainer.ema_every (its update_step_interval rule)."""
-    if (optimizer_steps + 1) % trainer.ema_every == 0:
-        _blend_into(transformer, EVAL_EMA_ADAPTER, train_ema_decay(optimizer_steps, trainer.ema_decay))
+    steps included): "ema" ← d·ema + (1 − d)·default with d = train_ema_decay(n, decay) (trainer.ema_decay), when
+    (n + 1) is a multiple of `every` (trainer.ema_every: its update_step_interval rule)."""
+    if (optimizer_steps + 1) % every == 0:
+        _blend_into(transformer, EVAL_EMA_ADAPTER, train_ema_decay(optimizer_steps, decay))
 
 
 def _blend_into(transformer: nn.Module, shadow: str, decay: float) -> None:

@@ -1,7 +1,7 @@
 """The learner's Ray side: LearnerWorker (a thin actor per rank around a LearnerBackend) and the
 driver-side LearnerGroup that places the ranks, slices batches and collects results.
 
-    group = LearnerGroup(cfg)                      # learner.world_size ranks in one placement group
+    group = LearnerGroup(LearnerSpec.from_config(cfg))   # learner.world_size ranks in one placement group
     metrics = group.get(group.train_step(batch))[0]
     group.get(group.push_weights(sync_actor))      # rank 0 hands the rollout weights to rayflow.sync's actor
     save_checkpoint(root, group.checkpoint(step, sampler.state_dict()), keep)
@@ -21,14 +21,14 @@ import time
 import ray
 import torch
 
-from rayflow.checkpoint import Checkpoint, CheckpointWriteError, check_identity, checkpoint_root, sharded_staging_dir
-from rayflow.config import RayflowConfig
+from rayflow.checkpoint import Checkpoint, CheckpointWriteError, check_identity, sharded_staging_dir
 from rayflow.distributed.placement import PlacedGroup, place, resolve_gpus
 from rayflow.distributed.restart_budget import RestartBudget
 from rayflow.distributed.process_group import Rendezvous, init_default_group
 from rayflow.learner.backend import LearnerBackend
 from rayflow.distributed.parallelize import build_mesh
 from rayflow.learner.sharded import missing_files
+from rayflow.learner.spec import LearnerSpec
 from rayflow.rng import get_rng_state
 from rayflow.types import Trajectory, TrajectoryRef
 
@@ -44,10 +44,10 @@ class LearnerStalled(LearnerError):
 class LearnerWorker:
     """One learner rank: owns its device, the default process group and a LearnerBackend."""
 
-    def __init__(self, cfg: RayflowConfig, rank: int, whole_pipeline: bool = False):
+    def __init__(self, spec: LearnerSpec, rank: int, whole_pipeline: bool = False):
         """`whole_pipeline`: load the text encoder and VAE too (colocated placement samples with this model)."""
-        torch.set_num_threads(cfg.learner.threads_per_rank)
-        self.cfg, self.rank, self.whole_pipeline = cfg, rank, whole_pipeline
+        torch.set_num_threads(spec.learner.threads_per_rank)
+        self.spec, self.rank, self.whole_pipeline = spec, rank, whole_pipeline
         self.backend: LearnerBackend | None = None
 
     def rendezvous(self) -> Rendezvous:
@@ -60,8 +60,9 @@ class LearnerWorker:
         device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        init_default_group(rendezvous, self.rank, self.cfg.learner.world_size, device)
-        self.backend = LearnerBackend(self.cfg, build_mesh(device, self.cfg.learner.world_size), device,
+        world_size = self.spec.learner.world_size
+        init_default_group(rendezvous, self.rank, world_size, device)
+        self.backend = LearnerBackend(self.spec, build_mesh(device, world_size), device,
                                       transformer_only=not self.whole_pipeline)
         return self.backend.identity
 
@@ -123,9 +124,9 @@ def fetch_shard(shard: list[Trajectory] | list[tuple[ray.ObjectRef, int, float]]
 class LearnerGroup:
     """learner.world_size LearnerWorker ranks in one placement group (GPU bundles when the cluster has GPUs)."""
 
-    def __init__(self, cfg: RayflowConfig, name: str = "rayflow-learner"):
-        lc = cfg.learner
-        self.cfg, self.name = cfg, name
+    def __init__(self, spec: LearnerSpec, name: str = "rayflow-learner"):
+        lc = spec.learner
+        self.spec, self.name = spec, name
         self.world_size = lc.world_size
         self.gpus = resolve_gpus(lc.gpus_per_rank)
         self.placed = place(lc.world_size, lc.cpus_per_rank, self.gpus, lc.resources, lc.placement_strategy, name=name)
@@ -135,12 +136,12 @@ class LearnerGroup:
         self._start()
 
     @classmethod
-    def over(cls, cfg: RayflowConfig, placed: PlacedGroup, workers: list[ray.actor.ActorHandle],
+    def over(cls, spec: LearnerSpec, placed: PlacedGroup, workers: list[ray.actor.ActorHandle],
              name: str = "rayflow-learner") -> "LearnerGroup":
         """A learner group of ranks someone else started (`workers` serve LearnerWorker's calls; rank r in `placed`'s
         rank r): colocated devices, which cannot be restarted apart from their rollout ranks."""
         group = cls.__new__(cls)
-        group.cfg, group.name, group.world_size = cfg, name, len(workers)
+        group.spec, group.name, group.world_size = spec, name, len(workers)
         group.placed, group.workers, group.budget, group.restarts = placed, workers, None, 0
         group._setup()
         return group
@@ -149,7 +150,7 @@ class LearnerGroup:
         """Spawn the ranks in the placement group's bundles and build the sharded model on each (version 0)."""
         actor = ray.remote(LearnerWorker)
         self.workers = [
-            self.placed.spawn(r, actor, self.cfg, r, name=f"{self.name}-{r}-{self.placed.pg.id.hex()[:8]}-{self.restarts}")
+            self.placed.spawn(r, actor, self.spec, r, name=f"{self.name}-{r}-{self.placed.pg.id.hex()[:8]}-{self.restarts}")
             for r in range(self.world_size)
         ]
         self._setup()
@@ -168,7 +169,7 @@ class LearnerGroup:
         """After a rank died: kill every rank (its peers are stuck in a collective) and start the group again in the
         same bundles, at version 0 (the caller restores a checkpoint). Raises LearnerError once learner.max_restarts
         per learner.restart_window_s are used up."""
-        lc = self.cfg.learner
+        lc = self.spec.learner
         if self.budget is None:
             raise LearnerError(f"{died}; in placement.mode=colocated the device's rollout rank went with it, so the run "
                                f"stops (continue from the newest checkpoint with trainer.resume=auto)") from died
@@ -201,8 +202,8 @@ class LearnerGroup:
         every rank's shards, written to a staging directory under the run's checkpoints; every rank's RNG states as
         "learner<r>", the driver's as "driver"), with the driver's step and data position."""
         directory = None
-        if self.cfg.learner.train_mode == "full":
-            directory = sharded_staging_dir(checkpoint_root(self.cfg.trainer.run_dir), step)
+        if self.spec.learner.train_mode == "full":
+            directory = sharded_staging_dir(self.spec.checkpoint_dir, step)
         states = self.get([w.state_dict.remote(directory) for w in self.workers])
         if directory is not None and (missing := missing_files(directory)):
             raise CheckpointWriteError(

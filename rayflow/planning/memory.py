@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from rayflow.cfg.policy import guidance_policy
 from rayflow.config import RayflowConfig
 from rayflow.planning.sizes import PLANNED_TEXT_TOKENS, ModelSizes, measure_model, model_directory
 
@@ -70,10 +71,10 @@ class RoleMemory:
         return max(((k, v) for k, v in items.items() if k in self.knobs), key=lambda kv: kv[1], default=("", 0))
 
 
-def branches(cfg: RayflowConfig) -> int:
+def branches(config: RayflowConfig) -> int:
     """CFG branches per denoising step (conditionings the policy builds at the configured scale)."""
-    policy = cfg.cfg.make_policy()
-    return len(policy.conditioning_prompts(["x"], cfg.sampling.negative_prompt, cfg.sampling.guidance_scale))
+    policy = guidance_policy(config.cfg)
+    return len(policy.conditioning_prompts(["x"], config.sampling.negative_prompt, config.sampling.guidance_scale))
 
 
 def _gpus(value: float | None) -> float:

@@ -75,7 +75,7 @@ def measure_model(cfg: RayflowConfig, path: str, batches: set[tuple[int, bool]],
     transformer = full["transformer"]
     blocks = list(transformer.transformer_blocks)
     meta_model = _meta_model(path, transformer, cfg)
-    targets = lora_targets(cfg, meta_model)
+    targets = lora_targets(cfg.learner, meta_model)
     adapted = sum(m.weight.numel() for name, m in transformer.named_modules()
                   if isinstance(m, nn.Linear) and any(name == t or name.endswith("." + t) for t in targets))
     with parameters_on_meta():
@@ -138,7 +138,7 @@ def _forward_cost(cfg: RayflowConfig, path: str, batch: int, checkpointing: bool
         model = _meta_model(path, transformer, cfg)
         with parameters_on_meta():
             add_lora(transformer, rank=cfg.learner.lora_rank, alpha=cfg.learner.lora_alpha,
-                     targets=lora_targets(cfg, model))
+                     targets=lora_targets(cfg.learner, model))
         latents, _ = model.prepare_latents(list(range(batch)), cfg.sampling.height, cfg.sampling.width)
         cond = model.planning_conditioning(batch, text_tokens)
         timestep = torch.full((batch,), 500.0, device="meta")

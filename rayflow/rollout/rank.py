@@ -24,7 +24,7 @@ from diffusers.utils import logging as diffusers_logging
 from transformers.utils import logging as transformers_logging
 
 from rayflow.cfg.parallel import CFGParallel, Group, all_gather_header
-from rayflow.cfg.policy import CFGPolicy, TrueCFG
+from rayflow.cfg.policy import CFGPolicy, TrueCFG, guidance_policy
 from rayflow.config import RayflowConfig
 from rayflow.models.lora import TRAINED_ADAPTER, adapter_parameters, add_lora, target_weight_names
 from rayflow.models.weight_sets import named_weights
@@ -37,7 +37,6 @@ from rayflow.sampling.denoise import advance, finish_rollout, start_rollout
 from rayflow.types import RolloutRequest, Trajectory
 
 APPLY_AT = ("step", "request")
-SYNC_MODES = ("lora", "merged")
 
 
 @dataclass(frozen=True)
@@ -55,35 +54,35 @@ class RolloutRankSpec(SyncedModelSpec):
     batch_branches: bool = False
     """A rank with several branches runs them in one batched forward (faster, not bit-exact)."""
     apply_at: str = "step"
-    """Apply newly staged weights at the next denoising "step" boundary, or only between "request"s."""
+    """Apply newly staged weights at the next denoising "step" boundary, or only between "request"s
+    (from_config: async.partial_rollout true or false)."""
     sync_mode: str = "lora"
     """"lora": the rank holds a LoRA slot and receives adapters; "merged": no LoRA, it receives the
     weights of the adapted linears with the adapter folded in (train_mode "full": every transformer weight)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        # The config has no apply_at (async.partial_rollout sets it): a spec written by hand is checked here.
         if self.apply_at not in APPLY_AT:
             raise ValueError(f"apply_at: got {self.apply_at!r}; allowed: {list(APPLY_AT)}")
-        if self.sync_mode not in SYNC_MODES:
-            raise ValueError(f"sync.mode: got {self.sync_mode!r}; allowed: {list(SYNC_MODES)}")
 
     @classmethod
-    def from_config(cls, cfg: RayflowConfig) -> "RolloutRankSpec":
-        partial = cfg.sync.apply_at == "step" and cfg.async_.partial_rollout
+    def from_config(cls, config: RayflowConfig) -> "RolloutRankSpec":
+        learner, rollout = config.learner, config.rollout
         return cls(
-            model=cfg.model,
-            policy=cfg.cfg.make_policy(),
-            lora_rank=cfg.learner.lora_rank,
-            lora_alpha=cfg.learner.lora_alpha,
-            lora_targets=tuple(cfg.learner.lora_targets) if cfg.learner.lora_targets else None,
-            lora_init=cfg.learner.lora_init,
-            seed=cfg.trainer.seed,
-            threads=cfg.rollout.threads_per_rank,
-            collective_timeout_s=cfg.rollout.collective_timeout_s,
-            batch_branches=cfg.rollout.batch_branches,
-            apply_at="step" if partial else "request",
-            sync_mode=cfg.sync.mode,
-            train_mode=cfg.learner.train_mode,
+            model=config.model,
+            policy=guidance_policy(config.cfg),
+            lora_rank=learner.lora_rank,
+            lora_alpha=learner.lora_alpha,
+            lora_targets=tuple(learner.lora_targets) if learner.lora_targets else None,
+            lora_init=learner.lora_init,
+            seed=config.trainer.seed,
+            threads=rollout.threads_per_rank,
+            collective_timeout_s=rollout.collective_timeout_s,
+            batch_branches=rollout.batch_branches,
+            apply_at="step" if config.async_.partial_rollout else "request",
+            sync_mode=config.sync.mode,
+            train_mode=learner.train_mode,
         )
 
 

@@ -1,31 +1,19 @@
-"""Structured, validated configuration.
+"""The config sections: one typed dataclass per component, each validating its own keys.
 
-A run's config is a recipe YAML plus CLI dotlist overrides (`trainer.total_steps=3`), merged by
-omegaconf and then converted into the dataclasses below. Unknown keys, wrong types and
-impossible values fail at load time with one message naming the key, the value given, and
-what is allowed. Each component receives its own section, never the root.
+`validate(prefix)` raises ConfigError naming the key, the value given and what is allowed; rules that span
+sections live with the root (rayflow.config.root).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import os
-import time
-import types
-import typing
 from dataclasses import dataclass, field
 from typing import Any
-
-import yaml
-from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
 
 from rayflow.algorithms.advantages import STAT_TRACKING
 from rayflow.algorithms.diffusion_nft import ADV_MODES
 from rayflow.errors import ConfigError
 from rayflow.paths import recipe
-from rayflow.sampling.window import window_bounds
-from rayflow.types import SamplingParams
 
 DTYPES = ("float32", "bfloat16", "float16")
 PLACEMENT_STRATEGIES = ("PACK", "STRICT_PACK", "SPREAD", "STRICT_SPREAD")
@@ -86,14 +74,6 @@ class CFGConfig:
         _need(self.policy in POLICIES, f"{prefix}.policy", self.policy, f"one of {sorted(POLICIES)}")
         _need(self.avoid_scale >= 0, f"{prefix}.avoid_scale", self.avoid_scale, "a float >= 0")
 
-    def make_policy(self):
-        from rayflow.cfg.policy import DualNegativeCFG, make_policy
-
-        extra = {}
-        if self.policy == DualNegativeCFG.name:
-            extra = {"avoid_prompt": self.avoid_prompt, "avoid_scale": self.avoid_scale}
-        return make_policy(self.policy, parallel_arithmetic=self.parallel_arithmetic, **extra)
-
 
 @dataclass
 class RolloutConfig:
@@ -132,14 +112,15 @@ class RolloutConfig:
         _need(self.num_replicas >= 1, f"{prefix}.num_replicas", self.num_replicas, "an integer >= 1")
         _need(self.cfg_parallel_size >= 1, f"{prefix}.cfg_parallel_size", self.cfg_parallel_size, "an integer >= 1")
         _need(self.micro_batch_size >= 1, f"{prefix}.micro_batch_size", self.micro_batch_size, "an integer >= 1")
-        _need(self.max_restarts >= 0, f"{prefix}.max_restarts", self.max_restarts, "an integer >= 0")
         _need(self.stall_timeout_s > 0, f"{prefix}.stall_timeout_s", self.stall_timeout_s, "seconds > 0")
         _need(self.stall_factor >= 1, f"{prefix}.stall_factor", self.stall_factor, "a number >= 1")
-        _need(self.restart_window_s >= 0, f"{prefix}.restart_window_s", self.restart_window_s, "seconds >= 0 (0: the whole run)")
+        _validate_restarts(self, prefix)
         _validate_resources(self, prefix)
 
 
 TRAIN_MODES = ("lora", "full")
+MIXED_PRECISION = ("none", "bf16", "autocast")
+LORA_INITS = ("gaussian", "default")
 LORA_OPTIONS = ("lora_rank", "lora_alpha", "lora_targets", "lora_init")
 """LearnerConfig keys that only LoRA training reads."""
 
@@ -215,8 +196,7 @@ class LearnerConfig:
         _need(self.lr > 0, f"{prefix}.lr", self.lr, "a float > 0")
         _need(self.weight_decay >= 0, f"{prefix}.weight_decay", self.weight_decay, "a float >= 0")
         _need(self.stall_timeout_s > 0, f"{prefix}.stall_timeout_s", self.stall_timeout_s, "seconds > 0")
-        _need(self.max_restarts >= 0, f"{prefix}.max_restarts", self.max_restarts, "an integer >= 0")
-        _need(self.restart_window_s >= 0, f"{prefix}.restart_window_s", self.restart_window_s, "seconds >= 0 (0: the whole run)")
+        _validate_restarts(self, prefix)
         _need(
             len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas),
             f"{prefix}.betas", self.betas, "two floats in [0, 1)",
@@ -232,9 +212,9 @@ class LearnerConfig:
             self.lora_targets is None or len(self.lora_targets) > 0,
             f"{prefix}.lora_targets", self.lora_targets, "null or a non-empty list of module names",
         )
-        _need(self.lora_init in ("gaussian", "default"), f"{prefix}.lora_init", self.lora_init, "'gaussian' or 'default'")
-        _need(self.mixed_precision in ("none", "bf16", "autocast"), f"{prefix}.mixed_precision", self.mixed_precision,
-              "'none', 'bf16' or 'autocast'")
+        _need(self.lora_init in LORA_INITS, f"{prefix}.lora_init", self.lora_init, f"one of {list(LORA_INITS)}")
+        _need(self.mixed_precision in MIXED_PRECISION, f"{prefix}.mixed_precision", self.mixed_precision,
+              f"one of {list(MIXED_PRECISION)}")
         _need(self.shard in ("auto", "always"), f"{prefix}.shard", self.shard, "'auto' or 'always'")
         _validate_resources(self, prefix)
 
@@ -389,6 +369,7 @@ class RewardConfig:
 
     def validate(self, prefix: str = "reward") -> None:
         from rayflow.rewards import registered_rewards
+        from rayflow.rewards.normalize import NORMALIZE_MODES
         from rayflow.rewards.validation import check_reward_kwargs
 
         _need(len(self.functions) >= 1, f"{prefix}.functions", self.functions, "at least one reward function")
@@ -396,16 +377,18 @@ class RewardConfig:
             names = registered_rewards()
             _need(fn.name in names, f"{prefix}.functions[{i}].name", fn.name, f"one of {names}")
             check_reward_kwargs(fn.name, fn.kwargs, f"{prefix}.functions[{i}].kwargs")
-            _need(fn.normalize in ("none", "group", "batch"), f"{prefix}.functions[{i}].normalize", fn.normalize,
-                  "'none', 'group' or 'batch'")
+            _need(fn.normalize in NORMALIZE_MODES, f"{prefix}.functions[{i}].normalize", fn.normalize,
+                  f"one of {list(NORMALIZE_MODES)}")
         _need(self.num_workers >= 1, f"{prefix}.num_workers", self.num_workers, "an integer >= 1")
         _need(self.batch_size >= 1, f"{prefix}.batch_size", self.batch_size, "an integer >= 1")
         _need(self.max_retries >= 0, f"{prefix}.max_retries", self.max_retries, "an integer >= 0")
-        _need(self.max_restarts >= 0, f"{prefix}.max_restarts", self.max_restarts, "an integer >= 0")
-        _need(self.restart_window_s >= 0, f"{prefix}.restart_window_s", self.restart_window_s, "seconds >= 0 (0: the whole run)")
+        _validate_restarts(self, prefix)
         _need(self.stall_timeout_s > 0, f"{prefix}.stall_timeout_s", self.stall_timeout_s, "seconds > 0")
         _need(self.stall_factor >= 1, f"{prefix}.stall_factor", self.stall_factor, "a number >= 1")
         _need(self.max_outage_s >= 0, f"{prefix}.max_outage_s", self.max_outage_s, "a number of seconds >= 0")
+
+
+OVER_STALE = ("regenerate", "drop")
 
 
 @dataclass
@@ -414,13 +397,17 @@ class AsyncConfig:
     """0: synchronous and on-policy (bit-identical to the reference trainer); k: trajectories may be
     up to k policy versions behind the learner."""
     partial_rollout: bool = True
-    """A trajectory in flight when weights change continues under the new weights (per-step versions)."""
+    """true: new weights reach a trajectory in flight at its next denoising-step boundary (each step records its
+    version); false: rollout ranks apply new weights only between requests, so a trajectory keeps one version."""
     over_stale: str = "regenerate"
     """A group staler than max_staleness is "regenerate"d or "drop"ped (and counted)."""
 
     def validate(self, prefix: str = "async") -> None:
         _need(self.max_staleness >= 0, f"{prefix}.max_staleness", self.max_staleness, "an integer >= 0")
-        _need(self.over_stale in ("regenerate", "drop"), f"{prefix}.over_stale", self.over_stale, "'regenerate' or 'drop'")
+        _need(self.over_stale in OVER_STALE, f"{prefix}.over_stale", self.over_stale, f"one of {list(OVER_STALE)}")
+
+
+SYNC_MODES = ("lora", "merged")
 
 
 @dataclass
@@ -430,8 +417,6 @@ class SyncConfig:
     learner.train_mode=full, the only mode: every transformer weight, as trained)."""
     bucket_mb: float = 64.0
     """Broadcast bucket size."""
-    apply_at: str = "step"
-    """Rollout ranks apply new weights at the next denoising "step" boundary or between "request"s."""
     verify_checksum: bool = False
     """Also compare a checksum per tensor between the source and every rank."""
     cpus: float = 1.0
@@ -448,13 +433,11 @@ class SyncConfig:
     """max_restarts counts restarts within any this many seconds (0: over the whole run)."""
 
     def validate(self, prefix: str = "sync") -> None:
-        _need(self.mode in ("lora", "merged"), f"{prefix}.mode", self.mode, "'lora' or 'merged'")
+        _need(self.mode in SYNC_MODES, f"{prefix}.mode", self.mode, f"one of {list(SYNC_MODES)}")
         _need(self.bucket_mb > 0, f"{prefix}.bucket_mb", self.bucket_mb, "a float > 0")
-        _need(self.apply_at in ("step", "request"), f"{prefix}.apply_at", self.apply_at, "'step' or 'request'")
         _need(self.cpus >= 0, f"{prefix}.cpus", self.cpus, "a float >= 0")
         _need(self.gpus is None or self.gpus >= 0, f"{prefix}.gpus", self.gpus, "null or a float >= 0")
-        _need(self.max_restarts >= 0, f"{prefix}.max_restarts", self.max_restarts, "an integer >= 0")
-        _need(self.restart_window_s >= 0, f"{prefix}.restart_window_s", self.restart_window_s, "seconds >= 0 (0: the whole run)")
+        _validate_restarts(self, prefix)
 
 
 PLACEMENT_MODES = ("disaggregated", "colocated")
@@ -596,115 +579,10 @@ class LoggingConfig:
               "false, unless the wandb package is installed (pip install wandb)")
 
 
-@dataclass
-class RayflowConfig:
-    model: ModelConfig = field(default_factory=ModelConfig)
-    sampling: SamplingParams = field(default_factory=SamplingParams)
-    cfg: CFGConfig = field(default_factory=CFGConfig)
-    rollout: RolloutConfig = field(default_factory=RolloutConfig)
-    learner: LearnerConfig = field(default_factory=LearnerConfig)
-    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
-    reward: RewardConfig = field(default_factory=RewardConfig)
-    async_: AsyncConfig = field(default_factory=AsyncConfig)
-    sync: SyncConfig = field(default_factory=SyncConfig)
-    placement: PlacementConfig = field(default_factory=PlacementConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    trainer: TrainerConfig = field(default_factory=TrainerConfig)
-    logging: LoggingConfig = field(default_factory=LoggingConfig)
-
-    def validate(self) -> None:
-        for f in dataclasses.fields(self):
-            section = getattr(self, f.name)
-            if hasattr(section, "validate"):
-                section.validate(prefix=_key(f.name))
-        self._validate_size()
-        self._validate_algorithm()
-        self._validate_placement()
-        _need(
-            self.learner.train_mode == "lora" or self.sync.mode == "merged" or self.placement.colocated,
-            "sync.mode", self.sync.mode,
-            "'merged' with learner.train_mode=full (the rollout ranks receive the plain transformer weights; "
-            "'lora' ships an adapter, which full fine-tuning has not)",
-        )
-        minibatch = self.algorithm.batch_size // self.algorithm.num_minibatches
-        if self.algorithm.num_minibatches > 1:
-            _need(
-                minibatch % self.learner.world_size == 0, "algorithm.num_minibatches", self.algorithm.num_minibatches,
-                f"a divisor of the batch whose mini-batches split evenly over the learner ranks "
-                f"({self.algorithm.batch_size} / num_minibatches a multiple of learner.world_size = {self.learner.world_size})",
-            )
-        _need(
-            minibatch % self.learner.world_size == 0, "learner.world_size", self.learner.world_size,
-            f"a divisor of the batch (algorithm.group_size x prompts_per_step = {self.algorithm.batch_size})",
-        )
-        per_rank = minibatch // self.learner.world_size
-        _need(
-            per_rank % self.learner.micro_batch_size == 0,
-            "learner.micro_batch_size", self.learner.micro_batch_size,
-            f"a divisor of the per-rank mini-batch (algorithm.group_size x prompts_per_step / num_minibatches / learner.world_size "
-            f"= {self.algorithm.batch_size} / {self.algorithm.num_minibatches} / {self.learner.world_size})",
-        )
-
-    def _validate_placement(self) -> None:
-        if not self.placement.colocated:
-            _need(not self.learner.offload_optimizer_during_rollout, "learner.offload_optimizer_during_rollout", True,
-                  "false unless placement.mode=colocated (disaggregated learners never sample)")
-            return
-        devices = self.rollout.num_replicas * self.rollout.cfg_parallel_size
-        where = "in placement.mode=colocated"
-        _need(self.learner.world_size == devices, "learner.world_size", self.learner.world_size,
-              f"rollout.num_replicas x rollout.cfg_parallel_size = {devices} {where} (each device holds one learner "
-              f"rank and one rollout rank)")
-        _need(self.async_.max_staleness == 0, "async.max_staleness", self.async_.max_staleness,
-              f"0 {where} (a device samples or trains, never both at once: there is nothing to overlap; "
-              f"placement.mode=disaggregated overlaps rollout and training)")
-        _need(self.sync.mode == "lora", "sync.mode", self.sync.mode,
-              f"'lora' {where} (rollouts sample under the learner's own adapter: nothing is merged or sent)")
-
-    def _validate_size(self) -> None:
-        from rayflow.models.base import model_class, pipeline_class_of
-
-        # The model directory may exist only on the workers of a cluster; then its loader checks again.
-        if self.model.path is not None and not os.path.isfile(os.path.join(self.model.path, "model_index.json")):
-            return
-        from rayflow.models.tiny import TINY_PIPELINES
-
-        pipeline = TINY_PIPELINES[self.model.tiny_arch] if self.model.path is None else pipeline_class_of(self.model.path)
-        multiple = model_class(pipeline).size_multiple()
-        for key in ("height", "width"):
-            value = getattr(self.sampling, key)
-            _need(value % multiple == 0, f"sampling.{key}", value, f"a positive multiple of {multiple} (VAE scale x patch size of {pipeline})")
-
-    def _validate_algorithm(self) -> None:
-        s = self.sampling
-        if self.algorithm.name == "flow_grpo":
-            _need(s.sde_type != "ode", "sampling.sde_type", s.sde_type, "'sde' or 'cps' for algorithm.name=flow_grpo (it trains on stochastic steps)")
-            if s.sde_window_size is None:
-                trained = s.resolved_sde_steps()
-            else:  # every step some window position may cover
-                lo, hi = window_bounds(s)
-                trained = list(range(lo, hi))
-            _need(bool(trained), "sampling.sde_step_indices", s.sde_step_indices, "at least one stochastic step for flow_grpo")
-            last = int(s.num_steps * self.algorithm.timestep_fraction)
-            _need(
-                s.sde_window_size is None and any(j < last for j in trained) or s.sde_window_size is not None and hi - s.sde_window_size < last,
-                "algorithm.timestep_fraction", self.algorithm.timestep_fraction,
-                f"a fraction keeping at least one stochastic step (steps j < int(num_steps x fraction) are trained; "
-                f"every window position or the first stochastic step must lie below it; num_steps={s.num_steps})",
-            )
-            _need(not self.algorithm.ratio_norm or s.sde_type == "sde", "algorithm.ratio_norm", self.algorithm.ratio_norm,
-                  "false unless sampling.sde_type=sde (GRPO-Guard normalises the Gaussian log-ratio of Flow-GRPO's SDE step)")
-            needed = sorted({i for t in trained for i in (t, t + 1)} - set(s.resolved_return_steps()))
-            _need(not needed, "sampling.return_step_indices", s.return_step_indices, f"null or a list that includes x_i and x_(i+1) of every stochastic step (missing {needed})")
-        else:
-            _need(s.sde_type == "ode", "sampling.sde_type", s.sde_type, "'ode' for algorithm.name=diffusion_nft (it rolls out deterministically)")
-            # FLUX's embedded guidance is an input of the one conditional forward the learner trains too: not CFG.
-            _need(
-                s.guidance_scale == 1.0 or self.cfg.policy == "embedded", "sampling.guidance_scale", s.guidance_scale,
-                "1.0 for algorithm.name=diffusion_nft (it trains the conditional velocity without CFG, so CFG "
-                "rollouts would come from another policy than the one trained; DiffusionNFT samples CFG-free)",
-            )
-            _need(s.num_steps in s.resolved_return_steps(), "sampling.return_step_indices", s.return_step_indices, f"null or a list that includes the final latent {s.num_steps}")
+def _validate_restarts(section: Any, prefix: str) -> None:
+    """The restart budget of a section whose actors are replaced when they die (max_restarts per restart_window_s)."""
+    _need(section.max_restarts >= 0, f"{prefix}.max_restarts", section.max_restarts, "an integer >= 0")
+    _need(section.restart_window_s >= 0, f"{prefix}.restart_window_s", section.restart_window_s, "seconds >= 0 (0: the whole run)")
 
 
 def _validate_resources(section: Any, prefix: str) -> None:
@@ -715,180 +593,3 @@ def _validate_resources(section: Any, prefix: str) -> None:
         section.placement_strategy in PLACEMENT_STRATEGIES,
         f"{prefix}.placement_strategy", section.placement_strategy, f"one of {list(PLACEMENT_STRATEGIES)}",
     )
-
-
-# ---------------------------------------------------------------------------------------------
-# Loading: YAML + dotlist -> plain data (omegaconf) -> dataclasses, checked field by field.
-
-def _key(field_name: str) -> str:
-    """YAML key of a dataclass field ("async" is a Python keyword, so its field is async_)."""
-    return field_name[:-1] if field_name.endswith("_") else field_name
-
-
-def _describe(tp: Any) -> str:
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        return " or ".join(_describe(a) for a in typing.get_args(tp))
-    if origin is list:
-        return f"a list of {_describe(typing.get_args(tp)[0])}"
-    if origin is dict:
-        return "a mapping"
-    if dataclasses.is_dataclass(tp):
-        return f"a mapping with keys {[_key(f.name) for f in dataclasses.fields(tp)]}"
-    return {type(None): "null", bool: "a boolean", int: "an integer", float: "a number", str: "a string"}.get(tp, str(tp))
-
-
-def _convert(tp: Any, value: Any, key: str) -> Any:
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        args = typing.get_args(tp)
-        if value is None and type(None) in args:
-            return None
-        for arg in args:
-            if arg is type(None):
-                continue
-            try:
-                return _convert(arg, value, key)
-            except ConfigError:
-                pass
-        raise ConfigError(key, value, _describe(tp))
-    if dataclasses.is_dataclass(tp):
-        if not isinstance(value, dict):
-            raise ConfigError(key, value, _describe(tp))
-        return _build(tp, value, key)
-    if origin is list:
-        if not isinstance(value, list):
-            raise ConfigError(key, value, _describe(tp))
-        (item,) = typing.get_args(tp)
-        return [_convert(item, v, f"{key}[{i}]") for i, v in enumerate(value)]
-    if origin is dict or tp is Any:
-        if tp is not Any and not isinstance(value, dict):
-            raise ConfigError(key, value, _describe(tp))
-        return value
-    if tp is float and isinstance(value, (int, float)) and not isinstance(value, bool):
-        return float(value)
-    if tp in (int, str, bool) and type(value) is tp:
-        return value
-    raise ConfigError(key, value, _describe(tp))
-
-
-def _build(cls: type, data: dict, prefix: str) -> Any:
-    hints = typing.get_type_hints(cls)
-    fields = {_key(f.name): f for f in dataclasses.fields(cls)}
-    kwargs = {}
-    for name, value in data.items():
-        key = f"{prefix}.{name}" if prefix else str(name)
-        if name not in fields:
-            raise ConfigError(key, value, f"a known key; {prefix or 'the config'} has {sorted(fields)}")
-        f = fields[name]
-        kwargs[f.name] = _convert(hints[f.name], value, key)
-    return cls(**kwargs)
-
-
-def from_dict(data: dict) -> RayflowConfig:
-    """A validated RayflowConfig from plain data (as read from YAML)."""
-    cfg = _build(RayflowConfig, data, "")
-    cfg.validate()
-    return cfg
-
-
-BASE_KEY = "base"
-"""A recipe's top-level `base: other.yaml` (relative to the recipe): that recipe's keys, then this one's on top."""
-
-
-def _read_recipe(path: str, key: str = "--config", including: tuple[str, ...] = ()) -> DictConfig:
-    """A recipe YAML with its relative paths resolved against its own directory, merged over its `base` (if any)."""
-    try:
-        data = OmegaConf.load(path)
-    except FileNotFoundError:
-        raise ConfigError(key, path, "an existing YAML file") from None
-    except (OmegaConfBaseException, OSError, yaml.YAMLError) as e:
-        # Malformed YAML, or a top-level scalar.
-        raise ConfigError(key, path, f"a YAML mapping of sections ({' '.join(str(e).split())})") from None
-    if not isinstance(data, DictConfig):
-        raise ConfigError(key, path, "a YAML mapping of sections, not a list")
-    here = os.path.dirname(os.path.abspath(path))
-    data = OmegaConf.to_container(data, resolve=False)
-    base = data.pop(BASE_KEY, None)
-    data = OmegaConf.create(_relative_to(data, here))
-    if base is None:
-        return data
-    base_key = f"{path}: {BASE_KEY}"
-    if not isinstance(base, str):
-        raise ConfigError(base_key, base, "the path of another recipe YAML, relative to this one")
-    base_path = os.path.normpath(os.path.join(here, base))
-    if base_path in including + (os.path.abspath(path),):
-        raise ConfigError(base_key, base, "a recipe that does not include itself through its bases")
-    return OmegaConf.merge(_read_recipe(base_path, base_key, including + (os.path.abspath(path),)), data)
-
-
-def load_config(path: str | None = None, overrides: list[str] | None = None) -> RayflowConfig:
-    """Read a recipe YAML (optional; its `base`s first), apply dotlist overrides, convert and validate."""
-    base = _read_recipe(path) if path else OmegaConf.create({})
-    try:
-        data = OmegaConf.to_container(OmegaConf.merge(base, OmegaConf.from_dotlist(list(overrides or []))), resolve=False)
-    except (OmegaConfBaseException, ValueError) as e:
-        raise ConfigError("overrides", str(e).splitlines()[0], "key=value overrides") from None
-    # Unknown keys and wrong types are reported as given, before the defaults are merged in.
-    _build(RayflowConfig, _strip_interpolations(data), "")
-    if isinstance(data.get("trainer"), dict) and data["trainer"].get("run_name") is None:
-        data["trainer"].pop("run_name", None)
-    data.setdefault("trainer", {}).setdefault("run_name", default_run_name(path))
-    try:
-        # Interpolations such as ${trainer.output_dir} resolve against the defaults too.
-        full = OmegaConf.merge(OmegaConf.create(to_dict(RayflowConfig())), OmegaConf.create(data))
-        resolved = OmegaConf.to_container(full, resolve=True)
-    except OmegaConfBaseException as e:
-        raise ConfigError(path or "overrides", str(e).splitlines()[0], "interpolations of existing keys") from None
-    return from_dict(resolved)
-
-
-PATH_KEYS = (("model", "path"), ("data", "prompts"), ("data", "eval_prompts"), ("trainer", "output_dir"), ("trainer", "resume"))
-"""Keys that hold paths; a relative one in a recipe YAML is relative to the YAML's directory."""
-
-
-def _relative_to(data: dict, base_dir: str) -> dict:
-    """`data` (a recipe YAML) with its relative paths made absolute against `base_dir`: PATH_KEYS, and the
-    `path` kwarg of every reward function. Values that are not paths ("auto", interpolations) stay."""
-
-    def fix(section: dict, key: str) -> None:
-        value = section.get(key)
-        if isinstance(value, str) and value and "${" not in value and value not in ("auto", "never") \
-                and not os.path.isabs(os.path.expanduser(value)):
-            section[key] = os.path.normpath(os.path.join(base_dir, value))
-
-    for section, key in PATH_KEYS:
-        if isinstance(data.get(section), dict):
-            fix(data[section], key)
-    functions = data.get("reward", {}).get("functions") if isinstance(data.get("reward"), dict) else None
-    for fn in functions if isinstance(functions, list) else []:
-        if isinstance(fn, dict) and isinstance(fn.get("kwargs"), dict):
-            fix(fn["kwargs"], "path")
-    return data
-
-
-def default_run_name(config_path: str | None) -> str:
-    """<recipe>-<YYYYmmdd>-<HHMMSS>: a new directory per run, so a run never resumes another by accident."""
-    stem = os.path.splitext(os.path.basename(config_path))[0] if config_path else "run"
-    return f"{stem}-{time.strftime('%Y%m%d-%H%M%S')}"
-
-
-def _strip_interpolations(data: Any) -> Any:
-    if isinstance(data, dict):
-        return {k: _strip_interpolations(v) for k, v in data.items() if not (isinstance(v, str) and "${" in v)}
-    return data
-
-
-def to_dict(cfg: Any) -> dict:
-    """Plain data of a config, with YAML keys (async, not async_)."""
-    if dataclasses.is_dataclass(cfg):
-        return {_key(f.name): to_dict(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)}
-    if isinstance(cfg, list):
-        return [to_dict(v) for v in cfg]
-    if isinstance(cfg, dict):
-        return {k: to_dict(v) for k, v in cfg.items()}
-    return cfg
-
-
-def to_yaml(cfg: RayflowConfig) -> str:
-    return OmegaConf.to_yaml(OmegaConf.create(to_dict(cfg)))

@@ -1,0 +1,130 @@
+"""RayflowConfig: the root of a run's config (one field a section) and the rules that span sections."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+
+from rayflow.config.sections import (
+    AlgorithmConfig, AsyncConfig, CFGConfig, DataConfig, LearnerConfig, LoggingConfig, ModelConfig, PlacementConfig,
+    RewardConfig, RolloutConfig, SyncConfig, TrainerConfig, _need,
+)
+from rayflow.sampling.window import window_bounds
+from rayflow.types import SamplingParams
+
+
+def yaml_key(field_name: str) -> str:
+    """YAML key of a dataclass field ("async" is a Python keyword, so its field is async_)."""
+    return field_name[:-1] if field_name.endswith("_") else field_name
+
+
+@dataclass
+class RayflowConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    cfg: CFGConfig = field(default_factory=CFGConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    learner: LearnerConfig = field(default_factory=LearnerConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    async_: AsyncConfig = field(default_factory=AsyncConfig)
+    sync: SyncConfig = field(default_factory=SyncConfig)
+    placement: PlacementConfig = field(default_factory=PlacementConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    def validate(self) -> None:
+        for f in dataclasses.fields(self):
+            section = getattr(self, f.name)
+            if hasattr(section, "validate"):
+                section.validate(prefix=yaml_key(f.name))
+        self._validate_size()
+        self._validate_algorithm()
+        self._validate_placement()
+        _need(
+            self.learner.train_mode == "lora" or self.sync.mode == "merged" or self.placement.colocated,
+            "sync.mode", self.sync.mode,
+            "'merged' with learner.train_mode=full (the rollout ranks receive the plain transformer weights; "
+            "'lora' ships an adapter, which full fine-tuning has not)",
+        )
+        minibatch = self.algorithm.batch_size // self.algorithm.num_minibatches
+        if self.algorithm.num_minibatches > 1:
+            _need(
+                minibatch % self.learner.world_size == 0, "algorithm.num_minibatches", self.algorithm.num_minibatches,
+                f"a divisor of the batch whose mini-batches split evenly over the learner ranks "
+                f"({self.algorithm.batch_size} / num_minibatches a multiple of learner.world_size = {self.learner.world_size})",
+            )
+        _need(
+            minibatch % self.learner.world_size == 0, "learner.world_size", self.learner.world_size,
+            f"a divisor of the batch (algorithm.group_size x prompts_per_step = {self.algorithm.batch_size})",
+        )
+        per_rank = minibatch // self.learner.world_size
+        _need(
+            per_rank % self.learner.micro_batch_size == 0,
+            "learner.micro_batch_size", self.learner.micro_batch_size,
+            f"a divisor of the per-rank mini-batch (algorithm.group_size x prompts_per_step / num_minibatches / learner.world_size "
+            f"= {self.algorithm.batch_size} / {self.algorithm.num_minibatches} / {self.learner.world_size})",
+        )
+
+    def _validate_placement(self) -> None:
+        if not self.placement.colocated:
+            _need(not self.learner.offload_optimizer_during_rollout, "learner.offload_optimizer_during_rollout", True,
+                  "false unless placement.mode=colocated (disaggregated learners never sample)")
+            return
+        devices = self.rollout.num_replicas * self.rollout.cfg_parallel_size
+        where = "in placement.mode=colocated"
+        _need(self.learner.world_size == devices, "learner.world_size", self.learner.world_size,
+              f"rollout.num_replicas x rollout.cfg_parallel_size = {devices} {where} (each device holds one learner "
+              f"rank and one rollout rank)")
+        _need(self.async_.max_staleness == 0, "async.max_staleness", self.async_.max_staleness,
+              f"0 {where} (a device samples or trains, never both at once: there is nothing to overlap; "
+              f"placement.mode=disaggregated overlaps rollout and training)")
+        _need(self.sync.mode == "lora", "sync.mode", self.sync.mode,
+              f"'lora' {where} (rollouts sample under the learner's own adapter: nothing is merged or sent)")
+
+    def _validate_size(self) -> None:
+        from rayflow.models.base import model_class, pipeline_class_of
+
+        # The model directory may exist only on the workers of a cluster; then its loader checks again.
+        if self.model.path is not None and not os.path.isfile(os.path.join(self.model.path, "model_index.json")):
+            return
+        from rayflow.models.tiny import TINY_PIPELINES
+
+        pipeline = TINY_PIPELINES[self.model.tiny_arch] if self.model.path is None else pipeline_class_of(self.model.path)
+        multiple = model_class(pipeline).size_multiple()
+        for key in ("height", "width"):
+            value = getattr(self.sampling, key)
+            _need(value % multiple == 0, f"sampling.{key}", value, f"a positive multiple of {multiple} (VAE scale x patch size of {pipeline})")
+
+    def _validate_algorithm(self) -> None:
+        s = self.sampling
+        if self.algorithm.name == "flow_grpo":
+            _need(s.sde_type != "ode", "sampling.sde_type", s.sde_type, "'sde' or 'cps' for algorithm.name=flow_grpo (it trains on stochastic steps)")
+            if s.sde_window_size is None:
+                trained = s.resolved_sde_steps()
+            else:  # every step some window position may cover
+                lo, hi = window_bounds(s)
+                trained = list(range(lo, hi))
+            _need(bool(trained), "sampling.sde_step_indices", s.sde_step_indices, "at least one stochastic step for flow_grpo")
+            last = int(s.num_steps * self.algorithm.timestep_fraction)
+            _need(
+                s.sde_window_size is None and any(j < last for j in trained) or s.sde_window_size is not None and hi - s.sde_window_size < last,
+                "algorithm.timestep_fraction", self.algorithm.timestep_fraction,
+                f"a fraction keeping at least one stochastic step (steps j < int(num_steps x fraction) are trained; "
+                f"every window position or the first stochastic step must lie below it; num_steps={s.num_steps})",
+            )
+            _need(not self.algorithm.ratio_norm or s.sde_type == "sde", "algorithm.ratio_norm", self.algorithm.ratio_norm,
+                  "false unless sampling.sde_type=sde (GRPO-Guard normalises the Gaussian log-ratio of Flow-GRPO's SDE step)")
+            needed = sorted({i for t in trained for i in (t, t + 1)} - set(s.resolved_return_steps()))
+            _need(not needed, "sampling.return_step_indices", s.return_step_indices, f"null or a list that includes x_i and x_(i+1) of every stochastic step (missing {needed})")
+        else:
+            _need(s.sde_type == "ode", "sampling.sde_type", s.sde_type, "'ode' for algorithm.name=diffusion_nft (it rolls out deterministically)")
+            # FLUX's embedded guidance is an input of the one conditional forward the learner trains too: not CFG.
+            _need(
+                s.guidance_scale == 1.0 or self.cfg.policy == "embedded", "sampling.guidance_scale", s.guidance_scale,
+                "1.0 for algorithm.name=diffusion_nft (it trains the conditional velocity without CFG, so CFG "
+                "rollouts would come from another policy than the one trained; DiffusionNFT samples CFG-free)",
+            )
+            _need(s.num_steps in s.resolved_return_steps(), "sampling.return_step_indices", s.return_step_indices, f"null or a list that includes the final latent {s.num_steps}")

@@ -1,0 +1,42 @@
+"""LearnerSpec: what a learner rank reads of a run's config, built from the root config in one place."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rayflow.cfg.policy import CFGPolicy, guidance_policy
+from rayflow.checkpoint import checkpoint_root
+from rayflow.config import AlgorithmConfig, LearnerConfig, ModelConfig, RayflowConfig
+
+
+@dataclass(frozen=True)
+class LearnerSpec:
+    """The policy model, how it trains and what it replays; the same for every learner rank (and the reference
+    trainer's model and steps, which run the same code)."""
+
+    model: ModelConfig
+    learner: LearnerConfig
+    algorithm: AlgorithmConfig
+    policy: CFGPolicy
+    """The guidance the rollouts sample under, which FlowGRPO's learner replays (the run's `cfg:` section)."""
+    seed: int
+    """trainer.seed: the LoRA init, the mini-batch plans and DiffusionNFT's noise draws."""
+    ema_decay: float
+    """trainer.ema_decay: the evaluation EMA "ema" of the trained weights (0: none)."""
+    ema_every: int
+    """trainer.ema_every: update "ema" after every this many optimizer steps."""
+    checkpoint_dir: str
+    """The run's checkpoints directory, under which learner.train_mode=full ranks stage their shards."""
+
+    @classmethod
+    def from_config(cls, config: RayflowConfig) -> "LearnerSpec":
+        return cls(
+            model=config.model,
+            learner=config.learner,
+            algorithm=config.algorithm,
+            policy=guidance_policy(config.cfg),
+            seed=config.trainer.seed,
+            ema_decay=config.trainer.ema_decay,
+            ema_every=config.trainer.ema_every,
+            checkpoint_dir=checkpoint_root(config.trainer.run_dir),
+        )
