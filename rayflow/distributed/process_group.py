@@ -73,6 +73,15 @@ class Rendezvous:
         return Rendezvous(address, free_port(address))
 
 
+class GroupHost:
+    """An actor that may be rank 0 of a process group: the driver asks it for the rendezvous (a free port of its
+    node, where the group's TCP store will listen) and hands that to every member. Rollout ranks, learner ranks and
+    the weight-sync actor are each one."""
+
+    def rendezvous(self) -> Rendezvous:
+        return Rendezvous.on_this_node()
+
+
 def open_store(rendezvous: Rendezvous, rank: int, size: int, timeout: datetime.timedelta) -> tuple[dist.TCPStore, socket.socket | None]:
     """The group's TCP store: rank 0 hosts it on a socket bound to the rendezvous address only (keep the
     returned socket alive as long as the store); the other ranks connect to it."""

@@ -17,8 +17,7 @@ from rayflow.config import LearnerConfig
 from rayflow.learner.spec import LearnerSpec
 from rayflow.models.weight_copies import BASE, add_weight_copies
 from rayflow.models.lora import EMA_ADAPTER, EVAL_EMA_ADAPTER, add_lora
-from rayflow.models import DiffusionModel, load_model
-from rayflow.models.tiny import resolve_model_path
+from rayflow.models import DiffusionModel, load_configured
 
 _FINGERPRINT_ELEMENTS = 256
 """Leading elements of each base weight that enter the weights fingerprint (cheap for a 20B model)."""
@@ -31,8 +30,7 @@ def load_policy_model(spec: LearnerSpec, device: str | torch.device | None = Non
     no text encoder or VAE, which a learner never runs."""
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     m, learner = spec.model, spec.learner
-    path = resolve_model_path(m.path, m.cache_dir, m.tiny_size, m.tiny_seed, m.tiny_arch)
-    model = load_model(path, device=device, dtype=getattr(torch, m.dtype), transformer_only=transformer_only)
+    model = load_configured(m, device, transformer_only=transformer_only)
     if learner.train_mode == "full":
         return model
     # Same weights on every process for the same seed (the LoRA A matrices are random).

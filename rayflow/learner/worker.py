@@ -24,7 +24,7 @@ import torch
 from rayflow.checkpoint import Checkpoint, CheckpointWriteError, check_identity, sharded_staging_dir
 from rayflow.distributed.placement import PlacedGroup, place, resolve_gpus
 from rayflow.distributed.restart_budget import RestartBudget
-from rayflow.distributed.process_group import Rendezvous, init_default_group
+from rayflow.distributed.process_group import GroupHost, Rendezvous, init_default_group
 from rayflow.learner.backend import LearnerBackend
 from rayflow.distributed.parallelize import build_mesh
 from rayflow.learner.sharded import missing_files
@@ -41,7 +41,7 @@ class LearnerStalled(LearnerError):
     """A train step missed the watchdog's deadline: a rank neither finished nor died."""
 
 
-class LearnerWorker:
+class LearnerWorker(GroupHost):
     """One learner rank: owns its device, the default process group and a LearnerBackend."""
 
     def __init__(self, spec: LearnerSpec, rank: int, whole_pipeline: bool = False):
@@ -49,10 +49,6 @@ class LearnerWorker:
         torch.set_num_threads(spec.learner.threads_per_rank)
         self.spec, self.rank, self.whole_pipeline = spec, rank, whole_pipeline
         self.backend: LearnerBackend | None = None
-
-    def rendezvous(self) -> Rendezvous:
-        """A free port on this (rank 0's) node for the group's TCP store."""
-        return Rendezvous.on_this_node()
 
     def setup(self, rendezvous: Rendezvous) -> dict:
         """Join the group, build the sharded model; returns the policy identity. Every rank at once."""

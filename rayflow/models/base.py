@@ -10,10 +10,15 @@ import json
 import os
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 from torch import nn
+
+from rayflow.models.tiny import resolve_model_path
+
+if TYPE_CHECKING:
+    from rayflow.config import ModelConfig
 
 _REGISTRY: dict[str, type["DiffusionModel"]] = {}
 
@@ -182,6 +187,13 @@ def load_model(path: str, device: torch.device | str = "cpu", dtype: torch.dtype
                transformer_only: bool = False) -> DiffusionModel:
     """Load the pipeline at `path` as the DiffusionModel registered for its class."""
     return model_class(pipeline_class_of(path)).load(path, device=device, dtype=dtype, transformer_only=transformer_only)
+
+
+def load_configured(model: "ModelConfig", device: torch.device | str, transformer_only: bool = False) -> DiffusionModel:
+    """The run's model section loaded, as learner ranks, rollout ranks and the weight-sync folder all load it: model.path
+    (or, null, the tiny twin model.tiny_* names, built and cached on first use) in model.dtype on `device`."""
+    path = resolve_model_path(model.path, model.cache_dir, model.tiny_size, model.tiny_seed, model.tiny_arch)
+    return load_model(path, device=device, dtype=getattr(torch, model.dtype), transformer_only=transformer_only)
 
 
 def load_pipeline(path: str, device: torch.device | str, dtype: torch.dtype, skip: tuple[str, ...] = ()):

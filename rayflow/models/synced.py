@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from rayflow.config import TRAIN_MODES, ModelConfig
+from rayflow.models.base import DiffusionModel
+from rayflow.models.lora import add_lora
 
 
 @dataclass(frozen=True)
@@ -29,6 +31,12 @@ class SyncedModelSpec:
     def __post_init__(self) -> None:
         if self.train_mode not in TRAIN_MODES:
             raise ValueError(f"train_mode: got {self.train_mode!r}; allowed: {list(TRAIN_MODES)}")
+
+    def add_lora_slot(self, model: DiffusionModel) -> None:
+        """Give `model` the LoRA slot the learners' adapter is synced into, shaped as theirs ("default"; targets: the
+        model's attention projections unless lora_targets names others)."""
+        add_lora(model.transformer, rank=self.lora_rank, alpha=self.lora_alpha,
+                 targets=self.lora_targets or model.lora_target_modules, init=self.lora_init)
 
     def synced_model(self) -> "SyncedModelSpec":
         """These fields alone (a subclass's extra fields dropped): what crosses to the weight-sync actor."""

@@ -26,11 +26,10 @@ from transformers.utils import logging as transformers_logging
 from rayflow.cfg.parallel import CFGParallel, Group, all_gather_header
 from rayflow.cfg.policy import CFGPolicy, TrueCFG, guidance_policy
 from rayflow.config import RayflowConfig
-from rayflow.models.lora import TRAINED_ADAPTER, adapter_parameters, add_lora, target_weight_names
+from rayflow.models.lora import TRAINED_ADAPTER, adapter_parameters, target_weight_names
 from rayflow.models.weight_sets import named_weights
-from rayflow.models import DiffusionModel, load_model
+from rayflow.models import DiffusionModel, load_configured
 from rayflow.models.speed import apply_speed_options
-from rayflow.models.tiny import resolve_model_path
 from rayflow.models.synced import SyncedModelSpec
 from rayflow.sync.receiver import WeightReceiver
 from rayflow.sampling.denoise import advance, finish_rollout, start_rollout
@@ -142,15 +141,14 @@ class RolloutRank:
 
     def _load_own_model(self) -> None:
         spec, m = self.spec, self.spec.model
-        path = resolve_model_path(m.path, m.cache_dir, m.tiny_size, m.tiny_seed, m.tiny_arch)
-        self.model = load_model(path, device=self.device, dtype=getattr(torch, m.dtype))
+        self.model = load_configured(m, self.device)
         targets = spec.lora_targets or self.model.lora_target_modules
         params = dict(self.model.transformer.named_parameters())
         if spec.train_mode == "full":  # the base weights are version 0's
             self._synced = params
         elif spec.sync_mode == "lora":
             torch.manual_seed(spec.seed)  # the learner seeds the same way before add_lora (the A matrices are random)
-            add_lora(self.model.transformer, rank=spec.lora_rank, alpha=spec.lora_alpha, targets=targets, init=spec.lora_init)
+            spec.add_lora_slot(self.model)
             self._synced = adapter_parameters(self.model.transformer, TRAINED_ADAPTER)
         else:
             # A LoRA starts as the identity (B = 0), so the base weights are version 0's merged weights.

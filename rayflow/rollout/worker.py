@@ -14,7 +14,7 @@ import ray
 import torch
 
 from rayflow.cfg.policy import CFGPolicy
-from rayflow.distributed.process_group import CollectiveGroup, Rendezvous, node_ip
+from rayflow.distributed.process_group import CollectiveGroup, GroupHost, Rendezvous, node_ip
 from rayflow.rollout.rank import RolloutRank, RolloutRankSpec
 from rayflow.sync.buckets import Manifest
 from rayflow.types import RolloutRequest, Trajectory
@@ -23,17 +23,13 @@ from rayflow.types import RolloutRequest, Trajectory
 CONCURRENCY_GROUPS = {"weights": 1, "monitor": 1}
 
 
-class RolloutRankHost:
+class RolloutRankHost(GroupHost):
     """The calls a rollout rank's actor serves, around its RolloutRank `self.rank` (set by the actor's constructor,
     or later by an actor that builds it from a model it owns: rayflow.distributed.colocated)."""
 
     rank: RolloutRank
     group: CollectiveGroup | None = None
     sync_group: CollectiveGroup | None = None
-
-    def rendezvous(self) -> Rendezvous:
-        """Called on rank 0: a free port of this node for the group's TCP store."""
-        return Rendezvous.on_this_node()
 
     def join(self, rendezvous: Rendezvous, group_name: str) -> dict[str, str]:
         """Join the replica's process group (blocks until every rank joined); return where this rank runs."""

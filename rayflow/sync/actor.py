@@ -11,7 +11,7 @@ from __future__ import annotations
 import ray
 import torch
 
-from rayflow.distributed.process_group import CollectiveGroup, Rendezvous
+from rayflow.distributed.process_group import CollectiveGroup, GroupHost, Rendezvous
 from rayflow.models.synced import SyncedModelSpec
 from rayflow.sync.buckets import Manifest, WirePush
 from rayflow.sync.fold import AdapterFolder
@@ -64,7 +64,7 @@ class RayReceivers:
 
 
 @ray.remote(max_concurrency=8)
-class WeightSyncActor:
+class WeightSyncActor(GroupHost):
     def __init__(self, spec: SyncSpec, synced: SyncedModelSpec):
         """`synced` says what the receivers hold (model and LoRA shape); merged mode folds with it."""
         self.spec = spec
@@ -72,9 +72,6 @@ class WeightSyncActor:
         fold = AdapterFolder(synced) if spec.mode == "merged" and synced.train_mode == "lora" else None
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.source = WeightSource(spec, device, fold)
-
-    def rendezvous(self) -> Rendezvous:
-        return Rendezvous.on_this_node()
 
     def join(self, rendezvous: Rendezvous, name: str, receivers: list[ray.actor.ActorHandle]) -> None:
         """Rank 0 of a new group generation `name` whose ranks 1..n are `receivers` (rollout rank actors, which join
