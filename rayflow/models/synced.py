@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rayflow.config import TRAIN_MODES, ModelConfig
+from rayflow.config import ModelConfig
+from rayflow.config.sections import TRAIN_MODES
 from rayflow.models.base import DiffusionModel
 from rayflow.models.lora import add_lora
 
