@@ -89,8 +89,6 @@ class Trainer:
                     devices = self._own(ColocatedDevices(learner_spec, spec, cfg.placement, cfg.rollout))
                 self.learners, self.rollout, self.sync = devices.learners, devices.rollout, devices.weights
             else:
-                with phase("weight sync"):  # its actor starts while the learners and rollout replicas load
-                    self.sync = self._own(WeightSync(cfg.sync, spec, None, cfg.rollout.collective_timeout_s))
                 with phase("learners"):
                     self.learners = self._own(LearnerGroup(learner_spec))
                 with phase("rollout"):
@@ -99,7 +97,7 @@ class Trainer:
                 self.rewards = self._own(RewardPool(cfg.reward))
             if not cfg.placement.colocated:
                 with phase("weight sync"):
-                    self.sync.connect(self.rollout.replicas)
+                    self.sync = self._own(WeightSync(cfg.sync, spec, self.rollout.replicas, cfg.rollout.collective_timeout_s))
             self.rollout.sync_with(self.sync)
             self.evaluator = Evaluator(cfg.data, cfg.sampling, prompts, self._generate, self.rewards)
             with phase("resume"):

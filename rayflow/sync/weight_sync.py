@@ -55,11 +55,10 @@ class SyncedReplica(Protocol):
 
 
 class WeightSync:
-    def __init__(self, cfg: SyncConfig, rollout_spec: SyncedModelSpec, replicas: list[SyncedReplica] | None,
+    def __init__(self, cfg: SyncConfig, rollout_spec: SyncedModelSpec, replicas: list[SyncedReplica],
                  timeout_s: float = 300.0, name: str = "rayflow-weight-sync"):
         """`rollout_spec`: what the rollout ranks hold (a rayflow.rollout.RolloutRankSpec is one); only its
-        SyncedModelSpec fields cross to the actor. `replicas` None: the actor starts (without waiting for it) and the
-        caller `connect`s the replicas once they are up, so the actor's start overlaps theirs."""
+        SyncedModelSpec fields cross to the actor."""
         self.cfg = cfg
         self.gpus = resolve_gpus(cfg.gpus)
         self.placed = place(1, cfg.cpus, self.gpus, cfg.resources, name=name)
@@ -73,12 +72,11 @@ class WeightSync:
         self.restarts = 0
         """Replacements of a dead actor started."""
         self._start_actor()
-        if replicas is not None:
-            try:
-                self.connect(replicas)
-            except BaseException:
-                self.shutdown()
-                raise
+        try:
+            self.connect(replicas)
+        except BaseException:
+            self.shutdown()
+            raise
 
     def _start_actor(self) -> None:
         # No restarts by Ray: a new actor must join a new group generation, which `restart` forms.
