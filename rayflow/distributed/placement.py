@@ -61,13 +61,14 @@ class PlacedGroup:
     def node_of_rank(self, rank: int) -> str:
         return self.bundle_nodes[self.rank_bundles[rank]]
 
-    def address_of_rank(self, rank: int) -> str:
-        node_id = self.node_of_rank(rank)
-        return next((n["NodeManagerAddress"] for n in ray.nodes() if n["NodeID"] == node_id), "unknown address")
+    def rank_nodes(self) -> list[tuple[str, str]]:
+        """(node address, node id) of each rank, from one look at the cluster's nodes."""
+        addresses = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
+        return [(addresses.get(node, "unknown address"), node) for node in map(self.node_of_rank, range(len(self.rank_bundles)))]
 
     def describe(self, rank: int) -> str:
         """`rank` for messages: "1 of 2 on node ADDRESS (node id ID)" (describe_rank)."""
-        return describe_rank(rank, len(self.rank_bundles), self.address_of_rank(rank), self.node_of_rank(rank))
+        return describe_rank(rank, len(self.rank_bundles), *self.rank_nodes()[rank])
 
     def spawn(self, rank: int, actor_class, *args, **options) -> ray.actor.ActorHandle:
         """Start `actor_class(*args)` (a ray.remote class) in `rank`'s bundle, holding that bundle's CPUs and GPUs;

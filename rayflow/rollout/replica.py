@@ -109,11 +109,10 @@ class RolloutReplica:
 
     def _join(self, name: str, placed: PlacedGroup, workers: list[ray.actor.ActorHandle], collective_timeout_s: float) -> None:
         self.name, self.placed, self.workers = name, placed, workers
-        self.world_size = W = len(workers)
+        self.world_size = len(workers)
         self.collective_timeout_s = collective_timeout_s
-        ips = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
-        self.nodes = [(ips.get(self.placed.node_of_rank(r), "?"), self.placed.node_of_rank(r)) for r in range(W)]
-        """(address, node id) of each rank."""
+        self.nodes = placed.rank_nodes()
+        """(address, node id) of each rank, kept: messages name ranks after a shutdown released `placed` too."""
         # Rank 0 picks the rendezvous on its own node; the others receive it as an ObjectRef argument,
         # so no call here blocks.
         rendezvous = self.workers[0].rendezvous.remote()
