@@ -130,6 +130,10 @@ class RolloutRequest:
     group_ids: list[int]
     seeds: list[int]
     params: SamplingParams
+    min_version: int | None = None
+    """The oldest policy version the request may start under: a rollout rank holding only older weights waits for
+    this one to be staged (synchronous mode submits the next batch while its weights are still being broadcast).
+    None: whatever the rank holds."""
 
     def validate(self) -> None:
         n = len(self.prompts)

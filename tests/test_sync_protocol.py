@@ -3,6 +3,7 @@ group and fake receivers, and one rollout rank's receiver (rayflow.sync.receiver
 tensors. The same classes run inside the actors of test_sync.py."""
 
 import threading
+import time
 
 import pytest
 import torch
@@ -124,6 +125,24 @@ def test_push_returns_before_the_broadcast_and_wait_times_out_until_the_receiver
     source.close()
 
 
+def test_settle_returns_only_once_the_broadcast_in_flight_has_ended():
+    gate = threading.Event()
+    source = WeightSource(SyncSpec(bucket_mb=1, timeout_s=10), CPU)
+    source.join(FakeGroup, FakeReceivers(["ok"], gate))
+    source.push(to_wire(1, weights(1)))
+    while not source._lock.locked():  # the broadcast thread has taken version 1
+        time.sleep(0.01)
+    settled = threading.Event()
+    thread = threading.Thread(target=lambda: (source.settle(), settled.set()))
+    thread.start()
+    assert not settled.wait(0.2), "settled while the receivers had not answered"
+    gate.set()
+    assert settled.wait(10)
+    thread.join()
+    assert source.wait(1, timeout_s=10).version == 1
+    source.close()
+
+
 @pytest.mark.parametrize("second", [3, 2])
 def test_a_push_not_newer_than_the_last_stops_the_sync_naming_the_version(second):
     source, group, receivers = source_with(["ok"])
@@ -237,6 +256,25 @@ def test_ranks_apply_the_minimum_of_their_newest_staged_versions():
     headers = [first.newest(), second.newest()]
     assert [first.agree(headers, apply=True), second.agree(headers, apply=True)] == [2, 2]
     assert flat(held0) == flat(weights(2)) == flat(held1)
+
+
+def test_a_rank_waits_for_a_requests_min_version_until_the_receiving_thread_stages_it():
+    receiver, _ = receiver_with()
+    receiver.wait_for(0)  # held already: returns at once
+    waited = threading.Event()
+
+    def start_request():  # the sampling thread, as RolloutRank.generate with min_version 2
+        receiver.wait_for(2)
+        waited.set()
+
+    thread = threading.Thread(target=start_request)
+    thread.start()
+    receiver.stage(1, weights(1))
+    assert not waited.wait(0.2), "started under version 1 while the request asks for 2"
+    receiver.stage(2, weights(2))
+    assert waited.wait(5.0), "version 2 was staged but the request still waits"
+    thread.join()
+    assert receiver.agree([receiver.newest()], apply=True) == 2
 
 
 def test_applying_a_version_drops_older_staged_ones_and_staging_keeps_the_newest_two():

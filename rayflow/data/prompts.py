@@ -70,8 +70,8 @@ class PromptGroup:
     prompt: str
     seeds: tuple[int, ...]
 
-    def requests(self, params: SamplingParams, micro_batch_size: int) -> list[RolloutRequest]:
-        """The group as rollout requests of at most micro_batch_size samples each."""
+    def requests(self, params: SamplingParams, micro_batch_size: int, min_version: int | None = None) -> list[RolloutRequest]:
+        """The group as rollout requests of at most micro_batch_size samples each (RolloutRequest.min_version)."""
         out = []
         for start in range(0, len(self.seeds), micro_batch_size):
             seeds = list(self.seeds[start : start + micro_batch_size])
@@ -83,6 +83,7 @@ class PromptGroup:
                     group_ids=[self.group_id] * len(seeds),
                     seeds=seeds,
                     params=params,
+                    min_version=min_version,
                 )
             )
         return out

@@ -65,7 +65,8 @@ class DeviceWorker(RolloutRankHost):
         self._to_sampling()
         return identity
 
-    def train_step(self, batch: list) -> dict[str, float]:
+    def train_step(self, batch: list, push_to: None = None) -> dict[str, float]:
+        """`push_to`: always None (nothing to push: see push_weights)."""
         return self._training(self.learner.train_step, batch)
 
     def adapter_weights(self, adapter: str) -> dict[str, torch.Tensor] | None:

@@ -7,7 +7,9 @@
   group, say): each CollectiveGroup is a standalone ProcessGroup on its own store prefix, not
   carved out of a global default group, so groups of different membership coexist.
 - Every collective has a timeout; a timed-out or broken collective raises CollectiveError naming
-  the group, this rank and the node, instead of hanging.
+  the group, this rank and the node, instead of hanging. Forming a group waits at least
+  FORM_TIMEOUT_FLOOR_S: a short collective timeout (noticing a stalled peer fast) must not fail a join
+  that a loaded node merely starts late.
 - Collective traffic and the rank-0 store bind to the network interface that holds the node's Ray
   address (loopback on a laptop run), never to every interface or to whatever the hostname resolves
   to: torch's TCPStore listens on all interfaces unless handed a socket bound by us.
@@ -21,7 +23,11 @@ import socket
 from dataclasses import dataclass
 
 import torch
+import torch._C._distributed_c10d as c10d
 import torch.distributed as dist
+
+FORM_TIMEOUT_FLOOR_S = 30.0
+"""The least time forming a group (store connect, gloo's pairwise connect) waits for its members."""
 
 
 def device_backend(device: torch.device | str) -> str:
@@ -114,11 +120,13 @@ class CollectiveGroup:
         self.address = node_ip()
         bind_collectives_to(self.address)
         timeout = datetime.timedelta(seconds=timeout_s)
-        self._store, self._listener = open_store(rendezvous, rank, size, timeout)
+        # Forming the group may take longer than a collective may: a member on a loaded node starts its join late.
+        forming = datetime.timedelta(seconds=max(timeout_s, FORM_TIMEOUT_FLOOR_S))
+        self._store, self._listener = open_store(rendezvous, rank, size, forming)
         store = dist.PrefixStore(f"rayflow/{name}", self._store)
         if self.backend == "gloo":
             options = dist.ProcessGroupGloo._Options()
-            options._timeout = timeout
+            options._timeout = forming  # gloo connects every pair here; each collective carries `timeout`
             options._devices = [dist.ProcessGroupGloo.create_device(hostname=self.address)]
             self._pg = dist.ProcessGroupGloo(store, rank, size, options)
         else:
@@ -139,13 +147,16 @@ class CollectiveGroup:
         """Every rank's `tensor` (same shape and dtype on all ranks), in rank order."""
         tensor = tensor.contiguous()
         out = [torch.empty_like(tensor) for _ in range(self.size)]
-        self._wait(self._pg.allgather([out], [tensor]), "all_gather")
+        options = c10d.AllgatherOptions()
+        options.timeout = datetime.timedelta(seconds=self.timeout_s)
+        self._wait(self._pg.allgather([out], [tensor], options), "all_gather")
         return out
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
         """In place: every rank's `tensor` becomes rank `src`'s."""
         options = dist.BroadcastOptions()
         options.rootRank = src
+        options.timeout = datetime.timedelta(seconds=self.timeout_s)
         self._wait(self._pg.broadcast([tensor], options), "broadcast")
         return tensor
 

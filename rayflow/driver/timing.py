@@ -52,6 +52,10 @@ class StepClock:
             self.start += paused
             self.last += paused
 
+    def elapsed(self) -> float:
+        """Seconds of the step in progress so far."""
+        return time.perf_counter() - self.start
+
     def lap(self, images: int) -> dict[str, float]:
         self.tick(self._rollout_busy, self._learner_busy)
         step_s = self.last - self.start

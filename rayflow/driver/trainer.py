@@ -6,12 +6,12 @@ One pass of the loop (every call returns futures; the loop only waits for "somet
     rollout   finished requests → rewards (by reference: trajectories never pass through the driver)
     reward    scored trajectories → the queue; complete, fresh groups form a batch
     train     batch → advantages → learners (algorithm.num_inner_epochs x num_minibatches optimizer steps, version + 1)
-    sync      learner rank 0 pushes the rollout adapter; the WeightSyncActor broadcasts it
+    sync      learner rank 0 pushes the rollout adapter as its train step ends; the WeightSyncActor broadcasts it
     log       TensorBoard / Ray metrics / progress bar; eval and checkpoint on their schedule
 
 With async.max_staleness = 0 the loop is synchronous: a batch is rolled out entirely under the
 current weights, trained on, and the new weights are on every rollout rank before the next batch
-starts; the run then equals the single-process reference trainer (rayflow.reference) bit for bit.
+starts (its requests are submitted at once and wait on the ranks for them: RolloutRequest.min_version); the run then equals the single-process reference trainer (rayflow.reference) bit for bit.
 """
 
 from __future__ import annotations
@@ -60,8 +60,6 @@ class Trainer:
         self.sampler = GroupSampler(prompts, cfg.algorithm.group_size, cfg.trainer.seed, cfg.data.shuffle)
         self.queue = self._new_queue(accepted=0)
         self.version = 0
-        self.synced_version = 0
-        """The newest version staged on every rollout rank (waited for in synchronous mode)."""
         self.zero_signal_groups = 0
         self.skips = SkippedSteps(cfg.trainer.max_skipped_steps)
         self.filtered_samples = 0
@@ -71,6 +69,8 @@ class Trainer:
         self.history: list[dict[str, float]] = []
         self.train_s = 0.0
         """This start's training time so far: its steps' wall time, evaluations excluded (trainer.time_limit_s)."""
+        self.pushing_to = None
+        """The weight-sync actor the train step in flight pushes its version to."""
         self.evaluating: set[PoolFuture] = set()
         """Requests the driver waits for itself (evaluation) instead of scoring them for training."""
         self.learner_watchdog = Watchdog(cfg.learner.stall_timeout_s, cfg.rollout.stall_factor)
@@ -156,7 +156,8 @@ class Trainer:
         self.zero_signal_groups = adv.zero_signal_groups
         trained, self.filtered_samples = learner_batch(batch, self.learners.spec, self.version)
         self.learner_watchdog.busy("learners")
-        return self.learners.train_step(trained)
+        self.pushing_to = self.sync.actor
+        return self.learners.train_step(trained, push_to=self.pushing_to)
 
     def _serve(self, training: list[ray.ObjectRef] | None) -> None:
         """Wait (at most POLL_S) for something to finish; finished rollouts go to rewards (evaluation's stay with
@@ -184,17 +185,18 @@ class Trainer:
         )
 
     def _admit(self) -> None:
-        if self.cfg.async_.max_staleness == 0 and self.synced_version < self.version:
-            return  # synchronous: the next batch starts only under the newest weights
         while self.queue.can_admit(self.version):
             self._submit([self.sampler.next_group()], new=True)
 
     def _submit(self, groups: list[PromptGroup], new: bool = False) -> None:
+        # Synchronous: a batch is sampled under the newest weights only; the rollout ranks wait for them, so the driver
+        # need not (requests are submitted while the weights are still being broadcast).
+        min_version = self.version if self.cfg.async_.max_staleness == 0 else None
         for group in groups:
             if new:
                 self.queue.submitted(group)
             sampling = window_params(self.cfg.sampling, self.cfg.trainer.seed, self.version)
-            for request in group.requests(sampling, self.cfg.rollout.micro_batch_size):
+            for request in group.requests(sampling, self.cfg.rollout.micro_batch_size, min_version):
                 self.rollout.submit(request)
 
     def _check_sync_failure(self, training_in_flight: bool) -> None:
@@ -206,8 +208,8 @@ class Trainer:
 
     def _sync_failed(self, failure: BaseException, push: bool = True) -> None:
         """Raise a stopped sync's failure; replace a dead weight-sync actor (sync.max_restarts), re-forming its group
-        with the rollout ranks, and push the current version again (`push`; else the train step in flight pushes
-        the next one)."""
+        with the rollout ranks, and push the current version again (`push`; else the next one is pushed to the new
+        actor when the train step in flight ends, whose own push went to the dead one)."""
         if not isinstance(failure, ray.exceptions.RayActorError):
             raise failure
         self.sync.restart(self.rollout.replicas, failure)
@@ -242,11 +244,18 @@ class Trainer:
         """An optimizer step finished: new version → push weights → log → eval → checkpoint."""
         cfg = self.cfg
         self.version += 1
-        push = self._push_weights()
-        push_s = sync_s = push["gather_s"] + push["push_s"]
+        if self.sync.actor is self.pushing_to:  # learner rank 0 pushed the version when the step ended
+            push_s = metrics.get("sync/gather_s", 0.0) + metrics.get("sync/push_s", 0.0)
+        else:  # the weight-sync actor was replaced while the step trained: its push went to the dead one
+            push = self._push_weights()
+            push_s = push["gather_s"] + push["push_s"]
+        sync_s = push_s
+        if cfg.async_.max_staleness == 0:
+            # The next batch rolls out as soon as the broadcast lands on the rollout ranks: its requests go now.
+            if self.version < cfg.trainer.total_steps and not self._out_of_time_at(clock.elapsed()):
+                self._admit()
         if cfg.async_.max_staleness == 0:
             sync_s += self._wait_synced()
-            self.synced_version = self.version
         else:
             self._check_sync()
         rewards = torch.tensor([t.reward for t in batch])
@@ -294,8 +303,12 @@ class Trainer:
     @property
     def out_of_time(self) -> bool:
         """trainer.time_limit_s has passed (the loop ends after this step)."""
+        return self._out_of_time_at(0.0)
+
+    def _out_of_time_at(self, step_s: float) -> bool:
+        """trainer.time_limit_s has passed once the step in progress has taken `step_s`."""
         limit = self.cfg.trainer.time_limit_s
-        return limit is not None and self.train_s >= limit
+        return limit is not None and self.train_s + step_s >= limit
 
     def _eval_weights(self) -> ray.ObjectRef | None:
         """With trainer.ema_decay > 0, the "ema" adapter as the rollout ranks' slot holds it (flow_grpo evaluates
@@ -353,7 +366,6 @@ class Trainer:
             self.sync.rewind(version, self.rollout.replicas)
         self._push_weights()
         self.sync.wait(self.version, timeout_s=self.sync.deadline_s)
-        self.synced_version = self.version
         self.queue = self._new_queue(accepted=version * self.cfg.algorithm.batch_size)
         for gid in data.get("pending_groups", []):  # under the version's weights
             group = self.sampler.group(gid)

@@ -62,11 +62,17 @@ class LearnerWorker(GroupHost):
                                       transformer_only=not self.whole_pipeline)
         return self.backend.identity
 
-    def train_step(self, batch: list[Trajectory] | list[tuple[ray.ObjectRef, int, float]]) -> dict[str, float]:
-        """Train the whole batch; only the entries this rank's mini-batch slices need are fetched."""
+    def train_step(self, batch: list[Trajectory] | list[tuple[ray.ObjectRef, int, float]], push_to=None) -> dict[str, float]:
+        """Train the whole batch; only the entries this rank's mini-batch slices need are fetched. Then, with
+        `push_to` (a weight-sync actor), push the new version to it at once (push_weights' timings are in the
+        metrics as sync/gather_s, sync/push_s): the broadcast starts without a round trip through the driver."""
         needed = sorted({i for step in self.backend.rank_steps(len(batch)) for i in step})
         fetched = dict(zip(needed, fetch_shard([batch[i] for i in needed])))
-        return self.backend.train_step([fetched.get(i) for i in range(len(batch))])
+        metrics = self.backend.train_step([fetched.get(i) for i in range(len(batch))])
+        if push_to is not None:
+            push = self.push_weights(push_to)
+            metrics.update({"sync/gather_s": push["gather_s"], "sync/push_s": push["push_s"]})
+        return metrics
 
     def adapter_weights(self, adapter: str) -> dict[str, torch.Tensor] | None:
         return self.backend.adapter_weights(adapter)
@@ -177,12 +183,12 @@ class LearnerGroup:
         self.restarts += 1
         self._start()
 
-    def train_step(self, batch: list[Trajectory] | list[TrajectoryRef]) -> list[ray.ObjectRef]:
+    def train_step(self, batch: list[Trajectory] | list[TrajectoryRef], push_to=None) -> list[ray.ObjectRef]:
         """Train one batch: algorithm.steps_per_batch optimizer steps, each rank on its slice of every
-        mini-batch (TrajectoryRefs are fetched by the ranks, never by the driver); refs to each rank's
-        (equal) metrics."""
+        mini-batch (TrajectoryRefs are fetched by the ranks, never by the driver); then push the new version to
+        the weight-sync actor `push_to` (None: no push); refs to each rank's (equal) metrics."""
         light = ray.put(light_batch(batch, self.world_size))
-        return [w.train_step.remote(light) for w in self.workers]
+        return [w.train_step.remote(light, push_to) for w in self.workers]
 
     def push_weights(self, sync_actor) -> list[ray.ObjectRef]:
         """Refs to each rank's push timings; rank 0 hands the rollout adapter to `sync_actor`

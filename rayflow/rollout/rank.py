@@ -4,6 +4,7 @@ The Ray actor (worker.py) only holds one of these and forwards calls; tests also
 threads of one process over an in-process group. Per request every rank of a replica runs
 
     start_rollout (validates: a bad request fails on every rank alike, before any collective)
+    wait until the request's min_version is staged (RolloutRequest.min_version)
     agree on the newest version staged on all ranks -> apply it
     per step: CFG-parallel velocity (one all_gather, carrying each rank's newest staged version)
               -> advance(state, v, version) -> at the boundary, apply the newly agreed version
@@ -203,7 +204,9 @@ class RolloutRank:
         if self.group is None:
             raise RuntimeError(f"rollout rank {self.rank} has not joined its group")
         policy = policy or self.spec.policy
-        state = start_rollout(self.model, request, policy)
+        state = start_rollout(self.model, request, policy)  # encodes the prompts: needs none of the synced weights
+        if request.min_version is not None:
+            self.receiver.wait_for(request.min_version)
         tag = request_tag(request)
         self._agree(all_gather_header(self.group, self._header(tag)), tag, apply=True)
         guidance = CFGParallel(self.group, len(state.branches), self.spec.batch_branches)

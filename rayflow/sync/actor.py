@@ -80,6 +80,9 @@ class WeightSyncActor(GroupHost):
         self.source.join(lambda: CollectiveGroup(name, rendezvous, 0, size, self.source.device, self.spec.timeout_s),
                          RayReceivers(receivers))
 
+    def settle(self) -> None:
+        self.source.settle()
+
     def current(self) -> tuple[int, dict[str, torch.Tensor]] | None:
         return self.source.current()
 

@@ -58,30 +58,37 @@ class StagedWeights:
     """Versions received but not applied yet: {version: canonical name -> tensor}; thread-safe."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
+        self._staging = threading.Condition()
+        """Guards the versions; notified when one is staged."""
         self._by_version: dict[int, dict[str, torch.Tensor]] = {}
 
     def put(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
         """Stage `version`, keeping only it and the newest one before it (an idle replica does not pile up every
         version it receives)."""
-        with self._lock:
+        with self._staging:
             self._by_version[version] = tensors
             for old in sorted(self._by_version)[:-KEEP_STAGED]:
                 del self._by_version[old]
+            self._staging.notify_all()
 
     def newest(self, default: int) -> int:
         """The newest staged version, or `default` (the applied one) when nothing is staged."""
-        with self._lock:
+        with self._staging:
             return max(self._by_version, default=default)
+
+    def wait_newest(self, at_least: int, default: int) -> None:
+        """Block until newest(default) >= at_least: another thread stages it."""
+        with self._staging:
+            self._staging.wait_for(lambda: max(self._by_version, default=default) >= at_least)
 
     def drop_after(self, version: int) -> None:
         """Forget every staged version newer than `version` (voided by a rewind of the learners)."""
-        with self._lock:
+        with self._staging:
             self._by_version = {v: t for v, t in self._by_version.items() if v <= version}
 
     def take(self, version: int) -> dict[str, torch.Tensor]:
         """Remove and return `version`, dropping every older one."""
-        with self._lock:
+        with self._staging:
             if version not in self._by_version:
                 raise KeyError(
                     f"version {version} was agreed by the replica but is not staged on this rank "
@@ -133,6 +140,13 @@ class WeightReceiver:
     def newest(self) -> int:
         """What this rank announces in the step header: its newest staged version, or the applied one."""
         return max(self.version, self.staged.newest(self.version))
+
+    def wait_for(self, version: int) -> None:
+        """Block until this rank holds `version` or a newer one (applied or staged by the receiving thread), so the
+        replica agrees on it at the request's start (RolloutRequest.min_version). A version that never comes
+        leaves the request in flight without progress: the rollout watchdog's to report (and replace the replica)."""
+        if self.version < version:
+            self.staged.wait_newest(version, default=self.version)
 
     def agree(self, newest_per_rank: list[int], apply: bool) -> int:
         """The replica's version: the minimum of its ranks' `newest` (a version every rank holds); loaded into the

@@ -161,6 +161,12 @@ class WeightSource:
             if self.latest is not None and self.latest[0] not in self.reports:
                 self._pending.put((self.latest[1], 0.0))
 
+    def settle(self) -> None:
+        """Return once no broadcast is in flight (spec.broadcast_deadline_s at most): receivers asked to join a new
+        generation then find its store listening, instead of timing out while the source finishes an old broadcast."""
+        with self._lock:
+            pass
+
     def current(self) -> tuple[int, dict[str, torch.Tensor]] | None:
         """The newest (version, tensors) pushed, as broadcast (merged in merged mode): for late joiners."""
         if self.latest is None:

@@ -90,11 +90,17 @@ class WeightSync:
         workers = [r.workers[rank] for r, rank in members]
         self.generation += 1
         name = f"rayflow-weight-sync-{self.generation}"
+        # A broadcast in flight (to a lost receiver: up to deadline_s) ends first, or the ranks' store connects would
+        # time out (one collective timeout) while the actor finishes it before it can host the new group.
+        settled = self.actor.settle.remote()
+        if not ray.wait([settled], timeout=self.deadline_s)[0]:
+            raise TimeoutError(f"weight-sync group {name!r}: the actor's broadcast in flight did not end within "
+                               f"{self.deadline_s:.0f}s (stalled)")
+        ray.get(settled)
         rendezvous = self.actor.rendezvous.remote()
         size = len(workers) + 1
         joins = [w.join_sync.remote(rendezvous, name, i + 1, size) for i, w in enumerate(workers)]
         refs = [self.actor.join.remote(rendezvous, name, workers), *joins]
-        # The actor may first finish a broadcast in flight (deadline_s); then joining takes a collective timeout at most.
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=self.deadline_s + self.timeout_s)
         late = [f"{r.describe_rank(rank)} of rollout replica {r.name!r}" for (r, rank), ref in zip(members, joins)
                 if ref not in ready]
