@@ -6,7 +6,7 @@
         --config recipes/diffusion_nft_qwen_image_8gpu.yaml model.path=/models/Qwen-Image
 
 Without --config: the shapes base shipped in models/shapes-qwen-image trains on GenEval-style prompts against
-the `shapes` reward on CPU (10–12 minutes on 2 cores; eval/shapes_accuracy on held-out prompts is
+the `shapes` reward on CPU (about 15 minutes on 2 cores for 200 steps; eval/shapes_accuracy on held-out prompts is
 logged before the first step and every trainer.eval_every steps). Joins the cluster at RAY_ADDRESS when set
 (as under `ray job submit`), else starts a local Ray on loopback.
 """
