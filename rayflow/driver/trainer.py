@@ -11,7 +11,8 @@ One pass of the loop (every call returns futures; the loop only waits for "somet
 
 With async.max_staleness = 0 the loop is synchronous: a batch is rolled out entirely under the
 current weights, trained on, and the new weights are on every rollout rank before the next batch
-starts (its requests are submitted at once and wait on the ranks for them: RolloutRequest.min_version); the run then equals the single-process reference trainer (rayflow.reference) bit for bit.
+starts (its requests are submitted at once and wait on the ranks for them: RolloutRequest.min_version);
+the run then equals the single-process reference trainer (rayflow.reference) bit for bit.
 """
 
 from __future__ import annotations
@@ -254,7 +255,6 @@ class Trainer:
             # The next batch rolls out as soon as the broadcast lands on the rollout ranks: its requests go now.
             if self.version < cfg.trainer.total_steps and not self._out_of_time_at(clock.elapsed()):
                 self._admit()
-        if cfg.async_.max_staleness == 0:
             sync_s += self._wait_synced()
         else:
             self._check_sync()
