@@ -29,6 +29,11 @@ from rayflow.runs import USER_ERRORS, RunComplete, preflight, write_run_config
 
 log = logging.getLogger("rayflow")
 
+ACTOR_MODULES = ("rayflow.learner.worker", "rayflow.rollout.worker")
+"""Imported by every Ray worker process of a local Ray as it starts (Ray's `preload_python_modules`): the
+workers Ray starts ahead of demand import torch, diffusers and transformers (~3 s a process here) while the
+driver is still checking the cluster, so the first learner and rollout actors start without that wait."""
+
 
 def start_ray(cfg: RayflowConfig) -> bool:
     """Join the cluster at RAY_ADDRESS (as under `ray job submit`), else start a local Ray on loopback.
@@ -51,7 +56,8 @@ def start_ray(cfg: RayflowConfig) -> bool:
     cpus = max(os.cpu_count() or 1, int(required_cpus(cfg) + 0.999))
     with _one_start_at_a_time():
         context = ray.init(address="local", num_cpus=cpus, include_dashboard=True, dashboard_host="127.0.0.1",
-                           dashboard_port=dashboard_port())
+                           dashboard_port=dashboard_port(),
+                           _system_config={"preload_python_modules": list(ACTOR_MODULES)})
     log.info("local Ray with %d logical CPUs; dashboard at http://%s (its API wants the token in ~/.ray/auth_token)",
              cpus, context.dashboard_url)
     return True
