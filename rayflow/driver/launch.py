@@ -57,7 +57,9 @@ def start_ray(cfg: RayflowConfig) -> bool:
     with _one_start_at_a_time():
         context = ray.init(address="local", num_cpus=cpus, include_dashboard=True, dashboard_host="127.0.0.1",
                            dashboard_port=dashboard_port(),
-                           _system_config={"preload_python_modules": list(ACTOR_MODULES)})
+                           # Keep idle workers until an actor takes them: with the default soft limit (the logical
+                           # CPUs) Ray killed the second one ahead of the rollout actor on a 2-CPU run.
+                           _system_config={"preload_python_modules": list(ACTOR_MODULES), "num_workers_soft_limit": 2 * cpus})
     log.info("local Ray with %d logical CPUs; dashboard at http://%s (its API wants the token in ~/.ray/auth_token)",
              cpus, context.dashboard_url)
     return True
