@@ -175,6 +175,7 @@ def test_a_worker_whose_process_dies_is_replaced_while_its_restart_budget_lasts(
     pool = make_pool([RewardFnConfig("color", 1.0)], batch_size=2, max_restarts=1)
     pid = ray.get(pool.workers[0].__ray_call__.remote(lambda self: os.getpid()))
     ray.kill(pool.workers[0], no_restart=False)  # as if the process crashed
+    wait_until_dead(pool.workers[0])  # ray.kill is asynchronous: a call sent at once could still be served
     trajectories = [trajectory(i) for i in range(4)]
     with caplog.at_level(logging.WARNING, logger="rayflow.rewards"):
         pool.submit(trajectories)
@@ -195,6 +196,7 @@ def test_a_worker_whose_process_dies_is_replaced_while_its_restart_budget_lasts(
 
     # A second death within reward.restart_window_s: the budget is used up and the worker leaves the rotation.
     ray.kill(pool.workers[0])
+    wait_until_dead(pool.workers[0])
     more = [trajectory(i) for i in range(8, 12)]
     pool.submit(more)
     assert sorted(map(id, collect_all(pool))) == sorted(map(id, more)) and pool.dead == {0}

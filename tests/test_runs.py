@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from rayflow import reference
+from rayflow.driver.launch import PRELOAD_MAX_CORES
 from rayflow.paths import REPO_ROOT
 from rayflow.runs import ResumeRefused, RunComplete, plan_resume, write_run_config
 from tiny_run import GRPO, small_cfg
@@ -138,3 +139,29 @@ def test_the_resource_check_reads_the_live_cluster(ray_session):
     check_cluster_fits(load_config(GRPO))
     with pytest.raises(ConfigError, match=r"'13 needed \(rollout 12, .*8 now; no autoscaler can add more"):
         check_cluster_fits(load_config(GRPO, ["rollout.num_replicas=24"]))
+
+
+PRELOAD_PROBE = """
+import os, sys
+os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+import ray
+from rayflow.driver.launch import worker_system_config
+ray.init(address="local", num_cpus=2, include_dashboard=False, _system_config=worker_system_config(2) if sys.argv[1] == "yes" else {})
+try:
+    # A fresh worker's modules, before it runs anything of rayflow's own.
+    print("diffusers loaded:", ray.get(ray.remote(lambda: "diffusers" in sys.modules).remote()))
+finally:
+    ray.shutdown()
+"""
+
+
+@pytest.mark.parametrize("preload", ["yes", "no"])
+def test_a_local_runs_workers_have_the_actor_modules_imported_before_they_take_work(tmp_path, preload):
+    """What start-up gains from (README, Benchmarks, start-up): Ray's workers import torch and diffusers as they start."""
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    result = subprocess.run([sys.executable, "-c", PRELOAD_PROBE, preload], cwd=tmp_path, env=env, capture_output=True,
+                            text=True, timeout=180)
+    assert result.returncode == 0, result.stderr[-3000:]
+    # Local runs preload on machines of up to PRELOAD_MAX_CORES cores (CI's has 2); the unconfigured Ray is the control.
+    expected = preload == "yes" and (os.cpu_count() or 1) <= PRELOAD_MAX_CORES
+    assert f"diffusers loaded: {expected}" in result.stdout

@@ -33,6 +33,18 @@ ACTOR_MODULES = ("rayflow.learner.worker", "rayflow.rollout.worker")
 """Imported by every Ray worker process of a local Ray as it starts (Ray's `preload_python_modules`): the
 workers Ray starts ahead of demand import torch, diffusers and transformers (~3 s a process here) while the
 driver is still checking the cluster, so the first learner and rollout actors start without that wait."""
+PRELOAD_MAX_CORES = 16
+"""Ray starts up to one worker per core ahead of demand; with the preload each holds ~350 MB (RSS). Above this many
+cores a local run does not preload: there the imports are not the bottleneck they are on a laptop."""
+
+
+def worker_system_config(cpus: int) -> dict:
+    """Ray system settings of a local run with `cpus` logical CPUs: the actor modules preloaded on a small machine,
+    and idle workers kept until an actor takes them (with the default soft limit, the logical CPUs, Ray killed the
+    second preloaded worker before the rollout actor asked for one on a 2-CPU run)."""
+    if (os.cpu_count() or 1) > PRELOAD_MAX_CORES:
+        return {}
+    return {"preload_python_modules": list(ACTOR_MODULES), "num_workers_soft_limit": 2 * cpus}
 
 
 def start_ray(cfg: RayflowConfig) -> bool:
@@ -56,10 +68,7 @@ def start_ray(cfg: RayflowConfig) -> bool:
     cpus = max(os.cpu_count() or 1, int(required_cpus(cfg) + 0.999))
     with _one_start_at_a_time():
         context = ray.init(address="local", num_cpus=cpus, include_dashboard=True, dashboard_host="127.0.0.1",
-                           dashboard_port=dashboard_port(),
-                           # Keep idle workers until an actor takes them: with the default soft limit (the logical
-                           # CPUs) Ray killed the second one ahead of the rollout actor on a 2-CPU run.
-                           _system_config={"preload_python_modules": list(ACTOR_MODULES), "num_workers_soft_limit": 2 * cpus})
+                           dashboard_port=dashboard_port(), _system_config=worker_system_config(cpus))
     log.info("local Ray with %d logical CPUs; dashboard at http://%s (its API wants the token in ~/.ray/auth_token)",
              cpus, context.dashboard_url)
     return True
