@@ -2,18 +2,24 @@
 shapes base raise their strict accuracy beyond the noise of measuring it.
 
 Run with the single-process reference trainer (the distributed synchronous run equals it bit for bit:
-test_trainer.py) on one thread. Accuracy is measured before and after on fixed seeds that training never
-samples (its seeds count up from trainer.seed x 1_000_003; these start at 10^6 + 10^5), 32 images per prompt,
-ODE as the evaluation samples.
+test_trainer.py) on one thread. Accuracy is measured on fixed seeds that training never samples (its seeds count
+up from trainer.seed x 1_000_003; these start at 10^6 + 10^5), 32 images per prompt, ODE as the evaluation samples.
 
 The threshold, from measurements on this 2-core machine (README, Learning on the shapes world):
-- the noise: the base's accuracy on these prompts over 5 disjoint seed sets of 96 images is 45.8-57.3%
-  (49.0% on the test's seeds; standard deviation 4.8 points, as a binomial's at p ~ 0.5 over 96 images, 5.1);
-- the signal: 20 steps gained 17.7, 20.8, 21.8, 22.9 and 23.9 points for run seeds trainer.seed 0-4 (another
-  run seed changes the training as another machine's rounding does);
-- so the test asks for 12.5 points, 2.5 binomial standard deviations, with at least 5 points of margin.
-The prompts were chosen as the counting prompts whose gains held across run seeds ("two red circles" rose in
-some and collapsed in others).
+- the noise: the base's accuracy on these prompts over 5 disjoint seed sets of 96 images is 46.9-58.3%, mean
+  52.3% over the 480 images (standard deviation 4.3 points, a binomial's at p ~ 0.5 over 96 images 5.1). The
+  test's own set is the lowest of the five (46.9%), so the test compares with the mean, not with that set: a
+  run that learnt nothing but shuffled which images come out right would drift up toward the mean;
+- the signal: after 30 steps run seeds trainer.seed 0-6 reached 78.1, 70.8, 76.0, 54.2, 68.8, 75.0 and 72.9%
+  (another run seed changes the training as another machine's rounding might: on machines of this kind the
+  rounding is the same and a run repeats, README, Recorded runs); after 20 steps seeds 0-4
+  reached 59.4, 59.4, 65.6, 55.2 and 70.8%, too close to the noise, hence 30;
+- so the test asks for 10.2 points over the base's mean, 2 binomial standard deviations of a 96-image
+  measurement. Run seed 3 does not learn these prompts in 30 steps (+1.9 over the mean); the test's seed 0
+  clears the threshold by 15.6 points, the other five by 6.3-13.5.
+The prompts were chosen as the counting prompts the base gets right about half the time (32 seeds each:
+three red circles 47%, two yellow squares 47%, two blue triangles 66%); the previous base's set (one yellow
+circle, two yellow squares, one green triangle) is 66-81% right on this base, too near the ceiling.
 """
 
 import dataclasses
@@ -27,11 +33,13 @@ from rayflow.paths import recipe
 from rayflow.types import RolloutRequest
 
 PROMPTS = os.path.join(os.path.dirname(__file__), "data", "shapes_counting.txt")
-STEPS = 20
+STEPS = 30
 IMAGES_PER_PROMPT = 32
 EVAL_SEED = 10**6 + 10**5
-REQUIRED_GAIN = 0.125
-"""2.5 binomial standard deviations of an accuracy near 0.5 over 96 images (sqrt(0.25 / 96) = 0.051)."""
+BASE_ACCURACY = 0.523
+"""The base's accuracy on these prompts over 5 disjoint seed sets of 96 images (module docstring)."""
+REQUIRED_GAIN = 0.102
+"""2 binomial standard deviations of an accuracy near 0.5 over 96 images (sqrt(0.25 / 96) = 0.051)."""
 
 
 def accuracy(run: reference.Run, prompts: list[str]) -> float:
@@ -64,7 +72,7 @@ def test_diffusion_nft_raises_counting_accuracy_on_the_shapes_base_beyond_measur
         after = accuracy(run, prompts)
     finally:
         torch.set_num_threads(threads)
-    print(f"counting accuracy {before:.3f} -> {after:.3f} in {STEPS} steps")
-    assert after - before >= REQUIRED_GAIN, (
-        f"accuracy {before:.3f} -> {after:.3f} after {STEPS} steps: less than the {REQUIRED_GAIN} the base's measurement "
-        f"noise allows (module docstring)")
+    print(f"counting accuracy {before:.3f} -> {after:.3f} in {STEPS} steps (the base's mean: {BASE_ACCURACY})")
+    assert after - BASE_ACCURACY >= REQUIRED_GAIN, (
+        f"accuracy {before:.3f} -> {after:.3f} after {STEPS} steps: less than {REQUIRED_GAIN} over the base's "
+        f"{BASE_ACCURACY}, which the noise of measuring it allows (module docstring)")

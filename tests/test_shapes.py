@@ -16,9 +16,9 @@ from rayflow.worlds.shapes import (
 )
 
 
-def score(prompt: str, scene: list[Placed]) -> tuple[float, float]:
-    """(reward, shapes_accuracy) of one drawn scene."""
-    out = make_reward("shapes")(torch.from_numpy(render(scene))[None], [prompt])
+def score(prompt: str, scene: list[Placed], kind: str = "requirements") -> tuple[float, float]:
+    """(reward with kwargs {score: kind}, shapes_accuracy) of one drawn scene."""
+    out = make_reward("shapes", score=kind)(torch.from_numpy(render(scene))[None], [prompt])
     return float(out.scores[0]), float(out.metrics["shapes_accuracy"][0])
 
 
@@ -57,7 +57,7 @@ def test_scenes_are_deterministic_and_true_to_their_prompts():
     assert sample_scene(7) == sample_scene(7)
     for seed in range(40):
         prompt, scene = sample_scene(seed)
-        assert score(prompt, scene) == (1.0, 1.0), (prompt, scene)
+        assert score(prompt, scene) == (1.0, 1.0) and score(prompt, scene, "flow_grpo") == (1.0, 1.0), (prompt, scene)
 
 
 def test_detect_finds_kind_colour_and_place():
@@ -90,18 +90,55 @@ def test_reward_on_known_answers(prompt, scene, expected):
     assert score(prompt, scene) == pytest.approx(expected)
 
 
+# flow_grpo's rule (its reward server's evaluate_reward), the terms written out per object:
+# count 1 - |n - found|/n; colour 1 - |c - found in colour|/c when the count is right (else one 0 for colour and place);
+# place 1 or 0 when count and colour are right. The reward is the mean of the terms.
+@pytest.mark.parametrize("prompt, scene, terms", [
+    ("a red circle", [Placed("circle", "red", 1, 1)], [1, 1]),
+    ("a red circle", [Placed("circle", "green", 1, 1)], [1, 0]),
+    ("a circle", [Placed("square", "red", 1, 1)], [0]),
+    # a shape of another kind drawn too: not penalised (GenEval's training score has no "nothing else")
+    ("a red circle", [Placed("circle", "red", 1, 1), Placed("square", "blue", 0, 0)], [1, 1]),
+    # too many of the kind: the count term goes below 0
+    ("a red circle", [Placed("circle", "red", r, 0) for r in range(3)], [1 - 2, 0]),
+    ("two blue squares", [Placed("square", "blue", 0, 0)], [1 - 1 / 2, 0]),
+    ("three red triangles", [Placed("triangle", "red", 0, c) for c in range(3)], [1, 1]),
+    ("three red triangles", [Placed("triangle", "red", 0, 0), Placed("triangle", "red", 0, 2), Placed("triangle", "blue", 2, 2)],
+     [1, 1 - 1 / 3]),
+    ("a red circle on the left", [Placed("circle", "red", 1, 2)], [1, 1, 0]),
+    ("a red circle on the left", [Placed("circle", "blue", 1, 0)], [1, 0]),  # wrong colour: no place term
+    # two objects of one kind: the kind's count is the two together, each colour its own
+    ("a red square and a yellow square", [Placed("square", "red", 0, 0), Placed("square", "yellow", 2, 2)], [1, 1, 1, 1]),
+    ("a red square and a yellow square", [Placed("square", "red", 0, 0), Placed("square", "red", 2, 2)],
+     [1, 1 - 1, 1, 0]),
+    # a relation: its reference object (the second) first, then the first with the relation
+    ("a green triangle above a yellow circle", [Placed("triangle", "green", 2, 1), Placed("circle", "yellow", 0, 1)],
+     [1, 1, 1, 1, 0]),
+    ("a green triangle above a yellow circle", [Placed("triangle", "green", 0, 1), Placed("circle", "yellow", 2, 1)],
+     [1, 1, 1, 1, 1]),
+    # the reference object in the wrong colour is not matched: the relation scores 0
+    ("a green triangle above a yellow circle", [Placed("triangle", "green", 0, 1), Placed("circle", "red", 2, 1)],
+     [1, 0, 1, 1, 0]),
+    ("a green triangle above a yellow circle", [Placed("circle", "yellow", 2, 1)], [1, 1, 0, 0]),
+])
+def test_flow_grpo_score_on_known_answers(prompt, scene, terms):
+    reward, correct = score(prompt, scene, "flow_grpo")
+    assert reward == pytest.approx(sum(terms) / len(terms))
+    asked = sum(spec.count for spec in parse_prompt(prompt).objects)
+    assert correct == float(all(t == 1 for t in terms) and len(scene) == asked)  # GenEval's "correct", nothing else drawn
+
+
 def test_accuracy_is_logged_beside_the_reward_not_summed_into_it():
     images = torch.from_numpy(render([Placed("circle", "green", 1, 1)]))[None].repeat(2, 1, 1, 1)
     total, parts = WeightedReward([RewardFnConfig(name="shapes", weight=2.0)])(images, ["a red circle", "a circle"])
-    assert total.tolist() == pytest.approx([4 / 3, 2.0])
-    assert parts["shapes"].tolist() == pytest.approx([2 / 3, 1.0]) and parts["shapes_accuracy"].tolist() == [0.0, 1.0]
+    assert total.tolist() == pytest.approx([1.0, 2.0])  # flow_grpo's score by default: (1 + 0) / 2 and 1
+    assert parts["shapes"].tolist() == pytest.approx([0.5, 1.0]) and parts["shapes_accuracy"].tolist() == [0.0, 1.0]
 
 
 def test_strict_reward_is_the_per_prompt_correct_and_a_bad_kwarg_is_named():
-    """kwargs {strict: true}: the score is GenEval's binary 'correct' (flow_grpo's only_strict), the
-    fraction of requirements no longer counts."""
+    """kwargs {score: strict}: the score is GenEval's binary 'correct'; the partial credit no longer counts."""
     images = torch.from_numpy(render([Placed("circle", "green", 1, 1)]))[None].repeat(2, 1, 1, 1)
-    out = make_reward("shapes", strict=True)(images, ["a red circle", "a circle"])
+    out = make_reward("shapes", score="strict")(images, ["a red circle", "a circle"])
     assert out.scores.tolist() == [0.0, 1.0] and out.metrics["shapes_accuracy"].tolist() == [0.0, 1.0]
-    with pytest.raises(ConfigError, match=r"strict: got 'yes'; allowed: true or false"):
-        make_reward("shapes", strict="yes")
+    with pytest.raises(ConfigError, match=r"score: got 'yes'; allowed: one of \['flow_grpo', 'strict', 'requirements'\]"):
+        make_reward("shapes", score="yes")

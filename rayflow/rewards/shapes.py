@@ -115,23 +115,74 @@ def requirements_met(req: Requirements, found: list[Detection]) -> list[bool]:
     return met
 
 
+def flow_grpo_score(req: Requirements, found: list[Detection]) -> float:
+    """flow_grpo's GenEval training score (its reward server's `evaluate_reward`) on the detected shapes: the mean of
+    per-object terms, taken in GenEval's order (a relation's reference object first). Per object of n wanted of its
+    shape (summed over the prompt's objects of that shape) and c of its own colour:
+
+        count       1 - |n - found of that shape| / n                       (can go below 0: too many)
+        colour      1 - |c - found of that shape and colour| / c             (when named, and the count is right)
+        place       1 when its position / relation holds, else 0           (when asked, and count and colour are right)
+
+    and a 0 in place of the colour and place terms when the count is wrong. A relation whose reference object was not
+    matched scores 0."""
+    terms: list[float] = []
+    matched: dict[int, list[Detection]] = {}
+    order = [1, 0] if req.relation is not None else list(range(len(req.objects)))
+    for index in order:
+        spec = req.objects[index]
+        placed = index == 0 and (req.position is not None or req.relation is not None)
+        wanted = sum(o.count for o in req.objects if o.shape == spec.shape)
+        of_shape = [d for d in found if d.shape == spec.shape]
+        terms.append(1 - abs(wanted - len(of_shape)) / wanted)
+        if len(of_shape) != wanted:
+            if spec.colour is not None or placed:
+                terms.append(0.0)
+            continue
+        ours = _matches(spec, of_shape)
+        if spec.colour is not None:
+            terms.append(1 - abs(spec.count - len(ours)) / spec.count)
+            if len(ours) != spec.count:
+                continue
+        if placed:
+            if req.position is not None:
+                held = all(_SIDE[req.position](d) for d in ours)
+            else:
+                held = 1 in matched and all(_RELATION[req.relation](a, b) for a in ours for b in matched[1])
+            terms.append(float(held))
+            if not held:
+                continue
+        matched[index] = ours
+    return sum(terms) / len(terms)
+
+
+SCORES = ("flow_grpo", "strict", "requirements")
+"""What the `shapes` reward returns (kwargs `score`): flow_grpo's GenEval training score (flow_grpo_score), GenEval's
+per-prompt "correct" (every requirement met: 1 or 0), or the fraction of requirements met."""
+
+
 @register_reward("shapes")
 class ShapesReward:
-    """The fraction of the prompt's requirements met in [0, 1], or with strict=True 1 when all are met and 0
-    otherwise (flow_grpo trains GenEval on the strict reward: its only_strict); metric shapes_accuracy: the
-    strict one, whichever is trained on."""
+    """The score named by `score` (SCORES); metric shapes_accuracy: the strict one, whichever is trained on."""
 
-    def __init__(self, strict: bool = False):
-        if not isinstance(strict, bool):
-            raise TypeError(f"strict: got {strict!r}; allowed: true or false")
-        self.strict = strict
+    def __init__(self, score: str = "flow_grpo"):
+        if score not in SCORES:
+            raise TypeError(f"score: got {score!r}; allowed: one of {list(SCORES)}")
+        self.score = score
 
     @staticmethod
     def check_prompt(prompt: str) -> None:
         parse_prompt(prompt)
 
     def __call__(self, images: torch.Tensor, prompts: list[str], metadata: list[dict] | None = None) -> RewardOutput:
-        met = [requirements_met(parse_prompt(p), detect(image.numpy())) for image, p in zip(images, prompts)]
-        fraction = torch.tensor([sum(m) / len(m) for m in met], dtype=torch.float32)  # [B]
+        requirements = [parse_prompt(p) for p in prompts]
+        found = [detect(image.numpy()) for image in images]
+        met = [requirements_met(req, f) for req, f in zip(requirements, found)]
         correct = torch.tensor([float(all(m)) for m in met], dtype=torch.float32)  # [B]
-        return RewardOutput(correct if self.strict else fraction, {"shapes_accuracy": correct})
+        if self.score == "strict":
+            scores = correct
+        elif self.score == "requirements":
+            scores = torch.tensor([sum(m) / len(m) for m in met], dtype=torch.float32)
+        else:
+            scores = torch.tensor([flow_grpo_score(req, f) for req, f in zip(requirements, found)], dtype=torch.float32)
+        return RewardOutput(scores, {"shapes_accuracy": correct})

@@ -189,10 +189,11 @@ def _cells_for(req: Requirements, rng: random.Random) -> list[tuple[int, int]]:
             return chosen
 
 
-def sample_scene(seed: int) -> tuple[str, list[Placed]]:
-    """A prompt and a scene it describes truly, a pure function of `seed` (pretraining data)."""
+def sample_scene(seed: int, categories: tuple[str, ...] = CATEGORIES) -> tuple[str, list[Placed]]:
+    """A prompt and a scene it describes truly, a pure function of `seed` (pretraining data); its category drawn
+    uniformly from `categories` (list one more than once to draw it more often)."""
     rng = random.Random(seed)
-    req = sample_requirements(rng, rng.choice(CATEGORIES))
+    req = sample_requirements(rng, rng.choice(categories))
     cells = iter(_cells_for(req, rng))
     scene = []
     for obj in req.objects:
