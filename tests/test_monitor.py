@@ -178,8 +178,16 @@ def test_wandb_offline_logs_every_scalar_under_the_run_dir(tmp_path, monkeypatch
     monitor.close()
     (run_dir,) = glob.glob(str(tmp_path / "run-a" / "wandb" / "offline-run-*-run-a"))
     (records,) = glob.glob(os.path.join(run_dir, "run-run-a.wandb"))
-    data = open(records, "rb").read()  # protobuf records: keys and JSON values are stored as text
-    assert b"reward/mean" in data and b"loss/policy" in data and b"0.375" in data and b"flow_grpo" in data
+    expected = (b"reward/mean", b"loss/policy", b"0.375", b"flow_grpo")
+    # wandb.finish() can return before wandb-core's writer has flushed the records (seen under CPU load: the file
+    # held its 7-byte header, and all of them 3 s later), so wait for them, up to a deadline.
+    deadline = time.monotonic() + 30
+    while True:
+        data = open(records, "rb").read()  # protobuf records: keys and JSON values are stored as text
+        if all(key in data for key in expected) or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert all(key in data for key in expected), data[:200]
 
 
 def test_progress_bar_on_and_off(tmp_path, capsys):
