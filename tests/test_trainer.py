@@ -57,6 +57,8 @@ def test_synchronous_run_equals_the_reference_trainer_and_resumes_exactly(ray_se
         # One step per batch trains on-policy (ratio exactly 1); later mini-batches train off-policy.
         assert all(h["train/approx_kl"] > 0 and h["train/clip_frac"] > 0 for h in history) == bool(extra)
     assert all(h["staleness/max"] == 0 and h["rollout/partial_ratio"] == 0 for h in history)
+    # The learners trained on trajectories they fetched while the batch rolled out (learner.prefetch), exactly.
+    assert any(h["perf/prefetched"] > 0 for h in history) and all(0 <= h["perf/prefetched"] <= 1 for h in history)
     distributed = final_adapters(cfg.trainer.run_dir, STEPS)
     expected = final_adapters(ref_cfg.trainer.run_dir, STEPS)
     assert distributed.keys() == expected.keys()

@@ -2,7 +2,7 @@
 
     python tools/bench.py rollout --json bench_rollout.json [--arch qwen_image|sd3 --size small --height 192 --width 192 --steps 20 --batch 4]
     python tools/bench.py sync --json bench_sync.json [--lora-rank 128 --bucket-mb 64 --repeats 10]
-    python tools/bench.py pipeline --json bench_pipeline.json [--recipe recipes/flowgrpo_tiny.yaml --steps 20] [--placement colocated --colocated-devices 1 2]
+    python tools/bench.py pipeline --json bench_pipeline.json [--recipe recipes/flowgrpo_tiny.yaml --steps 20 --rounds 3] [--placement colocated --colocated-devices 1 2]
     python tools/bench.py gpu --json bench_gpu.json [--depth N] | gpu --device cpu --tiny (smoke test); see tools/gpu_bench.py
     python tools/bench.py startup --json bench_startup.json [--repeats 3]      command to first step, by phase
     python tools/bench.py costs --json costs.json [--recipe ... --steps 8]      the simulator's costs; see tools/sim_bench.py
@@ -15,8 +15,10 @@ torch.distributed broadcast of the same bytes on the same group; bytes per mode;
 rank 0 is blocked per push against one copy of the tensors.
 
 pipeline: steady-state step time of the tiny recipe (flowgrpo_tiny.yaml) with async.max_staleness 0 against 1, and
-the synchronous run against the single-process reference trainer (rayflow.reference); with --placement colocated,
+the synchronous run against the single-process reference trainer (rayflow.reference), and synchronous with
+learner.prefetch=false (the learners fetching a batch's trajectories when its train step starts); with --placement colocated,
 also placement.mode=colocated on the same number of devices (rollout ranks + learner ranks of the disaggregated run).
+--rounds N runs every configuration N times, the order reversed each round (step_s_by_round shows the spread).
 
 rollout: CFG-parallel rollout on a local Ray, two CFG branches (Qwen-Image true CFG), one torch
 thread per rank, requests of rollout.micro_batch_size (4) samples. The model is the "small" tiny
@@ -304,6 +306,8 @@ def _time_one_copy(worker) -> float:
 def bench_pipeline(args: argparse.Namespace) -> dict:
     """Steady-state step time of the tiny recipe's shape: max_staleness 0 against 1, and synchronous
     mode against the single-process reference trainer."""
+    if args.rounds < 1:
+        raise SystemExit(f"--rounds: got {args.rounds}; allowed: integers >= 1")
     load_before = os.getloadavg()[0]
     from rayflow.config import load_config
     from rayflow.distributed.resources import required_cpus
@@ -311,14 +315,12 @@ def bench_pipeline(args: argparse.Namespace) -> dict:
     overrides = [f"trainer.total_steps={args.steps}", "trainer.eval_every=0", "trainer.save_every=0",
                  "logging.progress_bar=false", "logging.tensorboard=false", *args.overrides]
     cfg = load_config(args.recipe, [*overrides, "trainer.output_dir=/tmp/rayflow-bench/reference", "trainer.resume=never"])
-    shutil.rmtree(cfg.trainer.output_dir, ignore_errors=True)
     torch.set_num_threads(1)  # as one rank of the distributed run
     from rayflow import reference
 
-    _, ref_history = reference.train(cfg, log=lambda *_: None)
-    ref_steps = [h.seconds for h in ref_history][args.warmup:]
-
     variants = {f"max_staleness_{k}": [f"async.max_staleness={k}"] for k in (0, 1)}
+    # Side by side: the learners fetching a batch's trajectories when its train step starts, as before prefetching.
+    variants["max_staleness_0_no_prefetch"] = ["async.max_staleness=0", "learner.prefetch=false"]
     disaggregated_devices = cfg.rollout.num_replicas * cfg.rollout.cfg_parallel_size + cfg.learner.world_size
     if args.placement == "colocated":  # each device a rollout and a learner rank, with the CPUs of one rank
         for devices in args.colocated_devices or [disaggregated_devices]:
@@ -333,20 +335,31 @@ def bench_pipeline(args: argparse.Namespace) -> dict:
     ray = start_local_ray(num_cpus=max(os.cpu_count() or 1, int(cpus + 0.999)))
     from rayflow.driver.trainer import Trainer  # imports ray: after its environment is set
 
-    runs = {}
+    # Every round runs each configuration once (the reference trainer in this process), in the reverse order of
+    # the round before: a machine that speeds up or slows down during the benchmark favours no configuration.
+    runs, ref_steps, order = {name: [] for name in run_cfgs}, [], ["reference", *run_cfgs]
     try:
-        for name, run_cfg in run_cfgs.items():
-            shutil.rmtree(run_cfg.trainer.output_dir, ignore_errors=True)
-            trainer = Trainer(run_cfg)
-            try:
-                runs[name] = trainer.run()[args.warmup:]
-            finally:
-                trainer.shutdown()
+        for round_ in range(args.rounds):
+            for name in (order if round_ % 2 == 0 else order[::-1]):
+                run_cfg = cfg if name == "reference" else run_cfgs[name]
+                shutil.rmtree(run_cfg.trainer.output_dir, ignore_errors=True)
+                if name == "reference":
+                    ref_steps += [h.seconds for h in reference.train(cfg, log=lambda *_: None)[1]][args.warmup:]
+                    continue
+                trainer = Trainer(run_cfg)
+                try:
+                    runs[name] += trainer.run()[args.warmup:]
+                finally:
+                    trainer.shutdown()
     finally:
         ray.shutdown()
 
     def median(history: list[dict], key: str) -> float:
         return statistics.median(h[key] for h in history)
+
+    def by_round(steps: list) -> list[list]:  # every round contributes the same number of steps, in round order
+        n = len(steps) // args.rounds
+        return [steps[i * n:(i + 1) * n] for i in range(args.rounds)]
 
     sync_s, async_s, ref_s = (median(runs["max_staleness_0"], "perf/step_s"), median(runs["max_staleness_1"], "perf/step_s"),
                               statistics.median(ref_steps))
@@ -359,11 +372,18 @@ def bench_pipeline(args: argparse.Namespace) -> dict:
         "benchmark": "pipeline",
         "command": " ".join(["python", *sys.argv]),
         "setup": {"recipe": args.recipe, "overrides": overrides, "steps": args.steps, "warmup_steps_dropped": args.warmup,
+                  "rounds": args.rounds,
                   "batch": cfg.algorithm.batch_size, "cpus": os.cpu_count(), "load_average_before": load_before,
                   "torch": torch.__version__, "ray": ray.__version__},
         "step_s": {"max_staleness_0": sync_s, "max_staleness_1": async_s, "reference": ref_s},
         "overlap_speedup": sync_s / async_s,
         "orchestration_overhead": sync_s / ref_s - 1,
+        "prefetch": {"step_s_without": median(runs["max_staleness_0_no_prefetch"], "perf/step_s"),
+                     "overhead_without": median(runs["max_staleness_0_no_prefetch"], "perf/step_s") / ref_s - 1,
+                     "fetch_s": {name: median(v, "perf/fetch_s") for name, v in runs.items()},
+                     "prefetched": {name: median(v, "perf/prefetched") for name, v in runs.items()}},
+        "step_s_by_round": {"reference": [statistics.median(steps) for steps in by_round(ref_steps)],
+                            **{name: [median(steps, "perf/step_s") for steps in by_round(v)] for name, v in runs.items()}},
         "idle": {name: {"rollout": median(v, "perf/rollout_idle"), "learner": median(v, "perf/learner_idle")}
                  for name, v in runs.items() if not name.startswith("colocated")},
         "disaggregated_devices": disaggregated_devices,
@@ -451,6 +471,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     pipeline.add_argument("--recipe", default=recipe("flowgrpo_tiny.yaml"), help="a recipe YAML (default: FlowGRPO on the tiny model)")
     pipeline.add_argument("--steps", type=int, default=20)
     pipeline.add_argument("--warmup", type=int, default=4, help="first steps left out of the medians")
+    pipeline.add_argument("--rounds", type=int, default=1,
+                          help="run every configuration this many times, alternating the order; medians over all rounds' steps")
     pipeline.add_argument("--placement", default="disaggregated", choices=("disaggregated", "colocated"),
                           help="colocated: also run placement.mode=colocated (synchronous) on --colocated-devices devices")
     pipeline.add_argument("--colocated-devices", type=int, nargs="*", default=None,

@@ -173,6 +173,9 @@ class LearnerConfig:
     """CPUs reserved per learner rank."""
     threads_per_rank: int = 1
     """torch intra-op threads per learner rank."""
+    prefetch: bool = True
+    """Each rank fetches a rollout request's trajectories as soon as it finishes, while the rest of the batch
+    rolls out (false: when the train step starts; the same trajectories either way)."""
     placement_strategy: str = "PACK"
     """Placement-group strategy of the learner ranks."""
     resources: dict[str, float] = field(default_factory=dict)

@@ -32,7 +32,7 @@ from rayflow.distributed.parallelize import gather_for_sampling, release_gathere
 from rayflow.models.lora import TRAINED_ADAPTER
 from rayflow.models.weight_sets import using_weights
 from rayflow.learner.spec import LearnerSpec
-from rayflow.learner.worker import LearnerGroup, LearnerWorker
+from rayflow.learner.worker import LEARNER_CONCURRENCY_GROUPS, LearnerGroup, LearnerWorker
 from rayflow.rollout.pool import RolloutPool
 from rayflow.rollout.rank import RolloutRank, RolloutRankSpec, SharedModel
 from rayflow.rollout.replica import RolloutReplica
@@ -40,7 +40,7 @@ from rayflow.rollout.worker import CONCURRENCY_GROUPS, RolloutRankHost
 from rayflow.sync.source import SyncReport
 
 
-@ray.remote(concurrency_groups=CONCURRENCY_GROUPS)
+@ray.remote(concurrency_groups={**CONCURRENCY_GROUPS, **LEARNER_CONCURRENCY_GROUPS})
 class DeviceWorker(RolloutRankHost):
     """Learner rank `rank` and rank `replica_rank` of a CFG-parallel rollout replica of `replica_size`, on one device.
 
@@ -64,6 +64,10 @@ class DeviceWorker(RolloutRankHost):
         self.rank = RolloutRank(*self._rollout_rank, shared=SharedModel(backend.model, slot))
         self._to_sampling()
         return identity
+
+    @ray.method(concurrency_group="trajectories")
+    def prefetch(self, refs: list, version: int) -> None:
+        self.learner.prefetch(refs, version)
 
     def train_step(self, batch: list, push_to: None = None) -> dict[str, float]:
         """`push_to`: always None (nothing to push: see push_weights)."""

@@ -169,9 +169,11 @@ class Trainer:
             ray.wait(refs, num_returns=1, timeout=POLL_S)
         else:  # nothing in flight (requests wait for a replacement to load): poll without spinning
             time.sleep(POLL_S)
-        for future in self.rollout.collect():
-            if future not in self.evaluating:
-                self.rewards.submit_rollout(future.ref, future.request)
+        finished = [future for future in self.rollout.collect() if future not in self.evaluating]
+        for future in finished:
+            self.rewards.submit_rollout(future.ref, future.request)
+        if finished and self.cfg.learner.prefetch:  # the learners fetch them while the rest of the batch rolls out
+            self.learners.prefetch([future.ref for future in finished], self.version)
         for trajectory in self.rewards.collect(timeout_s=0):
             self.queue.finished(trajectory)
 
@@ -283,6 +285,8 @@ class Trainer:
             "rollout/replica_restarts": sum(self.rollout.restarts),
             "perf/sync_s": sync_s,
             "perf/push_s": push_s,
+            "perf/fetch_s": metrics["perf/fetch_s"],
+            "perf/prefetched": metrics["perf/prefetched"],
             **clock.lap(images=len(batch)),
         }
         self.train_s += scalars["perf/step_s"]

@@ -27,6 +27,8 @@ class LearnerSpec:
     """trainer.ema_every: update "ema" after every this many optimizer steps."""
     checkpoint_dir: str
     """The run's checkpoints directory, under which learner.train_mode=full ranks stage their shards."""
+    max_staleness: int
+    """async.max_staleness: how many versions a prefetched rollout request may wait for its train step."""
 
     @classmethod
     def from_config(cls, config: RayflowConfig) -> "LearnerSpec":
@@ -39,4 +41,5 @@ class LearnerSpec:
             ema_decay=config.trainer.ema_decay,
             ema_every=config.trainer.ema_every,
             checkpoint_dir=checkpoint_root(config.trainer.run_dir),
+            max_staleness=config.async_.max_staleness,
         )

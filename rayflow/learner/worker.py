@@ -2,6 +2,7 @@
 driver-side LearnerGroup that places the ranks, slices batches and collects results.
 
     group = LearnerGroup(LearnerSpec.from_config(cfg))   # learner.world_size ranks in one placement group
+    group.prefetch([request_ref], version)         # a rollout request finished: every rank fetches it now
     metrics = group.get(group.train_step(batch))[0]
     group.get(group.push_weights(sync_actor))      # rank 0 hands the rollout weights to rayflow.sync's actor
     save_checkpoint(root, group.checkpoint(step, sampler.state_dict()), keep)
@@ -26,6 +27,7 @@ from rayflow.distributed.placement import PlacedGroup, place, resolve_gpus
 from rayflow.distributed.restart_budget import RestartBudget
 from rayflow.distributed.process_group import GroupHost, Rendezvous, init_default_group
 from rayflow.learner.backend import LearnerBackend
+from rayflow.learner.prefetch import TrajectoryCache
 from rayflow.distributed.parallelize import build_mesh
 from rayflow.learner.sharded import missing_files
 from rayflow.learner.spec import LearnerSpec
@@ -41,14 +43,20 @@ class LearnerStalled(LearnerError):
     """A train step missed the watchdog's deadline: a rank neither finished nor died."""
 
 
+LEARNER_CONCURRENCY_GROUPS = {"trajectories": 1}
+"""A learner rank's calls run one at a time on one thread, except `prefetch`, which runs beside them."""
+
+
 class LearnerWorker(GroupHost):
-    """One learner rank: owns its device, the default process group and a LearnerBackend."""
+    """One learner rank: owns its device, the default process group, a LearnerBackend and the trajectories
+    fetched ahead of their train step."""
 
     def __init__(self, spec: LearnerSpec, rank: int, whole_pipeline: bool = False):
         """`whole_pipeline`: load the text encoder and VAE too (colocated placement samples with this model)."""
         torch.set_num_threads(spec.learner.threads_per_rank)
         self.spec, self.rank, self.whole_pipeline = spec, rank, whole_pipeline
         self.backend: LearnerBackend | None = None
+        self.trajectories = TrajectoryCache(spec.max_staleness)
 
     def setup(self, rendezvous: Rendezvous) -> dict:
         """Join the group, build the sharded model; returns the policy identity. Every rank at once."""
@@ -62,13 +70,24 @@ class LearnerWorker(GroupHost):
                                       transformer_only=not self.whole_pipeline)
         return self.backend.identity
 
+    @ray.method(concurrency_group="trajectories")
+    def prefetch(self, refs: list[ray.ObjectRef], version: int) -> None:
+        """Fetch finished rollout requests' trajectories (at driver version `version`) while this rank trains or
+        waits: the train step that needs them finds them here (rayflow.learner.prefetch)."""
+        self.trajectories.prefetch(refs, version)
+
     def train_step(self, batch: list[Trajectory] | list[tuple[ray.ObjectRef, int, float]], push_to=None) -> dict[str, float]:
-        """Train the whole batch; only the entries this rank's mini-batch slices need are fetched. Then, with
-        `push_to` (a weight-sync actor), push the new version to it at once (push_weights' timings are in the
-        metrics as sync/gather_s, sync/push_s): the broadcast starts without a round trip through the driver."""
+        """Train the whole batch; only the entries this rank's mini-batch slices need are fetched (or taken from
+        the prefetched ones). Then, with `push_to` (a weight-sync actor), push the new version to it at once
+        (push_weights' timings are in the metrics as sync/gather_s, sync/push_s): the broadcast starts without a
+        round trip through the driver."""
         needed = sorted({i for step in self.backend.rank_steps(len(batch)) for i in step})
-        fetched = dict(zip(needed, fetch_shard([batch[i] for i in needed])))
+        shard, fetch = self.trajectories.fetch([batch[i] for i in needed])
+        fetched = dict(zip(needed, shard))
         metrics = self.backend.train_step([fetched.get(i) for i in range(len(batch))])
+        self.trajectories.forget([item[0] for item in batch if isinstance(item, tuple)])
+        self.trajectories.forget_before(self.backend.version)
+        metrics.update({"perf/fetch_s": fetch.wait_s, "perf/prefetched": fetch.prefetched / max(fetch.requests, 1)})
         if push_to is not None:
             push = self.push_weights(push_to)
             metrics.update({"sync/gather_s": push["gather_s"], "sync/push_s": push["push_s"]})
@@ -99,6 +118,7 @@ class LearnerWorker(GroupHost):
 
     def load_state_dict(self, state: dict, rng: dict[str, torch.Tensor] | None) -> None:
         self.backend.load_state_dict({**state, "rng": rng})
+        self.trajectories.clear()  # rewound: the requests in flight were dropped
 
 
 def light_batch(batch: list[Trajectory] | list[TrajectoryRef], world_size: int) -> list:
@@ -109,17 +129,6 @@ def light_batch(batch: list[Trajectory] | list[TrajectoryRef], world_size: int) 
     return [
         (t.ref, t.index, t.advantage) if isinstance(t, TrajectoryRef) else dataclasses.replace(t, image=None)
         for t in batch
-    ]
-
-
-def fetch_shard(shard: list[Trajectory] | list[tuple[ray.ObjectRef, int, float]]) -> list[Trajectory]:
-    """A rank's shard as trajectories: (ref, index, advantage) entries are fetched from the object store
-    (each rollout request's list once), given their advantage, and stripped of their images."""
-    refs = list(dict.fromkeys(item[0] for item in shard if isinstance(item, tuple)))
-    lists = dict(zip(refs, ray.get(refs))) if refs else {}
-    return [
-        dataclasses.replace(lists[item[0]][item[1]], advantage=item[2], image=None) if isinstance(item, tuple) else item
-        for item in shard
     ]
 
 
@@ -150,7 +159,7 @@ class LearnerGroup:
 
     def _start(self) -> None:
         """Spawn the ranks in the placement group's bundles and build the sharded model on each (version 0)."""
-        actor = ray.remote(LearnerWorker)
+        actor = ray.remote(concurrency_groups=LEARNER_CONCURRENCY_GROUPS)(LearnerWorker)
         self.workers = [
             self.placed.spawn(r, actor, self.spec, r, name=f"{self.name}-{r}-{self.placed.pg.id.hex()[:8]}-{self.restarts}")
             for r in range(self.world_size)
@@ -189,6 +198,12 @@ class LearnerGroup:
         the weight-sync actor `push_to` (None: no push); refs to each rank's (equal) metrics."""
         light = ray.put(light_batch(batch, self.world_size))
         return [w.train_step.remote(light, push_to) for w in self.workers]
+
+    def prefetch(self, refs: list[ray.ObjectRef], version: int) -> None:
+        """Every rank starts fetching these finished rollout requests' trajectories (driver version `version`);
+        nothing to wait for: a rank that died is found by the next train step."""
+        for w in self.workers:
+            w.prefetch.remote(refs, version)
 
     def push_weights(self, sync_actor) -> list[ray.ObjectRef]:
         """Refs to each rank's push timings; rank 0 hands the rollout adapter to `sync_actor`

@@ -38,6 +38,8 @@ SCALAR_TAGS = (
     "perf/train_s",
     "perf/sync_s",
     "perf/push_s",
+    "perf/fetch_s",
+    "perf/prefetched",
     "perf/rollout_idle",
     "perf/learner_idle",
 )
