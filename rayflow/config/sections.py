@@ -175,7 +175,8 @@ class LearnerConfig:
     """torch intra-op threads per learner rank."""
     prefetch: bool = True
     """Each rank fetches a rollout request's trajectories as soon as it finishes, while the rest of the batch
-    rolls out (false: when the train step starts; the same trajectories either way)."""
+    rolls out (false: when the train step starts; the same trajectories either way). Every rank fetches every
+    request, world_size times the bytes of fetching only its shard: with many ranks and large trajectories, false."""
     placement_strategy: str = "PACK"
     """Placement-group strategy of the learner ranks."""
     resources: dict[str, float] = field(default_factory=dict)
