@@ -5,12 +5,16 @@ process with the test session's Ray. The cluster is a CPU-less head (the driver)
 and one learner node, told apart by custom resources the config's `<component>.resources` ask for:
 
     head            rollout node A       rollout node B       learner node
-    driver          replica 0 (W=1)      replica 1 (W=1)      learner rank 0, WeightSyncActor
+    driver          replica 0 (W=1)      replica 1 (W=1)      learner ranks 0 and 1, WeightSyncActor
 
-The learner trains one FlowGRPO step and pushes its rollout adapter to the WeightSyncActor, which
-broadcasts it to both replicas over gloo (all nodes are on 127.0.0.1 here, with distinct node ids).
-Prints one JSON line for the test to check: where every actor ran (from the GCS actor table) and
-whether every rank holds the learner's adapter bit for bit.
+The learner (two ranks) trains one FlowGRPO step and pushes its rollout adapter to the WeightSyncActor, which
+broadcasts it to both replicas over gloo (all nodes are on 127.0.0.1 here, with distinct node ids). Then replica 0
+samples a request and both learner ranks prefetch it (learner.prefetch), and the learners train on it.
+Prints one JSON line for the test to check: where every actor ran (from the GCS actor table), whether every
+rank holds the learner's adapter bit for bit, and where the prefetched request's trajectories ended up.
+
+Every object goes through the nodes' object stores (`max_direct_call_object_size`), as a real model's
+trajectories of megabytes do: the tiny model's would otherwise travel inline with the task's reply.
 
     python tests/cluster_weight_sync.py MODEL_DIR OUT_DIR TEMP_DIR GCS_PORT
 """
@@ -24,6 +28,7 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # before Ray st
 import ray
 import torch
 from ray.cluster_utils import Cluster
+from ray.experimental import get_object_locations
 
 from rayflow import reference
 from rayflow.learner.worker import LearnerGroup
@@ -31,7 +36,7 @@ from rayflow.learner.spec import LearnerSpec
 from rayflow.rollout.pool import RolloutPool
 from rayflow.rollout.rank import RolloutRankSpec
 from rayflow.sync.weight_sync import WeightSync
-from rayflow.types import RolloutRequest, SamplingParams
+from rayflow.types import RolloutRequest, SamplingParams, TrajectoryRef
 from tiny_run import GRPO, small_cfg
 
 ACTOR_CLASSES = ("RolloutWorker", "LearnerWorker", "WeightSyncActor")
@@ -47,9 +52,25 @@ def actor_nodes() -> dict[str, list[str]]:
     return nodes
 
 
+def prefetch_across_nodes(replica, learners: LearnerGroup, params: SamplingParams) -> dict:
+    """A request sampled on `replica`'s node, prefetched by every learner rank (as the driver does when it
+    finishes), then trained on: where its trajectories are, and what each rank kept of them."""
+    future = replica.submit(RolloutRequest("prefetched", ["a red apple"] * 4, [0] * 4, [0] * 4, [11, 12, 13, 14], params))
+    future.wait()
+    ray.get([w.prefetch.remote([future.ref], 1) for w in learners.workers])  # the driver does not wait; we do
+    nodes = get_object_locations([future.ref])[future.ref]["node_ids"]
+    # In a list: a top-level ObjectRef argument would arrive as its value.
+    held = ray.get([w.__ray_call__.remote(lambda self, refs: self.trajectories._entries[refs[0]][1].result() is not None,
+                                          [future.ref]) for w in learners.workers])
+    batch = [TrajectoryRef(future.ref, i, "a red apple", 0, 0, 11 + i, [1], advantage=a)
+             for i, a in enumerate([1.0, -1.0, 0.5, -0.5])]
+    metrics = learners.get(learners.train_step(batch))[0]
+    return {"nodes": nodes, "held": held, "prefetched": metrics["perf/prefetched"], "version": metrics["train/version"]}
+
+
 def run(model_dir: str, out_dir: str) -> dict:
     cfg = small_cfg(
-        GRPO, model_dir, out_dir, "rollout.num_replicas=2",
+        GRPO, model_dir, out_dir, "rollout.num_replicas=2", "learner.world_size=2",
         "rollout.resources={rollout_node: 1}", "learner.resources={learner_node: 1}",
         "sync.resources={learner_node: 1}", "sync.verify_checksum=true",
     )
@@ -81,7 +102,9 @@ def run(model_dir: str, out_dir: str) -> dict:
                 "bit_equal": all(torch.equal(w[n], t) for w in ranks for n, t in adapter.items() if n in w),
                 "changed": any(not torch.equal(b[n], w[n]) for b, w in zip(before[i], ranks) for n in w),
             })
+        prefetch = prefetch_across_nodes(pool.replicas[0], learners, params)
         return {
+            "prefetch": prefetch,
             "version": version,
             "report_version": report.version,
             "report_bytes": report.bytes,
@@ -90,7 +113,7 @@ def run(model_dir: str, out_dir: str) -> dict:
             "actors": actor_nodes(),
             "placed": {
                 "rollout": [r.placed.node_of_rank(0) for r in pool.replicas],
-                "learner": [learners.placed.node_of_rank(0)],
+                "learner": sorted({learners.placed.node_of_rank(r) for r in range(2)}),
                 "sync": [sync.placed.node_of_rank(0)],
             },
             "node_resources": {n["NodeID"]: n["Resources"] for n in ray.nodes() if n["Alive"]},
@@ -107,12 +130,12 @@ def run(model_dir: str, out_dir: str) -> dict:
 def main(model_dir: str, out_dir: str, temp_dir: str, port: str) -> None:
     # Ports of its own (6379 and 52365 may be taken by another Ray on this machine).
     head = {"gcs_server_port": int(port), "dashboard_agent_listen_port": None, "num_cpus": 0,
-            "include_dashboard": False, "temp_dir": temp_dir}
+            "include_dashboard": False, "temp_dir": temp_dir, "_system_config": {"max_direct_call_object_size": 1024}}
     cluster = Cluster(initialize_head=True, head_node_args=head)
     try:
         for _ in range(2):
             cluster.add_node(num_cpus=1, resources={"rollout_node": 1})
-        cluster.add_node(num_cpus=2, resources={"learner_node": 2})
+        cluster.add_node(num_cpus=2, resources={"learner_node": 3})
         ray.init(address=cluster.address, log_to_driver=False)
         result = run(model_dir, out_dir)
     finally:

@@ -315,7 +315,9 @@ def test_autoscaler_adds_rollout_and_learner_nodes_and_the_submitted_recipe_comp
 
 def test_weight_sync_reaches_rollout_replicas_on_other_nodes_bit_for_bit(tiny_model_dir, tmp_path):
     """tests/cluster_weight_sync.py on a ray.cluster_utils.Cluster: a CPU-less head, two rollout nodes,
-    one learner node; the learner's adapter after one step reaches both replicas exactly."""
+    one learner node; the learner's adapter after one step reaches both replicas exactly. Then the two learner
+    ranks prefetch a request sampled on a rollout node: its trajectories are pulled onto the learner node, and
+    neither rank deserializes them ahead (rayflow.learner.prefetch: it cannot know which requests its shard holds)."""
     env = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(16)}
     with tempfile.TemporaryDirectory(prefix="rfw", dir="/tmp") as temp_dir:  # short: unix socket paths
         proc = subprocess.run(
@@ -329,7 +331,8 @@ def test_weight_sync_reaches_rollout_replicas_on_other_nodes_bit_for_bit(tiny_mo
 
     resources = result["node_resources"]
     rollout_nodes = set(result["actors"]["RolloutWorker"])
-    (learner_node,) = result["actors"]["LearnerWorker"]
+    learner_node, other_rank_node = result["actors"]["LearnerWorker"]
+    assert other_rank_node == learner_node
     (sync_node,) = result["actors"]["WeightSyncActor"]
     assert len(rollout_nodes) == 2 == len(result["actors"]["RolloutWorker"])  # one replica per rollout node
     assert all("rollout_node" in resources[n] for n in rollout_nodes) and "learner_node" in resources[learner_node]
@@ -341,6 +344,12 @@ def test_weight_sync_reaches_rollout_replicas_on_other_nodes_bit_for_bit(tiny_mo
     for replica in result["replicas"]:
         assert replica["same_names"] and replica["bit_equal"] and replica["changed"], replica
         assert replica["versions"] == [1, 1]  # sampled under the synced weights
+
+    prefetch = result["prefetch"]
+    rollout_a = result["placed"]["rollout"][0]
+    assert set(prefetch["nodes"]) == {rollout_a, learner_node}  # sampled on A, pulled once onto the learner node
+    assert prefetch["held"] == [False, False]  # neither rank holds the request deserialized
+    assert prefetch["prefetched"] == 1.0 and prefetch["version"] == 2  # the train step found it prefetched
 
 
 def _clean_env() -> dict:

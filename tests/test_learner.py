@@ -178,19 +178,22 @@ def test_non_finite_grad_norm_skips_the_step_and_counts_it(mesh1, tiny_model_dir
     assert any(not torch.equal(after[k], trained[k]) for k in after)
 
 
+@pytest.mark.parametrize("hold", [True, False], ids=["one-rank-holds", "of-several-pulls-to-node"])
 def test_prefetched_requests_are_served_from_the_cache_and_the_rest_fetched_the_same(ray_session, grpo_batches,
-                                                                                       monkeypatch):
+                                                                                       monkeypatch, hold):
     import rayflow.learner.prefetch as prefetch
     requests = [grpo_batches[0][:2], grpo_batches[0][2:4]]  # two rollout requests' lists, as rollout ranks return them
     refs = [ray.put(r) for r in requests]
     shard = [(refs[1], 1, -0.5), (refs[0], 0, 1.5), (refs[1], 0, 0.25)]
-    cache = TrajectoryCache(max_staleness=1)
+    cache = TrajectoryCache(max_staleness=1, hold=hold)
     cache.prefetch([ray.put(requests[0])], version=0)  # the same objects under another ref: a different request
     cache.prefetch([refs[0]], version=0)
     gets, real_get = [], ray.get
     monkeypatch.setattr(prefetch.ray, "get", lambda r: gets.append(r) or real_get(r))
     got, stats = cache.fetch(shard)
-    assert gets == [[refs[1]]]  # only the request not prefetched, once for both of its entries
+    # Each request's list once, for all of its entries: held, only the one not prefetched; pulled onto the node
+    # only (a rank of several), both, deserialized now from the node's object store.
+    assert gets == ([[refs[1]]] if hold else [[refs[1], refs[0]]])
     assert (stats.requests, stats.prefetched) == (2, 1) and stats.wait_s >= 0
     for (ref, index, advantage), t in zip(shard, got):
         source = requests[refs.index(ref)][index]
@@ -205,13 +208,14 @@ def test_prefetched_requests_are_served_from_the_cache_and_the_rest_fetched_the_
     assert len(cache) == 0
 
 
-def test_a_failed_prefetch_is_fetched_again_by_the_train_step_and_raises_there(ray_session):
+@pytest.mark.parametrize("hold", [True, False])
+def test_a_failed_prefetch_is_fetched_again_by_the_train_step_and_raises_there(ray_session, hold):
     @ray.remote
     def lost_rollout():
         raise RuntimeError("rollout rank died")
 
     ref = lost_rollout.remote()
-    cache = TrajectoryCache(max_staleness=0)
+    cache = TrajectoryCache(max_staleness=0, hold=hold)
     cache.prefetch([ref], version=0)  # keeps the failure; does not raise in the prefetch thread
     with pytest.raises(ray.exceptions.RayTaskError, match="rollout rank died"):
         cache.fetch([(ref, 0, 1.0)])

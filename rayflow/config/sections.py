@@ -174,9 +174,10 @@ class LearnerConfig:
     threads_per_rank: int = 1
     """torch intra-op threads per learner rank."""
     prefetch: bool = True
-    """Each rank fetches a rollout request's trajectories as soon as it finishes, while the rest of the batch
-    rolls out (false: when the train step starts; the same trajectories either way). Every rank fetches every
-    request, world_size times the bytes of fetching only its shard: with many ranks and large trajectories, false."""
+    """Learners take a rollout request's trajectories as soon as it finishes, while the rest of the batch rolls out
+    (false: when the train step starts; the same trajectories either way). One rank deserializes and holds them;
+    of several ranks, each pulls the request onto its node (once per node) and deserializes only its shard at the
+    train step."""
     placement_strategy: str = "PACK"
     """Placement-group strategy of the learner ranks."""
     resources: dict[str, float] = field(default_factory=dict)

@@ -6,10 +6,19 @@
     cache.forget_before(version)            # after the step: what no later step can train on
 
 Each rollout request returns one ObjectRef to its list of trajectories. The driver hands that ref to every learner
-rank the moment the request finishes; the rank pulls the list from the object store (over the network when the
-rollout ran on another node) while the batch's other requests still roll out, so the train step finds its data
-in memory. An entry the cache does not hold (not prefetched, or a prefetch that failed) is fetched as before, so
-what the step trains on never depends on the cache: only when the bytes move.
+rank the moment the request finishes, while the batch's other requests still roll out. What a rank does with it
+depends on whether it trains the whole batch:
+
+- one rank (`hold=True`): every request is its own, so it deserializes the list now and keeps it; the train step
+  finds its data in memory.
+- one of several ranks (`hold=False`): a rank cannot know before the batch forms which requests its shard will
+  hold, and deserializing every request on every rank would cost each rank the whole batch's bytes and memory. It
+  only pulls the request onto its node (`ray.wait(fetch_local=True)`: over the network once per node, however many
+  ranks run there; the ranks of one node read the same copy); the train step deserializes its own requests from
+  the node's object store, with no network wait.
+
+An entry the cache does not hold (not prefetched, a pulled-only request, or a prefetch that failed) is fetched
+with `ray.get`, so what the step trains on never depends on the cache: only when the bytes move.
 """
 
 from __future__ import annotations
@@ -40,7 +49,8 @@ class FetchStats:
     requests: int
     """Rollout requests whose trajectories the step needed."""
     prefetched: int
-    """Of those, the ones a prefetch had already fetched or was fetching when the step asked."""
+    """Of those, the ones a prefetch had already fetched (or pulled onto this node), or was doing so, when the step
+    asked."""
 
 
 class TrajectoryCache:
@@ -50,10 +60,13 @@ class TrajectoryCache:
     future, created before its fetch starts, so a step asking for a request still landing waits for that fetch
     rather than starting a second one."""
 
-    def __init__(self, max_staleness: int):
+    def __init__(self, max_staleness: int, hold: bool = True):
         """`max_staleness`: async.max_staleness. A request finished at driver version u is trained at a version
-        ≤ u + max_staleness (its oldest step is no older than u), so older entries can be forgotten."""
+        ≤ u + max_staleness (its oldest step is no older than u), so older entries can be forgotten.
+        `hold`: deserialize prefetched requests and keep their trajectories (a rank that trains the whole batch);
+        False: only pull them onto this node (one rank of several)."""
         self.max_staleness = max_staleness
+        self.hold = hold
         self._entries: dict[ray.ObjectRef, tuple[int, concurrent.futures.Future]] = {}
         self._lock = threading.Lock()
 
@@ -61,8 +74,9 @@ class TrajectoryCache:
         return len(self._entries)
 
     def prefetch(self, refs: list[ray.ObjectRef], version: int) -> None:
-        """Fetch the trajectory lists of finished rollout requests (finished at driver version `version`).
-        A failed fetch is kept as the future's exception; `fetch` then tries again itself."""
+        """Fetch the trajectory lists of finished rollout requests (finished at driver version `version`), or with
+        hold=False pull them onto this node. A failed fetch is kept as the future's exception; `fetch` then tries
+        again itself."""
         mine = []
         with self._lock:
             for ref in refs:
@@ -72,7 +86,11 @@ class TrajectoryCache:
                     mine.append((ref, future))
         for ref, future in mine:
             try:
-                future.set_result(without_images(ray.get(ref)))
+                if self.hold:
+                    future.set_result(without_images(ray.get(ref)))
+                else:  # a failed rollout's error object counts as ready here; `fetch` raises it
+                    ray.wait([ref], fetch_local=True)
+                    future.set_result(None)
             except Exception as e:  # noqa: BLE001 (kept for `fetch`, which fetches it again and raises there)
                 future.set_exception(e)
 
@@ -82,19 +100,23 @@ class TrajectoryCache:
         start = time.perf_counter()
         refs = list(dict.fromkeys(item[0] for item in shard if isinstance(item, tuple)))
         with self._lock:
-            held = {ref: self._entries[ref][1] for ref in refs if ref in self._entries}
-        missing = [ref for ref in refs if ref not in held]
-        lists = dict(zip(missing, (without_images(x) for x in ray.get(missing)))) if missing else {}
-        for ref, future in held.items():
+            prefetched = {ref: self._entries[ref][1] for ref in refs if ref in self._entries}
+        lists = {}
+        for ref, future in prefetched.items():
             try:
-                lists[ref] = future.result()
-            except Exception:  # noqa: BLE001 (the prefetch failed: fetch it here, raising what the object store says)
-                lists[ref] = without_images(ray.get(ref))
+                held = future.result()  # waits for a prefetch still landing
+            except Exception:  # noqa: BLE001 (the prefetch failed: fetched below, raising what the object store says)
+                continue
+            if held is not None:
+                lists[ref] = held
+        missing = [ref for ref in refs if ref not in lists]
+        if missing:
+            lists.update(zip(missing, (without_images(x) for x in ray.get(missing))))
         trajectories = [
             dataclasses.replace(lists[item[0]][item[1]], advantage=item[2]) if isinstance(item, tuple) else item
             for item in shard
         ]
-        return trajectories, FetchStats(time.perf_counter() - start, len(refs), len(held))
+        return trajectories, FetchStats(time.perf_counter() - start, len(refs), len(prefetched))
 
     def forget(self, refs: list[ray.ObjectRef]) -> None:
         """Drop `refs` (a trained batch's requests: each request belongs to one group, trained once)."""

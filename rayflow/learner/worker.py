@@ -3,6 +3,7 @@ driver-side LearnerGroup that places the ranks, slices batches and collects resu
 
     group = LearnerGroup(LearnerSpec.from_config(cfg))   # learner.world_size ranks in one placement group
     group.prefetch([request_ref], version)         # a rollout request finished: every rank fetches it now
+                                                   # (or, of several ranks, pulls it onto its node)
     metrics = group.get(group.train_step(batch))[0]
     group.get(group.push_weights(sync_actor))      # rank 0 hands the rollout weights to rayflow.sync's actor
     save_checkpoint(root, group.checkpoint(step, sampler.state_dict()), keep)
@@ -56,7 +57,8 @@ class LearnerWorker(GroupHost):
         torch.set_num_threads(spec.learner.threads_per_rank)
         self.spec, self.rank, self.whole_pipeline = spec, rank, whole_pipeline
         self.backend: LearnerBackend | None = None
-        self.trajectories = TrajectoryCache(spec.max_staleness)
+        # One rank trains every request it is handed; one of several only its shard, unknown until the batch forms.
+        self.trajectories = TrajectoryCache(spec.max_staleness, hold=spec.learner.world_size == 1)
 
     def setup(self, rendezvous: Rendezvous) -> dict:
         """Join the group, build the sharded model; returns the policy identity. Every rank at once."""
@@ -200,8 +202,9 @@ class LearnerGroup:
         return [w.train_step.remote(light, push_to) for w in self.workers]
 
     def prefetch(self, refs: list[ray.ObjectRef], version: int) -> None:
-        """Every rank starts fetching these finished rollout requests' trajectories (driver version `version`);
-        nothing to wait for: a rank that died is found by the next train step."""
+        """Every rank starts fetching these finished rollout requests' trajectories (driver version `version`), or,
+        of several ranks, pulling them onto its node (rayflow.learner.prefetch); nothing to wait for: a rank that
+        died is found by the next train step."""
         for w in self.workers:
             w.prefetch.remote(refs, version)
 
