@@ -8,6 +8,7 @@ import dataclasses
 import os
 import re
 import signal
+import sys
 import time
 
 import pytest
@@ -29,6 +30,8 @@ from rayflow.sync.source import ReceiversLost, WeightSyncError
 from rayflow.sync.weight_sync import WeightSync
 from rayflow.types import RolloutRequest, SamplingParams
 from tiny_run import GRPO, NFT, small_cfg
+
+MODEL_CODE = {"diffusers", "transformers", "peft"}
 
 
 # -- buckets (no Ray) ------------------------------------------------------------------------------
@@ -153,6 +156,11 @@ def test_after_a_sync_every_rank_holds_the_learners_rollout_adapter_bit_for_bit(
                     assert rank_weights.keys() == expected.keys()
                     for name, t in expected.items():
                         assert torch.equal(rank_weights[name], t), f"{replica.name}: {name} differs after sync ({mode})"
+        # The actor holds every rollout rank's handle (Ray imports the handle's class module) but, in lora mode,
+        # never loaded the model code: rayflow/rollout/worker.py imports it when a rank is built (~4 s of CPU at every
+        # start). Merged mode loads the transformer it folds into (rayflow.sync.fold).
+        loaded = ray.get(sync.actor.__ray_call__.remote(lambda actor: sorted(MODEL_CODE & set(sys.modules))))
+        assert loaded == ([] if mode == "lora" else sorted(MODEL_CODE)), f"the weight-sync actor imported {loaded}"
     finally:
         sync.shutdown()
 

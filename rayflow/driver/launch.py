@@ -29,10 +29,11 @@ from rayflow.runs import USER_ERRORS, RunComplete, preflight, write_run_config
 
 log = logging.getLogger("rayflow")
 
-ACTOR_MODULES = ("rayflow.learner.worker", "rayflow.rollout.worker")
+ACTOR_MODULES = ("rayflow.learner.worker", "rayflow.rollout.worker", "rayflow.rollout.rank")
 """Imported by every Ray worker process of a local Ray as it starts (Ray's `preload_python_modules`): the
 workers Ray starts ahead of demand import torch, diffusers and transformers (~3 s a process here) while the
-driver is still checking the cluster, so the first learner and rollout actors start without that wait."""
+driver is still checking the cluster, so the first learner and rollout actors start without that wait. (The rollout
+actor's module imports its model code, rank.py, only when a rank is built.)"""
 PRELOAD_MAX_CORES = 16
 """Ray starts up to one worker per core ahead of demand; with the preload each holds ~350 MB (RSS). Above this many
 cores a local run does not preload: there the imports are not the bottleneck they are on a laptop."""
