@@ -74,8 +74,9 @@ class LearnerWorker(GroupHost):
 
     @ray.method(concurrency_group="trajectories")
     def prefetch(self, refs: list[ray.ObjectRef], version: int) -> None:
-        """Fetch finished rollout requests' trajectories (at driver version `version`) while this rank trains or
-        waits: the train step that needs them finds them here (rayflow.learner.prefetch)."""
+        """Fetch finished rollout requests' trajectories (at driver version `version`), or, one rank of several, pull
+        them onto this node, while this rank trains or waits: the train step that needs them finds them here or on
+        the node (rayflow.learner.prefetch)."""
         self.trajectories.prefetch(refs, version)
 
     def train_step(self, batch: list[Trajectory] | list[tuple[ray.ObjectRef, int, float]], push_to=None) -> dict[str, float]:
