@@ -26,3 +26,16 @@ def test_gpu_benchmark_harness_runs_on_cpu(tmp_path):
     # In fp32 on one CPU the learner's replay is the rollout's computation: the log-probs agree exactly.
     for label in ("cfg_4.0", "no_cfg"):
         assert result["log_prob_mismatch"][label]["max"] == 0.0
+    # The cost section is what the simulator reads (a cost file adds the reward's cost, which this bench does not run).
+    costs = result["simulator_costs"]
+    assert costs["rollout_request_s"] == rollout["replica"]["seconds_per_request"]
+    assert costs["train_batch_s"] == learner["train_step_s"]
+    cost_file = tmp_path / "costs.json"
+    cost_file.write_text(json.dumps({**costs, "reward_request_s": 0.01}))
+    sizing = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "tools", "simulate.py"), "--costs", str(cost_file), "--config",
+         os.path.join(ROOT, "recipes", "flowgrpo_tiny.yaml"), "--gpus", "4", "--staleness", "0"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=120,
+    )
+    assert sizing.returncode == 0, sizing.stderr
+    assert "4 GPUs: " in sizing.stdout and "x1 roll + " in sizing.stdout

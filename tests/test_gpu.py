@@ -162,9 +162,11 @@ def test_planner_activations_against_cuda_peak(tiny_model_dir):
     assert abs(estimate - measured) / measured < 0.25, (estimate, measured)
 
 
-def test_cfg_parallel_over_nccl_equals_one_gpu(ray_session, tiny_model_dir):
-    """Two CFG ranks on two GPUs (NCCL all_gather) against the single-process sampler on one GPU."""
-    _need_gpus(2)
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_cfg_parallel_over_nccl_equals_one_gpu(ray_session, tiny_model_dir, world_size):
+    """W CFG ranks on W GPUs (NCCL all_gather) against the single-process sampler on one GPU. W = 1 runs the
+    replica's NCCL group too (the version header before the first step; it once went to NCCL as a CPU tensor)."""
+    _need_gpus(world_size)
     from test_rollout import assert_same, request, spec_for
 
     from rayflow.cfg.policy import TrueCFG
@@ -173,8 +175,8 @@ def test_cfg_parallel_over_nccl_equals_one_gpu(ray_session, tiny_model_dir):
     from rayflow.rollout import RolloutReplica
     from rayflow.sampling.denoise import generate
 
-    replica = RolloutReplica(spec_for(tiny_model_dir), RolloutConfig(cfg_parallel_size=2, gpus_per_rank=1),
-                             name="gpu-w2").wait_ready()
+    replica = RolloutReplica(spec_for(tiny_model_dir), RolloutConfig(cfg_parallel_size=world_size, gpus_per_rank=1),
+                             name=f"gpu-w{world_size}").wait_ready()
     try:
         req = request(guidance=4.0)
         got = replica.generate(req, TrueCFG())
@@ -188,7 +190,8 @@ def test_gpu_benchmark_runs_at_reduced_depth(tmp_path):
     out = tmp_path / "bench.json"
     subprocess.run([sys.executable, os.path.join(ROOT, "tools", "bench.py"), "gpu", "--depth", "2", "--repeats", "1",
                     "--batch", "1", "--learner-batch", "2", "--json", str(out)],
-                   cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT), check=True, timeout=900)
+                   cwd=ROOT, env=dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))),
+                   check=True, timeout=900)
     assert out.stat().st_size > 0
 
 

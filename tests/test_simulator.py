@@ -105,3 +105,21 @@ def test_cli_predicts_from_a_cost_file_and_names_a_missing_basis(tmp_path, capsy
     assert float(out[1].split()[2]) == pytest.approx(2 * ROLL + REWARD + TRAIN, abs=1e-3)
     assert simulate_main([*args, "--gpus", "8"]) == 2
     assert "--gpus needs a \"basis\"" in capsys.readouterr().err
+
+
+def test_the_measured_h100_costs_size_the_8_gpu_recipe_as_worked_out_by_hand(capsys):
+    """cluster/costs/qwen_image_h100_measured.json (README, Simulator) on the 8-GPU recipe, synchronous: 4 W = 1
+    replicas take the batch's 8 requests of 8 two at a time; 4 learner ranks train 64 samples at the measured
+    19.49 s per 4 samples on one rank."""
+    from rayflow.paths import REPO_ROOT
+
+    path = f"{REPO_ROOT}/cluster/costs/qwen_image_h100_measured.json"
+    with open(path) as f:
+        c = json.load(f)
+    assert simulate_main(["--costs", path, "--config", recipe("flowgrpo_qwen_image_8gpu.yaml"), "--gpus", "8",
+                          "--staleness", "0", "--top", "1"]) == 0
+    (line,) = capsys.readouterr().out.splitlines()[1:]
+    assert line.startswith("8 GPUs: 4x1 roll + 4 lrn, s=0")
+    train = c["train_batch_s"] * 64 / 4 / 4
+    by_hand = 2 * (c["rollout_request_s"] + c["overhead_request_s"]) + c["reward_request_s"] + train + c["push_s"] + c["broadcast_s"]
+    assert float(line.split()[-6]) == pytest.approx(by_hand, rel=0.01)

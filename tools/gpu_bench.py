@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
+import json
 import os
 import platform
 import statistics
@@ -237,6 +238,12 @@ def _planned(cfg, role: str) -> int:
     return sum(memory.resident.values()) + memory.peak_phase[1]
 
 
+def _reported(phase: str, result: dict) -> dict:
+    """Print a phase's figures as it ends: a run stopped at its time limit still leaves the phases it finished."""
+    print(f"gpu bench {phase}: {json.dumps(result, default=str)}", flush=True)
+    return result
+
+
 def run(args: argparse.Namespace) -> dict:
     from rayflow.models.random_init import write_random_init_dir
     from rayflow.models.tiny import resolve_model_path
@@ -254,12 +261,12 @@ def run(args: argparse.Namespace) -> dict:
             model = f"Qwen-Image published architecture, random weights, depth {args.depth or 'published (60)'}"
         # Each phase's models are freed when it returns: one 20B model on the GPU at a time.
         _free(args.device)
-        pipeline = bench_pipeline(args, path)
+        pipeline = _reported("pipeline", bench_pipeline(args, path))
         _free(args.device)
-        replica = bench_replica(args, path)
-        learner = bench_learner(args, path)
+        replica = _reported("replica", bench_replica(args, path))
+        learner = _reported("learner", bench_learner(args, path))
         _free(args.device)
-        log_probs = bench_log_probs(args, path)
+        log_probs = _reported("log_prob_mismatch", bench_log_probs(args, path))
     ratio = replica["images_per_s"] / pipeline["images_per_s"]
     device = torch.cuda.get_device_name(0) if args.device == "cuda" else platform.processor() or "cpu"
     return {
@@ -273,6 +280,12 @@ def run(args: argparse.Namespace) -> dict:
                     "goal_met": ratio >= ROLLOUT_GOAL},
         "learner": learner,
         "log_prob_mismatch": log_probs,
+        # What tools/simulate.py needs of this GPU (a cost file's measured part; README, Simulator).
+        "simulator_costs": {
+            "basis": {"batch_size": args.learner_batch, "micro_batch_size": args.batch, "learner_ranks": 1,
+                      "gpus_per_replica": 1},
+            "rollout_request_s": replica["seconds_per_request"], "train_batch_s": learner["train_step_s"],
+        },
         "note": "medians after one warm-up; peak_bytes is torch.cuda.max_memory_allocated (null on CPU); "
                 "planned_bytes is the planner's estimate of the same process without the CUDA-context allowance",
     }

@@ -4,7 +4,7 @@
     python tools/simulate.py --costs costs.json --config recipes/flowgrpo_tiny.yaml --replicas 1 2 --staleness 0 1 --cores 2
 
     # size a GPU cluster: every split of N GPUs into rollout replicas and learner ranks
-    python tools/simulate.py --costs cluster/costs/qwen_image_h100_estimate.json \
+    python tools/simulate.py --costs cluster/costs/qwen_image_h100_measured.json \
         --config recipes/flowgrpo_qwen_image_8gpu.yaml [overrides, e.g. algorithm.prompts_per_step=32] --gpus 8 64 --staleness 0 1
 
 The model is rayflow/planning/simulator.py (the driver's admission, least-loaded dispatch, round-robin

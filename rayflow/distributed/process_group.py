@@ -144,8 +144,11 @@ class CollectiveGroup:
             ) from None
 
     def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
-        """Every rank's `tensor` (same shape and dtype on all ranks), in rank order."""
-        tensor = tensor.contiguous()
+        """Every rank's `tensor` (same shape and dtype on all ranks), in rank order, on this rank's device.
+
+        A tensor elsewhere is copied there first: NCCL takes only CUDA tensors, and some payloads are built on
+        the CPU (cfg.parallel.all_gather_header's version header, before a request's first step)."""
+        tensor = tensor.to(self.device).contiguous()
         out = [torch.empty_like(tensor) for _ in range(self.size)]
         options = c10d.AllgatherOptions()
         options.timeout = datetime.timedelta(seconds=self.timeout_s)
