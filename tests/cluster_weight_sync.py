@@ -34,7 +34,7 @@ from rayflow import reference
 from rayflow.learner.worker import LearnerGroup
 from rayflow.learner.spec import LearnerSpec
 from rayflow.rollout.pool import RolloutPool
-from rayflow.rollout.rank import RolloutRankSpec
+from rayflow.rollout.spec import RolloutRankSpec
 from rayflow.sync.weight_sync import WeightSync
 from rayflow.types import RolloutRequest, SamplingParams, TrajectoryRef
 from tiny_run import GRPO, small_cfg

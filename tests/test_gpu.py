@@ -222,7 +222,7 @@ def test_weight_sync_over_nccl_delivers_the_learners_adapter(ray_session, tiny_m
     from rayflow.config import RolloutConfig
     from rayflow.learner.worker import LearnerGroup
     from rayflow.learner.spec import LearnerSpec
-    from rayflow.rollout.rank import RolloutRankSpec
+    from rayflow.rollout.spec import RolloutRankSpec
     from rayflow.rollout.replica import RolloutReplica
     from rayflow.sync.weight_sync import WeightSync
 

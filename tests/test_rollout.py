@@ -21,7 +21,8 @@ from rayflow.data.prompts import PromptGroup
 from rayflow.errors import ConfigError
 from rayflow.models.lora import TRAINED_ADAPTER, adapter_parameters, add_lora
 from rayflow.models import load_model
-from rayflow.rollout.rank import RolloutRank, RolloutRankSpec
+from rayflow.rollout.rank import RolloutRank
+from rayflow.rollout.spec import RolloutRankSpec
 from rayflow.sync.receiver import VOID_VERSION
 from rayflow.sampling.denoise import advance, finish_rollout, generate, local_guided_velocity, start_rollout
 from rayflow.types import RolloutRequest, SamplingParams

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from rayflow import reference
-from rayflow.driver.launch import PRELOAD_MAX_CORES
+from rayflow.distributed.worker_imports import PIPELINE_ENV, PRELOAD_MAX_CORES
 from rayflow.paths import REPO_ROOT
 from rayflow.runs import ResumeRefused, RunComplete, plan_resume, write_run_config
 from tiny_run import GRPO, small_cfg
@@ -145,23 +145,61 @@ PRELOAD_PROBE = """
 import os, sys
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
 import ray
-from rayflow.driver.launch import worker_system_config
-ray.init(address="local", num_cpus=2, include_dashboard=False, _system_config=worker_system_config(2) if sys.argv[1] == "yes" else {})
+from rayflow.distributed.worker_imports import light_actor_options, preload_system_config
+config = preload_system_config(2, "QwenImagePipeline") if sys.argv[1] == "yes" else {}
+ray.init(address="local", num_cpus=2, include_dashboard=False, _system_config=config)
+MODEL_CODE = ("diffusers", "diffusers.pipelines.qwenimage.pipeline_qwenimage", "transformers", "peft")
+
+@ray.remote
+class Probe:
+    def loaded(self):
+        return [m for m in MODEL_CODE if m in sys.modules]
+
 try:
-    # A fresh worker's modules, before it runs anything of rayflow's own.
-    print("diffusers loaded:", ray.get(ray.remote(lambda: "diffusers" in sys.modules).remote()))
+    # A fresh worker's modules, before it runs anything of rayflow's own; then an actor that needs no model code.
+    print("worker:", ray.get(ray.remote(lambda: [m for m in MODEL_CODE if m in sys.modules]).remote()))
+    print("light actor:", ray.get(Probe.options(**light_actor_options()).remote().loaded.remote()))
 finally:
     ray.shutdown()
 """
 
 
 @pytest.mark.parametrize("preload", ["yes", "no"])
-def test_a_local_runs_workers_have_the_actor_modules_imported_before_they_take_work(tmp_path, preload):
-    """What start-up gains from (README, Benchmarks, start-up): Ray's workers import torch and diffusers as they start."""
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+def test_a_local_runs_workers_have_the_model_code_imported_before_they_take_work(tmp_path, preload):
+    """What start-up gains from (README, Benchmarks, start-up): Ray's workers import torch, diffusers and the run's
+    pipeline class as they start; an actor that needs none of it (weight sync, rewards) gets a worker that skips it."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", PIPELINE_ENV)}
     result = subprocess.run([sys.executable, "-c", PRELOAD_PROBE, preload], cwd=tmp_path, env=env, capture_output=True,
                             text=True, timeout=180)
     assert result.returncode == 0, result.stderr[-3000:]
     # Local runs preload on machines of up to PRELOAD_MAX_CORES cores (CI's has 2); the unconfigured Ray is the control.
-    expected = preload == "yes" and (os.cpu_count() or 1) <= PRELOAD_MAX_CORES
-    assert f"diffusers loaded: {expected}" in result.stdout
+    preloaded = preload == "yes" and (os.cpu_count() or 1) <= PRELOAD_MAX_CORES
+    model_code = ["diffusers", "diffusers.pipelines.qwenimage.pipeline_qwenimage", "transformers", "peft"]
+    assert f"worker: {model_code if preloaded else []}" in result.stdout, result.stdout
+    assert "light actor: []" in result.stdout, result.stdout
+
+
+DRIVER_PROBE = """
+import sys
+from rayflow.config import load_config
+from rayflow.driver.launch import run_recipe  # what a recipe script imports
+from rayflow.driver.trainer import Trainer  # what the launcher imports once Ray is up
+from rayflow.runs import preflight
+preflight(load_config(sys.argv[1], [f"model.cache_dir={sys.argv[2]}", f"trainer.output_dir={sys.argv[2]}"]))
+print("model code:", [m for m in ("diffusers", "transformers", "peft") if m in sys.modules])
+"""
+
+
+def test_the_driver_starts_a_run_on_a_cached_tiny_model_without_importing_the_model_code(tmp_path, tiny_model_dir):
+    """Start-up (README, Benchmarks): the driver hands on specs and never runs the model, and on 2 cores its own
+    import of diffusers and transformers (about 2 s of CPU) would delay the actors that do. The cached tiny model is
+    the suite's, copied where the preflight looks for it."""
+    import shutil
+
+    from rayflow.models.tiny import cached_tiny_dir
+
+    shutil.copytree(tiny_model_dir, cached_tiny_dir(str(tmp_path)))
+    result = subprocess.run([sys.executable, "-c", DRIVER_PROBE, GRPO, str(tmp_path)], cwd=tmp_path, capture_output=True,
+                            text=True, timeout=120, env=dict(os.environ, PYTHONPATH=REPO_ROOT))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "model code: []" in result.stdout, result.stdout

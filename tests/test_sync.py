@@ -22,7 +22,7 @@ from rayflow.learner.worker import LearnerGroup
 from rayflow.learner.spec import LearnerSpec
 from rayflow.models import load_model
 from rayflow.rollout.pool import RolloutPool
-from rayflow.rollout.rank import RolloutRankSpec
+from rayflow.rollout.spec import RolloutRankSpec
 from rayflow.rollout.replica import RolloutReplica
 from rayflow.sync.broadcast import ReceiveBuffers
 from rayflow.sync.buckets import checksum, make_manifest, pack_all, plan_buckets, to_wire

@@ -34,7 +34,7 @@ from rayflow.models.weight_sets import using_weights
 from rayflow.learner.spec import LearnerSpec
 from rayflow.learner.worker import LEARNER_CONCURRENCY_GROUPS, LearnerGroup, LearnerWorker
 from rayflow.rollout.pool import RolloutPool
-from rayflow.rollout.rank import RolloutRank, RolloutRankSpec, SharedModel
+from rayflow.rollout.spec import RolloutRankSpec
 from rayflow.rollout.replica import RolloutReplica
 from rayflow.rollout.worker import CONCURRENCY_GROUPS, RolloutRankHost
 from rayflow.sync.source import SyncReport
@@ -57,6 +57,9 @@ class DeviceWorker(RolloutRankHost):
 
     # -- the learner's calls: training state changes or is read, then the device samples again ---------
     def setup(self, rendezvous) -> dict:
+        # The model code here, not at the module's top: the driver imports this module for ColocatedDevices.
+        from rayflow.rollout.rank import RolloutRank, SharedModel
+
         identity = self.learner.setup(rendezvous)
         backend = self.learner.backend
         # LoRA samples with the rollout adapter; full fine-tuning swaps the rollout weights into the parameters.

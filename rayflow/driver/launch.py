@@ -24,28 +24,11 @@ from collections.abc import Iterator
 from rayflow.checkpoint import checkpoint_root, latest_checkpoint
 from rayflow.config import RayflowConfig, load_config
 from rayflow.distributed.resources import check_cluster_fits, required_cpus
+from rayflow.distributed.worker_imports import end_preload, preload_system_config
 from rayflow.errors import ConfigError
 from rayflow.runs import USER_ERRORS, RunComplete, preflight, write_run_config
 
 log = logging.getLogger("rayflow")
-
-ACTOR_MODULES = ("rayflow.learner.worker", "rayflow.rollout.worker", "rayflow.rollout.rank")
-"""Imported by every Ray worker process of a local Ray as it starts (Ray's `preload_python_modules`): the
-workers Ray starts ahead of demand import torch, diffusers and transformers (~3 s a process here) while the
-driver is still checking the cluster, so the first learner and rollout actors start without that wait. (The rollout
-actor's module imports its model code, rank.py, only when a rank is built.)"""
-PRELOAD_MAX_CORES = 16
-"""Ray starts up to one worker per core ahead of demand; with the preload each holds ~350 MB (RSS). Above this many
-cores a local run does not preload: there the imports are not the bottleneck they are on a laptop."""
-
-
-def worker_system_config(cpus: int) -> dict:
-    """Ray system settings of a local run with `cpus` logical CPUs: the actor modules preloaded on a small machine,
-    and idle workers kept until an actor takes them (with the default soft limit, the logical CPUs, Ray killed the
-    second preloaded worker before the rollout actor asked for one on a 2-CPU run)."""
-    if (os.cpu_count() or 1) > PRELOAD_MAX_CORES:
-        return {}
-    return {"preload_python_modules": list(ACTOR_MODULES), "num_workers_soft_limit": 2 * cpus}
 
 
 def start_ray(cfg: RayflowConfig) -> bool:
@@ -65,11 +48,18 @@ def start_ray(cfg: RayflowConfig) -> bool:
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     import ray
 
+    from rayflow.models.base import pipeline_class_of
+    from rayflow.models.tiny import resolve_model_path
+
     # Logical CPUs: enough for every bundle even on a 2-core machine (each rank runs one torch thread).
     cpus = max(os.cpu_count() or 1, int(required_cpus(cfg) + 0.999))
+    # After the preflight, so the model directory exists (the tiny model is built there).
+    model = cfg.model
+    pipeline_class = pipeline_class_of(resolve_model_path(model.path, model.cache_dir, model.tiny_size, model.tiny_seed,
+                                                          model.tiny_arch))
     with _one_start_at_a_time():
         context = ray.init(address="local", num_cpus=cpus, include_dashboard=True, dashboard_host="127.0.0.1",
-                           dashboard_port=dashboard_port(), _system_config=worker_system_config(cpus))
+                           dashboard_port=dashboard_port(), _system_config=preload_system_config(cpus, pipeline_class))
     log.info("local Ray with %d logical CPUs; dashboard at http://%s (its API wants the token in ~/.ray/auth_token)",
              cpus, context.dashboard_url)
     return True
@@ -185,6 +175,7 @@ def run_recipe(default_config: str, argv: list[str] | None = None) -> list[dict[
             import ray
 
             ray.shutdown()
+            end_preload()
 
 
 def _where(cfg: RayflowConfig) -> str:

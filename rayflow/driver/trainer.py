@@ -41,7 +41,7 @@ from rayflow.logging.monitor import Monitor
 from rayflow.rewards.normalize import training_rewards
 from rayflow.rewards.worker import RewardPool
 from rayflow.rollout.pool import PoolFuture, RolloutPool
-from rayflow.rollout.rank import RolloutRankSpec
+from rayflow.rollout.spec import RolloutRankSpec
 from rayflow.sampling.window import window_params
 from rayflow.sync.source import ReceiversLost
 from rayflow.sync.weight_sync import WeightSync

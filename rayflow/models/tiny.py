@@ -231,7 +231,7 @@ def save_tiny_model(out: str, size: str = "tiny", seed: int = 0, arch: str = "qw
     If `out` already holds a model (another process won the race), that one is kept: the same
     size and seed give the same weights.
     """
-    if os.path.isfile(os.path.join(out, "model_index.json")):
+    if is_saved_model(out):
         return out
     parent = os.path.dirname(os.path.abspath(out))
     os.makedirs(parent, exist_ok=True)
@@ -244,16 +244,26 @@ def save_tiny_model(out: str, size: str = "tiny", seed: int = 0, arch: str = "qw
         try:
             os.rename(tmp, out)
         except OSError:
-            if not os.path.isfile(os.path.join(out, "model_index.json")):
+            if not is_saved_model(out):
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 
+def cached_tiny_dir(cache_dir: str, size: str = "tiny", seed: int = 0, arch: str = "qwen_image") -> str:
+    """Where the tiny offline twin of `arch` is cached (built there on first use by resolve_model_path)."""
+    return os.path.join(os.path.expanduser(cache_dir), f"tiny-{arch.replace('_', '-')}-{size}-seed{seed}")
+
+
+def is_saved_model(path: str) -> bool:
+    """Whether `path` holds a saved pipeline (save_tiny_model writes it atomically: all of it or nothing)."""
+    return os.path.isfile(os.path.join(path, "model_index.json"))
+
+
 def resolve_model_path(path: str | None, cache_dir: str, size: str = "tiny", seed: int = 0, arch: str = "qwen_image") -> str:
     """`path` itself, or the cached tiny offline twin of `arch` (built on first use) when it is None."""
     if path is not None:
         return path
-    out = os.path.join(os.path.expanduser(cache_dir), f"tiny-{arch.replace('_', '-')}-{size}-seed{seed}")
+    out = cached_tiny_dir(cache_dir, size, seed, arch)
     return save_tiny_model(out, size=size, seed=seed, arch=arch)

@@ -19,6 +19,7 @@ import torch
 from rayflow.config import RewardConfig, RewardFnConfig
 from rayflow.distributed.placement import PlacedGroup, place
 from rayflow.distributed.watchdog import Watchdog
+from rayflow.distributed.worker_imports import light_actor_options
 from rayflow.rewards.weighted import WeightedReward, reward_inputs
 from rayflow.distributed.restart_budget import RestartBudget
 from rayflow.types import RolloutRequest, Trajectory, TrajectoryRef
@@ -115,7 +116,8 @@ class RewardPool:
         cfg = self.cfg
         # No restarts by Ray: the pool replaces a lost worker itself, so restarts count per window and a
         # stalled worker is handled like a dead one.
-        return self.placed.spawn(index, RewardWorker, cfg.functions, cfg.batch_size, cfg.max_outage_s, max_restarts=0)
+        return self.placed.spawn(index, RewardWorker, cfg.functions, cfg.batch_size, cfg.max_outage_s, max_restarts=0,
+                                 **light_actor_options())
 
     def _send(self, call: _Call, avoid: int | None = None) -> _Call:
         """Send `call` to the next live worker in round robin, other than `avoid` (the worker it failed or

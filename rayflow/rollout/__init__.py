@@ -8,7 +8,7 @@ RolloutWorker handle, to load worker.py) must not import the model code.
 
 import importlib
 
-_HOME = {"RolloutPool": "pool", "RolloutRank": "rank", "RolloutRankSpec": "rank", "ReplicaError": "replica",
+_HOME = {"RolloutPool": "pool", "RolloutRank": "rank", "RolloutRankSpec": "spec", "ReplicaError": "replica",
          "RolloutFuture": "replica", "RolloutReplica": "replica"}
 
 __all__ = sorted(_HOME)

@@ -36,7 +36,7 @@ from rayflow.cfg.policy import CFGPolicy
 from rayflow.config import RolloutConfig
 from rayflow.distributed.restart_budget import RestartBudget
 from rayflow.distributed.watchdog import Watchdog
-from rayflow.rollout.rank import RolloutRankSpec
+from rayflow.rollout.spec import RolloutRankSpec
 from rayflow.rollout.replica import ReplicaError, RolloutFuture, RolloutReplica
 from rayflow.types import RolloutRequest, Trajectory
 

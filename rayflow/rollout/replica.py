@@ -28,7 +28,7 @@ from rayflow.cfg.policy import CFGPolicy
 from rayflow.config import RolloutConfig
 from rayflow.distributed.placement import PlacedGroup, describe_rank, place, resolve_gpus
 from rayflow.distributed.process_group import CollectiveError
-from rayflow.rollout.rank import RolloutRankSpec
+from rayflow.rollout.spec import RolloutRankSpec
 from rayflow.rollout.worker import RolloutWorker
 from rayflow.types import RolloutRequest, Trajectory
 

@@ -27,6 +27,7 @@ import torch
 from rayflow.config import SyncConfig
 from rayflow.distributed.placement import place, resolve_gpus
 from rayflow.distributed.restart_budget import RestartBudget
+from rayflow.distributed.worker_imports import light_actor_options
 from rayflow.models.synced import SyncedModelSpec
 from rayflow.sync.actor import WeightSyncActor
 from rayflow.sync.source import SyncReport, SyncSpec, WeightSyncError, one_line
@@ -80,7 +81,7 @@ class WeightSync:
 
     def _start_actor(self) -> None:
         # No restarts by Ray: a new actor must join a new group generation, which `restart` forms.
-        self.actor = self.placed.spawn(0, WeightSyncActor, self.spec, self.synced, max_restarts=0)
+        self.actor = self.placed.spawn(0, WeightSyncActor, self.spec, self.synced, max_restarts=0, **light_actor_options())
         self._watch = self.actor.watch.remote()
 
     def connect(self, replicas: list[SyncedReplica]) -> None:
