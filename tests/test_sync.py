@@ -239,9 +239,13 @@ def test_a_receiver_that_dies_or_stalls_is_left_out_and_the_newest_version_is_se
         ray.get(push(sync, 1, adapter_like(spec, tiny_model_dir, 0.01)))
         sync.wait(1, timeout_s=60)
         ray.kill(pool.replicas[1].workers[0])
+        start = time.monotonic()
         ray.get(push(sync, 2, adapter_like(spec, tiny_model_dir, 0.02)))
         with pytest.raises(ReceiversLost, match=r"receivers \[2\] .* version 2"):
             sync.wait(2, timeout_s=60)
+        # The source closes the group as its send fails, so the survivor's side fails at once, not after its
+        # collective timeout (0.1 s against the timeout, measured with 30 s; 300 s by default).
+        assert time.monotonic() - start < spec.collective_timeout_s
         # Pushes go on; their broadcasts wait for a group without the dead rank.
         newest = adapter_like(spec, tiny_model_dir, 0.03)
         ray.get(push(sync, 3, newest))

@@ -294,6 +294,11 @@ class WeightSource:
                 # holding the lock a new group generation needs.
                 calls.wait(self.spec.timeout_s)
             except Exception as e:
+                # Survivors may wait for buckets this source will not send any more: closing the group fails their
+                # side now instead of after their collective timeout (300 s by default), and a new generation opens
+                # a new group anyway.
+                self.group.destroy()
+                self.group = None
                 # After a timeout every receiver has had its time; else the survivors get theirs now.
                 timed_out = isinstance(e, TimeoutError)
                 lost = calls.lost(0.0 if timed_out else self.spec.timeout_s + RECEIVER_GRACE_S)
