@@ -245,7 +245,7 @@ def test_runtime_env_is_valid_for_ray_job_submit_and_uploads_only_code(tmp_path)
         "runs/elsewhere/checkpoints/step_00000001/state.pt": False,
         "runs/elsewhere/tensorboard/events.out.tfevents.2.host": False,
         "logs/driver.txt": False, "train.log": False, "rayflow/__pycache__/config.cpython-311.pyc": False,
-        "rayflow.egg-info/PKG-INFO": False, "lora/model.safetensors": False,
+        "rayflow.egg-info/PKG-INFO": False, "lora/model.safetensors": False, ".gpu/bundle.tar.xz": False,
     }
     for name in files:
         (tree / name).parent.mkdir(parents=True, exist_ok=True)
