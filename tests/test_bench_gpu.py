@@ -5,10 +5,12 @@ import os
 import subprocess
 import sys
 
+from tools.simulate import main as simulate_main
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def test_gpu_benchmark_harness_runs_on_cpu(tmp_path):
+def test_gpu_benchmark_harness_runs_on_cpu(tmp_path, capsys):
     out = tmp_path / "bench_gpu.json"
     subprocess.run(
         [sys.executable, os.path.join(ROOT, "tools", "bench.py"), "gpu", "--device", "cpu", "--tiny", "--repeats", "1",
@@ -32,10 +34,7 @@ def test_gpu_benchmark_harness_runs_on_cpu(tmp_path):
     assert costs["train_batch_s"] == learner["train_step_s"]
     cost_file = tmp_path / "costs.json"
     cost_file.write_text(json.dumps({**costs, "reward_request_s": 0.01}))
-    sizing = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "tools", "simulate.py"), "--costs", str(cost_file), "--config",
-         os.path.join(ROOT, "recipes", "flowgrpo_tiny.yaml"), "--gpus", "4", "--staleness", "0"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=120,
-    )
-    assert sizing.returncode == 0, sizing.stderr
-    assert "4 GPUs: " in sizing.stdout and "x1 roll + " in sizing.stdout
+    assert simulate_main(["--costs", str(cost_file), "--config", os.path.join(ROOT, "recipes", "flowgrpo_tiny.yaml"),
+                          "--gpus", "4", "--staleness", "0"]) == 0
+    sizing = capsys.readouterr().out
+    assert "4 GPUs: " in sizing and "x1 roll + " in sizing
