@@ -46,6 +46,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch", type=int, default=4, help="images per rollout request and per pipeline call")
     parser.add_argument("--learner-batch", type=int, default=2, help="samples per learner step (one micro-batch, one group: >= 2)")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--sync-mode", default="lora", choices=["lora", "merged"],
+                        help="the rollout's synced weights: a rank-64 LoRA slot (lora) or the folded linears, no LoRA (merged)")
 
 
 def _config(args, path: str, guidance: float, batch: int):
@@ -59,7 +61,7 @@ def _config(args, path: str, guidance: float, batch: int):
         f"sampling.num_steps={args.steps}", f"sampling.guidance_scale={guidance}", "sampling.negative_prompt=' '",
         "algorithm.name=flow_grpo", f"algorithm.group_size={group}", "algorithm.prompts_per_step=1",
         f"learner.micro_batch_size={group}", f"rollout.micro_batch_size={batch}",
-        "learner.activation_checkpointing=true", "learner.lora_rank=64", "learner.lora_alpha=128",
+        "learner.activation_checkpointing=true", "learner.lora_rank=64", "learner.lora_alpha=128", f"sync.mode={args.sync_mode}",
         f"learner.mixed_precision={'autocast' if args.dtype == 'bfloat16' else 'none'}",
     ])
 
@@ -274,7 +276,8 @@ def run(args: argparse.Namespace) -> dict:
         "command": " ".join(["python", *sys.argv]),
         "setup": {"model": model, "device": device, "dtype": args.dtype, "height": args.size, "width": args.size,
                   "steps": args.steps, "true_cfg_scale": 4.0, "rollout_batch": args.batch,
-                  "learner_batch": args.learner_batch, "repeats": args.repeats, "torch": torch.__version__,
+                  "learner_batch": args.learner_batch, "repeats": args.repeats, "sync_mode": args.sync_mode,
+                  "torch": torch.__version__,
                   "cuda": torch.version.cuda, "python": platform.python_version()},
         "rollout": {"pipeline": pipeline, "replica": replica, "ratio": ratio, "goal": ROLLOUT_GOAL,
                     "goal_met": ratio >= ROLLOUT_GOAL},
