@@ -23,6 +23,7 @@ from rayflow.rewards.weighted import WeightedReward
 from rayflow.rewards.worker import RewardError, RewardPool
 from rayflow.types import SamplingParams, Trajectory
 from reward_server import RewardServer, score_mean_red
+from tiny_run import wait_until_dead
 
 PROMPTS = ["a red apple", "a blue car", "a green tree", "a white cat", "a yellow duck"]
 
@@ -134,17 +135,6 @@ def test_a_reward_that_keeps_failing_stops_the_run_with_the_batch_and_last_error
     assert re.search(re.escape(f"http reward {server.url}: HTTP 500: reward model crashed (call 1)"), message)
     assert len(server.requests) == 2  # max_retries=1: one try and one retry
     assert all(t.reward is None and t.rewards == {} for t in trajectories)  # never silent zeros
-
-
-def wait_until_dead(worker, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            ray.get(worker.score.remote([]), timeout=5)
-        except ray.exceptions.RayActorError:
-            return
-        time.sleep(0.1)
-    raise AssertionError("the killed reward worker still answers")
 
 
 def test_a_killed_worker_is_skipped_and_its_batch_retried_on_the_other(make_pool, caplog):

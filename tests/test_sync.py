@@ -29,7 +29,7 @@ from rayflow.sync.buckets import checksum, make_manifest, pack_all, plan_buckets
 from rayflow.sync.source import ReceiversLost, WeightSyncError
 from rayflow.sync.weight_sync import WeightSync
 from rayflow.types import RolloutRequest, SamplingParams
-from tiny_run import GRPO, NFT, small_cfg
+from tiny_run import GRPO, NFT, small_cfg, wait_until_dead
 
 MODEL_CODE = {"diffusers", "transformers", "peft"}
 
@@ -239,6 +239,7 @@ def test_a_receiver_that_dies_or_stalls_is_left_out_and_the_newest_version_is_se
         ray.get(push(sync, 1, adapter_like(spec, tiny_model_dir, 0.01)))
         sync.wait(1, timeout_s=60)
         ray.kill(pool.replicas[1].workers[0])
+        wait_until_dead(pool.replicas[1].workers[0])  # a receiver dying but not yet dead holds the send until its timeout
         start = time.monotonic()
         ray.get(push(sync, 2, adapter_like(spec, tiny_model_dir, 0.02)))
         with pytest.raises(ReceiversLost, match=r"receivers \[2\] .* version 2"):

@@ -1,6 +1,7 @@
-"""A recipe cut to the size the learner and checkpoint tests train at."""
+"""A recipe cut to the size the learner and checkpoint tests train at, and what tests that kill actors share."""
 
 import os
+import time
 
 from rayflow.checkpoint import checkpoint_root, load_checkpoint, step_dir
 from rayflow.config import RayflowConfig, load_config
@@ -27,3 +28,20 @@ def final_adapters(run_dir: str, step: int) -> dict:
     if ckpt.sharded is None:
         return ckpt.adapters
     return {name: read_weights(ckpt.sharded.directory, name) for name in ckpt.sharded.names}
+
+
+def wait_until_dead(actor, timeout_s: float = 30.0) -> None:
+    """Return once a killed actor no longer answers: ray.kill is asynchronous, and a call sent at once could still be
+    served (or, to a rollout rank, a broadcast still be held by it until the collective timeout)."""
+    import ray
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            ray.get(actor.__ray_call__.remote(lambda _: None), timeout=5)
+        except ray.exceptions.RayActorError:
+            return
+        except ray.exceptions.GetTimeoutError:
+            pass
+        time.sleep(0.1)
+    raise AssertionError("the killed actor still answers")
