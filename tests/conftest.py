@@ -3,6 +3,12 @@ import sys
 
 # Keep every Ray process on loopback (RAY-LOCAL.md); must be set before Ray starts.
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+# Ray runs its workers at niceness 15, under everything else. Two test workers share the cores, and each runs
+# computations in its own process (the reference trainer, the learning test) at niceness 0: the other's actors
+# then starved (an actor created beside two busy processes took 492 s to start; a CI run spent 389 s in one test,
+# another failed a 5 s collective timeout). Every Ray the suite starts, in this process or in the subprocesses
+# that inherit its environment, runs its workers at niceness 0, level with the test processes.
+os.environ.setdefault("RAY_worker_niceness", "0")
 # `pytest /path/to/rayflow` works from any directory: tests that spawn tools and recipes name their
 # working directory themselves; the rest run from the repository root, whatever the caller's is.
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
