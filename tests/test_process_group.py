@@ -1,5 +1,6 @@
-"""CollectiveGroup's two timeouts, in two plain processes over loopback (no Ray): forming a group waits at least
-FORM_TIMEOUT_FLOOR_S for a member that joins late, while each collective keeps the short timeout it was given."""
+"""CollectiveGroup's two timeouts, in plain processes over loopback (no Ray): forming a group waits at least
+FORM_TIMEOUT_FLOOR_S for a member that joins late, while each collective keeps the short timeout it was given; and a
+rank whose collective failed releases its connections when it destroys the group, so its peers fail at once."""
 
 import multiprocessing
 import time
@@ -51,3 +52,52 @@ def test_a_late_member_joins_and_a_missing_peer_still_fails_a_collective_within_
     seconds, message = outcome[1]
     assert seconds < COLLECTIVE_S + 5.0, f"the broadcast waited {seconds:.1f}s, not its {COLLECTIVE_S}s timeout"
     assert "broadcast in group 'late-join' failed on rank 0/2" in message and "(timeout 1s)" in message
+
+
+SURVIVOR_TIMEOUT_S = 30.0
+"""The waiting peer's collective timeout: far longer than the test may take, as the default 300 s is."""
+
+
+def broadcaster(rank: int, rendezvous: Rendezvous, results) -> None:
+    """Rank 0 (the weight-sync source), rank 1 (a receiver that lives), rank 2 (a receiver that dies)."""
+    process_group.node_ip = lambda: LOOPBACK
+    group = CollectiveGroup("lost-receiver", rendezvous, rank, 3, "cpu", timeout_s=SURVIVOR_TIMEOUT_S)
+    tensor = torch.full((3,), float(rank + 1))
+    group.broadcast(tensor)
+    if rank == 2:
+        results.put((rank, "exits", None))
+        return
+    if rank == 0:
+        time.sleep(1.0)  # rank 2 is gone and its connection known closed
+        try:
+            group.broadcast(tensor)
+            results.put((rank, "broadcast returned", None))
+        except CollectiveError as e:
+            group.destroy()  # as rayflow.sync.source does, with the error still held
+            results.put((rank, "broadcast failed", str(e)))
+            time.sleep(SURVIVOR_TIMEOUT_S)  # alive: only destroy() can close its connections
+        return
+    time.sleep(2.0)  # rank 1 joins after rank 0 gave up
+    start = time.monotonic()
+    try:
+        group.broadcast(tensor)
+        results.put((rank, "survivor's broadcast ended", time.monotonic() - start))
+    except CollectiveError:
+        results.put((rank, "survivor's broadcast ended", time.monotonic() - start))
+
+
+def test_a_destroyed_group_fails_the_peers_still_waiting_at_once_not_at_their_timeout():
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    rendezvous = Rendezvous(LOOPBACK, free_port(LOOPBACK))
+    ranks = [context.Process(target=broadcaster, args=(rank, rendezvous, results), daemon=True) for rank in (0, 1, 2)]
+    for p in ranks:
+        p.start()
+    try:
+        got = {what: value for _, what, value in (results.get(timeout=60) for _ in range(3))}
+    finally:
+        for p in ranks:
+            p.kill()
+    assert "closed by peer" in got["broadcast failed"] and "rank 0/3" in got["broadcast failed"]
+    waited = got["survivor's broadcast ended"]
+    assert waited < 5.0, f"the survivor waited {waited:.1f}s for connections the source had destroyed"

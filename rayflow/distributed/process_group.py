@@ -137,11 +137,16 @@ class CollectiveGroup:
     def _wait(self, work, what: str) -> None:
         try:
             work.wait()
+            return
         except RuntimeError as e:
-            raise CollectiveError(
-                f"{what} in group {self.name!r} failed on rank {self.rank}/{self.size} at node {self.address} "
-                f"(timeout {self.timeout_s:.0f}s): a peer died or stalled. {str(e).splitlines()[0]}"
-            ) from None
+            cause = str(e).splitlines()[0]
+        # A failed work holds the group's connections, and the raised error's traceback would hold this frame: let it
+        # go first, so that destroy() closes them at once and the peers still waiting fail now, not at their timeout.
+        del work
+        raise CollectiveError(
+            f"{what} in group {self.name!r} failed on rank {self.rank}/{self.size} at node {self.address} "
+            f"(timeout {self.timeout_s:.0f}s): a peer died or stalled. {cause}"
+        )
 
     def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         """Every rank's `tensor` (same shape and dtype on all ranks), in rank order, on this rank's device.
