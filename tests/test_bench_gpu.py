@@ -23,6 +23,9 @@ def test_gpu_benchmark_harness_runs_on_cpu(tmp_path, capsys):
     rollout, learner = result["rollout"], result["learner"]
     assert rollout["pipeline"]["images_per_s"] > 0 and rollout["replica"]["images_per_s"] > 0
     assert rollout["ratio"] == rollout["replica"]["images_per_s"] / rollout["pipeline"]["images_per_s"]
+    # The replica's rank in this process, without Ray: the split of the replica's gap to the pipeline.
+    assert rollout["rank"]["images_per_s"] > 0
+    assert rollout["rank_ratio"] == rollout["rank"]["images_per_s"] / rollout["pipeline"]["images_per_s"]
     assert learner["train_step_s"] > 0 and learner["bare_forward_backward_s"] > 0
     assert learner["planned_bytes"] > 0 and learner["peak_bytes"] is None  # no CUDA allocator on CPU
     # In fp32 on one CPU the learner's replay is the rollout's computation: the log-probs agree exactly.

@@ -4,7 +4,9 @@ On one GPU, the published Qwen-Image architecture with random weights (rayflow.m
 the compute of the real model) at 512x512, 10 steps, true CFG 4.0, in bf16:
 
   rollout   images/s of a W = 1 RolloutReplica (Ray actor, SDE steps with log-probs) against diffusers'
-            own QwenImagePipeline.__call__ at the same batch, steps, CFG and dtype (goal >= 0.95x);
+            own QwenImagePipeline.__call__ at the same batch, steps, CFG and dtype (goal >= 0.95x); between
+            them, the same RolloutRank in this process (no Ray), which splits the gap into the sampling loop
+            with its synced weights (run with --sync-mode lora and merged) and the actor around it;
   learner   one FlowGRPO LearnerBackend.train_step against a bare loop of the same forwards (every CFG
             branch, every trained step), backwards and AdamW step on the same LoRA (goal <= 1.1x);
   logprob   |Δ log p| per step between the rollout's log-probs and the learner's replay of the same
@@ -34,6 +36,7 @@ import torch
 
 ROLLOUT_GOAL, LEARNER_GOAL = 0.95, 1.1
 PROMPT = "a red apple on a wooden table, studio light"
+PHASES = ("pipeline", "rank", "replica", "learner", "log_probs")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -48,6 +51,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--sync-mode", default="lora", choices=["lora", "merged"],
                         help="the rollout's synced weights: a rank-64 LoRA slot (lora) or the folded linears, no LoRA (merged)")
+    parser.add_argument("--phases", nargs="+", default=list(PHASES), choices=PHASES,
+                        help="the phases to run (default: all); the rollout ratios need pipeline and replica or rank")
 
 
 def _config(args, path: str, guidance: float, batch: int):
@@ -117,6 +122,29 @@ def bench_pipeline(args, path: str) -> dict:
     peak = _peak(args.device)
     return {"images_per_s": args.batch / seconds, "seconds_per_call": seconds, "peak_bytes": peak,
             "planned_bytes": _planned(cfg, "rollout rank")}
+
+
+class _OneRank:
+    """The group of a replica of one rank, in this process: all_gather returns the rank's own tensor."""
+
+    rank, size = 0, 1
+
+    def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        return [tensor]
+
+
+def bench_rank(args, path: str) -> dict:
+    """The replica's RolloutRank (its model, synced-weight slot and loop) in this process: the replica without Ray."""
+    from rayflow.rollout.rank import RolloutRank
+    from rayflow.rollout.spec import RolloutRankSpec
+
+    cfg = _config(args, path, 4.0, args.batch)
+    rank = RolloutRank(RolloutRankSpec.from_config(cfg), 0, 1)
+    rank.join(_OneRank())
+    seeds = iter(range(0, 10**6, args.batch))
+    seconds = _median_time(lambda: rank.generate(_request(cfg, args.batch, next(seeds))), args.repeats, args.device)
+    del rank
+    return {"images_per_s": args.batch / seconds, "seconds_per_request": seconds}
 
 
 def bench_replica(args, path: str) -> dict:
@@ -261,15 +289,20 @@ def run(args: argparse.Namespace) -> dict:
         else:
             path = write_random_init_dir("qwen_image", os.path.join(tmp, "qwen_image"), depth=args.depth)
             model = f"Qwen-Image published architecture, random weights, depth {args.depth or 'published (60)'}"
-        # Each phase's models are freed when it returns: one 20B model on the GPU at a time.
-        _free(args.device)
-        pipeline = _reported("pipeline", bench_pipeline(args, path))
-        _free(args.device)
-        replica = _reported("replica", bench_replica(args, path))
-        learner = _reported("learner", bench_learner(args, path))
-        _free(args.device)
-        log_probs = _reported("log_prob_mismatch", bench_log_probs(args, path))
-    ratio = replica["images_per_s"] / pipeline["images_per_s"]
+        benches = {"pipeline": bench_pipeline, "rank": bench_rank, "replica": bench_replica, "learner": bench_learner,
+                   "log_probs": bench_log_probs}
+        results = {}
+        for phase in PHASES:  # each phase's models are freed when it returns: one 20B model on the GPU at a time
+            if phase in args.phases:
+                _free(args.device)
+                results[phase] = _reported(phase, benches[phase](args, path))
+    pipeline, rank, replica, learner = (results.get(p) for p in PHASES[:4])
+    rollout = {"pipeline": pipeline, "rank": rank, "replica": replica}
+    if pipeline and replica:
+        ratio = replica["images_per_s"] / pipeline["images_per_s"]
+        rollout.update(ratio=ratio, goal=ROLLOUT_GOAL, goal_met=ratio >= ROLLOUT_GOAL)
+    if pipeline and rank:
+        rollout["rank_ratio"] = rank["images_per_s"] / pipeline["images_per_s"]
     device = torch.cuda.get_device_name(0) if args.device == "cuda" else platform.processor() or "cpu"
     return {
         "benchmark": "gpu",
@@ -277,18 +310,18 @@ def run(args: argparse.Namespace) -> dict:
         "setup": {"model": model, "device": device, "dtype": args.dtype, "height": args.size, "width": args.size,
                   "steps": args.steps, "true_cfg_scale": 4.0, "rollout_batch": args.batch,
                   "learner_batch": args.learner_batch, "repeats": args.repeats, "sync_mode": args.sync_mode,
+                  "phases": [p for p in PHASES if p in args.phases],
                   "torch": torch.__version__,
                   "cuda": torch.version.cuda, "python": platform.python_version()},
-        "rollout": {"pipeline": pipeline, "replica": replica, "ratio": ratio, "goal": ROLLOUT_GOAL,
-                    "goal_met": ratio >= ROLLOUT_GOAL},
+        "rollout": rollout,
         "learner": learner,
-        "log_prob_mismatch": log_probs,
+        "log_prob_mismatch": results.get("log_probs"),
         # What tools/simulate.py needs of this GPU (a cost file's measured part; README, Simulator).
         "simulator_costs": {
             "basis": {"batch_size": args.learner_batch, "micro_batch_size": args.batch, "learner_ranks": 1,
                       "gpus_per_replica": 1},
             "rollout_request_s": replica["seconds_per_request"], "train_batch_s": learner["train_step_s"],
-        },
+        } if replica and learner else None,
         "note": "medians after one warm-up; peak_bytes is torch.cuda.max_memory_allocated (null on CPU); "
                 "planned_bytes is the planner's estimate of the same process without the CUDA-context allowance",
     }
