@@ -21,11 +21,23 @@ import torch
 from rayflow.models.tiny import save_tiny_model
 
 
-LONGEST_FILES_FIRST = ("test_trainer.py", "test_sync.py", "test_faults.py", "test_cluster.py", "test_watchdog.py",
-                       "test_learner.py", "test_recipes.py", "test_rollout.py", "test_job_submit.py")
-"""The files that take longest (most Ray actors started), longest first: under `-n 2 --dist loadfile` a worker takes
-the next file when it is free, so starting them first leaves short files to even out the end (longest-processing-
-time-first). Seconds per file, measured on 2 cores: 287, 156, 130, 93, 89, 82, 67, 60, 45; every other file < 40."""
+LONGEST_FILES_FIRST = ("test_trainer.py", "test_sync.py", "test_cluster.py", "test_watchdog.py", "test_learner.py",
+                       "test_faults.py", "test_learning.py", "test_recipes.py", "test_rollout.py", "test_runs.py",
+                       "test_job_submit.py", "test_colocated.py", "test_bench_gpu.py", "test_reward_workers.py",
+                       "test_planning.py")
+"""The files that take longest (most Ray actors started, or long in-process training), longest first: under `-n 2
+--dist loadfile` a worker takes the next file when it is free, so starting them first leaves short files to even
+out the end (longest-processing-time-first). Seconds per file on 2 cores, two runs of 2026-11-26: trainer 210 / 189,
+sync 108 / 100, cluster 74 / 74, watchdog 77 / 69, learner 75 / 63, faults 68 / 57, learning 53 / 55, recipes 61 / 40,
+rollout 52 / 42, runs 44 / 43, job_submit 46 / 26, colocated 39 / 29, bench_gpu 21 / 17, reward_workers 18,
+planning 17; every other file < 11."""
+
+
+def pytest_configure(config):
+    # pytest-xdist (3.6+) hands files out by their number of tests, most first, unless told not to: that put many
+    # quick parametrised files first and a 33 s file last (the two workers ended 428 and 492 s into a run).
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
 
 
 def pytest_collection_modifyitems(config, items):
