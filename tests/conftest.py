@@ -34,7 +34,7 @@ planning 17; every other file < 11."""
 
 
 def pytest_configure(config):
-    # pytest-xdist (3.6+) hands files out by their number of tests, most first, unless told not to: that put many
+    # pytest-xdist (3.8.0 here) hands files out by their number of tests, most first, unless told not to: that put many
     # quick parametrised files first and a 33 s file last (the two workers ended 428 and 492 s into a run).
     if hasattr(config.option, "loadscopereorder"):
         config.option.loadscopereorder = False

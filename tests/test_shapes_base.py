@@ -1,17 +1,19 @@
-"""The shipped shapes base: tools/pretrain_shapes.py reproduces its first steps, the shipped copy loads with
-diffusers, and a missing or corrupt one is named with the command that rebuilds it."""
+"""The shipped shapes base: tools/pretrain_shapes.py reproduces its first steps (and trains the same in two processes
+as in one accumulating both halves of each batch), the shipped copy loads with diffusers, and a missing or corrupt one is named with the command that rebuilds it."""
 
+import multiprocessing
 import os
 import shutil
 import sys
 
 import pytest
+import torch
 
 from rayflow.models.shapes import MANIFEST, REBUILD_COMMAND, SHAPES_MODEL_DIR, build_shapes_pipeline, check_shapes_base
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
 
-from pretrain_shapes import PretrainConfig, encode_pool, train_transformer, train_vae  # noqa: E402
+from pretrain_shapes import BatchShare, PretrainConfig, encode_pool, joined, train_transformer, train_vae  # noqa: E402
 
 # The losses of the first two steps of each stage with the default PretrainConfig (seed 0). The VAE's are
 # those of the shipped run (its log printed step 0 as 1.29740); the transformer's are on a pool of the
@@ -27,6 +29,59 @@ def test_first_steps_of_the_pretraining_reproduce():
     assert train_vae(pipe.vae, cfg, steps=2) == pytest.approx(VAE_LOSSES, rel=1e-4)
     latents, prompts = encode_pool(pipe, 2 * cfg.batch, cfg.pool_categories)
     assert train_transformer(pipe, latents, prompts, cfg, steps=2) == pytest.approx(TRANSFORMER_LOSSES, rel=1e-4)
+
+
+def trained_weights(pipe) -> dict[str, torch.Tensor]:
+    return {f"{part}.{k}": v.clone() for part in ("vae", "transformer") for k, v in getattr(pipe, part).state_dict().items()}
+
+
+def two_part_training(rank: int, cfg: PretrainConfig, store_path: str, results) -> None:
+    """One of two processes: two VAE steps and two transformer steps on batch part `rank`; part 0 reports."""
+    torch.set_num_threads(1)
+    with joined(rank, 2, store_path) as share:
+        pipe = build_shapes_pipeline(cfg.seed)
+        losses = train_vae(pipe.vae, cfg, 2, share)
+        latents, prompts = encode_pool(pipe, 2 * cfg.batch, cfg.pool_categories)
+        losses += train_transformer(pipe, latents, prompts, cfg, 2, share)
+    if rank == 0:
+        # As numpy arrays: torch would share tensors' memory with the parent, and this process ends first.
+        results.put((losses, {name: w.numpy() for name, w in trained_weights(pipe).items()}))
+
+
+def test_two_processes_sharing_each_batch_train_as_one_process_accumulating_both_halves(tmp_path):
+    """--workers 2: each process backpropagates half of every batch and gloo sums the gradients; one process that
+    backpropagates both halves in turn (accumulating) is the expectation, bit for bit: losses and weights."""
+    cfg = PretrainConfig(workers=2)
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    processes = [context.Process(target=two_part_training, args=(rank, cfg, str(tmp_path / "store"), results))
+                 for rank in range(2)]
+    for p in processes:
+        p.start()
+    losses, weights = results.get(timeout=300)
+    for p in processes:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+
+    pipe = build_shapes_pipeline(cfg.seed)
+    both_halves = BatchShare(parts=(0, 1), of=2)
+    expected = train_vae(pipe.vae, cfg, 2, both_halves)
+    latents, prompts = encode_pool(pipe, 2 * cfg.batch, cfg.pool_categories)
+    expected += train_transformer(pipe, latents, prompts, cfg, 2, both_halves)
+    assert losses == expected
+    # The halves' rows are not the whole batch's computation: the training differs from the default in rounding only.
+    assert losses[:2] == pytest.approx(VAE_LOSSES, rel=1e-4) and losses[2:] == pytest.approx(TRANSFORMER_LOSSES, rel=1e-4)
+    expected_weights = trained_weights(pipe)
+    assert weights.keys() == expected_weights.keys()
+    for name, value in expected_weights.items():
+        assert torch.equal(torch.from_numpy(weights[name]), value), name
+
+
+def test_workers_must_divide_both_batches():
+    with pytest.raises(ValueError, match=r"workers=3 must be >= 1 and divide batch=32"):
+        PretrainConfig(workers=3)
+    with pytest.raises(ValueError, match=r"workers=16 must be >= 1 and divide vae_batch=8"):
+        PretrainConfig(workers=16)
 
 
 def test_the_shipped_base_passes_its_manifest_and_loads_with_diffusers():

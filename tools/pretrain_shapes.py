@@ -1,7 +1,7 @@
 """Pretrain the shapes base from scratch, deterministically, on CPU: a small Qwen-Image (the real diffusers
 classes, rayflow.models.shapes) on rendered scenes of the shapes world (rayflow.worlds.shapes).
 
-    python tools/pretrain_shapes.py --out models/shapes-qwen-image [--seed 0]
+    python tools/pretrain_shapes.py --out models/shapes-qwen-image [--seed 0] [--workers 2]
 
 1. The VAE learns to reconstruct rendered scenes as a plain autoencoder (the posterior's mode: sampled
    latents drown a young decoder in noise), shape pixels weighted above the background.
@@ -11,25 +11,34 @@ classes, rayflow.models.shapes) on rendered scenes of the shapes world (rayflow.
    dropped to the negative prompt " " for 10% of samples so that CFG has an unconditional branch, on scenes
    drawn with two-object and relation prompts four times as often as single objects and positions (binding two
    objects is what a small model learns last), its learning rate decayed to 0 along a cosine after warm-up.
-The text encoder keeps its random weights (frozen). Weights are saved in float16 (a few MB) with a
+With --workers N, N processes (one torch thread each) split every batch's rows and sum their gradients over gloo
+on loopback: the same training as one process that accumulates the N parts' gradients, bit for bit, in about 1/N of
+the time; it differs from the one-process default (whole batches at once, which made the shipped weights) only in
+rounding. The text encoder keeps its random weights (frozen). Weights are saved in float16 (a few MB) with a
 manifest of sha256 digests (rayflow_shapes.json) that rayflow checks before using the base.
 """
 
 import argparse
+import contextlib
 import json
 import math
 import os
 import shutil
 import sys
+import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 
 import numpy as np
 import torch
+import torch.distributed as dist
+import torch.multiprocessing
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from rayflow.checkpoint_integrity import sha256_file  # noqa: E402
+from rayflow.distributed.process_group import bind_collectives_to  # noqa: E402
 from rayflow.models.base import PromptEmbeds  # noqa: E402
 from rayflow.models.shapes import MANIFEST, SHAPES_SPEC, build_shapes_pipeline  # noqa: E402
 from rayflow.worlds.shapes import BACKGROUND, CATEGORIES, render, sample_scene  # noqa: E402
@@ -59,6 +68,50 @@ class PretrainConfig:
                                         *("relation",) * 4)
     """The pool's scene categories, drawn uniformly from this list (the VAE's scenes: every category alike)."""
     cfg_dropout: float = 0.1
+    workers: int = 1
+    """Processes that share every batch (--workers): 1 reproduces the shipped weights."""
+
+    def __post_init__(self) -> None:
+        for field, batch in (("batch", self.batch), ("vae_batch", self.vae_batch)):
+            if self.workers < 1 or batch % self.workers:
+                raise ValueError(f"PretrainConfig: workers={self.workers} must be >= 1 and divide {field}={batch}")
+
+
+@dataclass(frozen=True)
+class BatchShare:
+    """Which rows of every batch this process computes: parts `parts` of the batch cut into `of` equal slices, one
+    forward and backward each, their gradients accumulated; `group` sums the gradients of the processes that hold
+    the other parts (None when this process holds them all)."""
+
+    parts: tuple[int, ...] = (0,)
+    of: int = 1
+    group: dist.ProcessGroup | None = None
+
+    def rows(self, batch: int) -> list[slice]:
+        size = batch // self.of
+        return [slice(part * size, (part + 1) * size) for part in self.parts]
+
+    def backward(self, part_loss: torch.Tensor, batch: int) -> torch.Tensor:
+        """Backpropagate a part's mean loss as its share of the whole batch's mean; that share, detached."""
+        share_of_batch = part_loss * (batch // self.of / batch)
+        share_of_batch.backward()
+        return share_of_batch.detach()
+
+    def sum_across_processes(self, params: list[torch.nn.Parameter], loss: torch.Tensor) -> torch.Tensor:
+        """Sum the gradients (in place) and the loss over the group, in one collective; the batch's loss."""
+        if self.group is None:
+            return loss
+        grads = [p for p in params if p.grad is not None]
+        flat = torch.cat([p.grad.reshape(-1) for p in grads] + [loss.reshape(1)])
+        dist.all_reduce(flat, group=self.group)
+        offset = 0
+        for p in grads:
+            p.grad.copy_(flat[offset:offset + p.grad.numel()].view_as(p.grad))
+            offset += p.grad.numel()
+        return flat[-1]
+
+
+ALL_ROWS = BatchShare()
 
 
 def scene_batch(first: int, n: int, categories: tuple[str, ...] = CATEGORIES) -> tuple[torch.Tensor, list[str]]:
@@ -72,23 +125,27 @@ def scene_batch(first: int, n: int, categories: tuple[str, ...] = CATEGORIES) ->
     return pixels[:, :, None], prompts
 
 
-def train_vae(vae, cfg: PretrainConfig, steps: int) -> list[float]:
+def train_vae(vae, cfg: PretrainConfig, steps: int, share: BatchShare = ALL_ROWS) -> list[float]:
     """Reconstruction training on fresh scenes (batch k is scenes k·B .. (k+1)·B−1); the loss of each step."""
     torch.manual_seed(cfg.seed)
     vae.train().requires_grad_(True)
-    opt = torch.optim.Adam(vae.parameters(), lr=cfg.vae_lr)
+    params = list(vae.parameters())
+    opt = torch.optim.Adam(params, lr=cfg.vae_lr)
     losses = []
     for step in range(steps):
-        pixels, _ = scene_batch(step * cfg.vae_batch, cfg.vae_batch)
-        recon = vae.decode(vae.encode(pixels).latent_dist.mode()).sample
-        # Shapes cover under a tenth of the pixels: unweighted, predicting the background is a deep minimum.
-        weight = 1.0 + (cfg.vae_shape_weight - 1.0) * (pixels - BACKGROUND_PIXEL).abs().amax(dim=1, keepdim=True).gt(0.1)
-        loss = (weight * (recon - pixels).pow(2)).mean()
         opt.zero_grad()
-        loss.backward()
+        loss = torch.zeros(())
+        for rows in share.rows(cfg.vae_batch):
+            pixels, _ = scene_batch(step * cfg.vae_batch + rows.start, rows.stop - rows.start)
+            recon = vae.decode(vae.encode(pixels).latent_dist.mode()).sample
+            # Shapes cover under a tenth of the pixels: unweighted, predicting the background is a deep minimum.
+            weight = 1.0 + (cfg.vae_shape_weight - 1.0) * (pixels - BACKGROUND_PIXEL).abs().amax(dim=1, keepdim=True).gt(0.1)
+            part_loss = (weight * (recon - pixels).pow(2)).mean()
+            loss = loss + share.backward(part_loss, cfg.vae_batch)
+        loss = share.sum_across_processes(params, loss)
         opt.step()
         losses.append(loss.item())
-        if step % 100 == 0:
+        if step % 100 == 0 and 0 in share.parts:  # one process prints
             print(f"vae step {step}: loss {loss.item():.5f}", flush=True)
     vae.eval().requires_grad_(False)
     return losses
@@ -117,12 +174,14 @@ def prompt_embeddings(pipe, prompts: list[str]) -> dict[str, torch.Tensor]:
     return {p: pipe.encode_prompt(prompt=[p], device="cpu")[0][0] for p in distinct}
 
 
-def train_transformer(pipe, latents: torch.Tensor, prompts: list[str], cfg: PretrainConfig, steps: int) -> list[float]:
+def train_transformer(pipe, latents: torch.Tensor, prompts: list[str], cfg: PretrainConfig, steps: int,
+                      share: BatchShare = ALL_ROWS) -> list[float]:
     """Flow matching on the pool (batch k is pool items k·B .. (k+1)·B−1, cyclically); the loss of each step."""
     embeds = prompt_embeddings(pipe, prompts)
     transformer = pipe.transformer.train().requires_grad_(True)
     torch.manual_seed(cfg.seed + 1)
-    opt = torch.optim.AdamW(transformer.parameters(), lr=cfg.lr, weight_decay=0.0)
+    params = list(transformer.parameters())
+    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
     # Decayed to 0: a constant rate left the base drawing two objects' colours and shapes mixed up far more often.
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / cfg.warmup) * 0.5 * (1 + math.cos(math.pi * min(s, cfg.steps) / cfg.steps)))
@@ -131,24 +190,29 @@ def train_transformer(pipe, latents: torch.Tensor, prompts: list[str], cfg: Pret
     side = int(tokens**0.5)
     losses = []
     for step in range(steps):
+        # The whole batch's draws in every process (the generator's stream does not depend on the share).
         index = torch.arange(step * cfg.batch, (step + 1) * cfg.batch) % n
-        x0 = latents[index]  # [B, N, C]
-        noise = torch.randn(x0.shape, generator=gen)
+        noise = torch.randn((cfg.batch, *latents.shape[1:]), generator=gen)  # [B, N, C]
         sigma = torch.rand(cfg.batch, generator=gen)  # [B]
         dropped = torch.rand(cfg.batch, generator=gen) < cfg.cfg_dropout
-        cond = PromptEmbeds.pad([embeds[UNCONDITIONAL if d else prompts[i]] for i, d in zip(index.tolist(), dropped)])
-        xt = (1 - sigma[:, None, None]) * x0 + sigma[:, None, None] * noise
-        velocity = transformer(
-            hidden_states=xt, timestep=sigma, encoder_hidden_states=cond.embeds,
-            encoder_hidden_states_mask=cond.mask, img_shapes=[[(1, side, side)]] * cfg.batch, return_dict=False,
-        )[0]
-        loss = (velocity - (noise - x0)).pow(2).mean()
         opt.zero_grad()
-        loss.backward()
+        loss = torch.zeros(())
+        for rows in share.rows(cfg.batch):
+            x0, eps, s = latents[index[rows]], noise[rows], sigma[rows]
+            cond = PromptEmbeds.pad([embeds[UNCONDITIONAL if d else prompts[i]]
+                                     for i, d in zip(index[rows].tolist(), dropped[rows])])
+            xt = (1 - s[:, None, None]) * x0 + s[:, None, None] * eps
+            velocity = transformer(
+                hidden_states=xt, timestep=s, encoder_hidden_states=cond.embeds,
+                encoder_hidden_states_mask=cond.mask, img_shapes=[[(1, side, side)]] * len(s), return_dict=False,
+            )[0]
+            part_loss = (velocity - (eps - x0)).pow(2).mean()
+            loss = loss + share.backward(part_loss, cfg.batch)
+        loss = share.sum_across_processes(params, loss)
         opt.step()
         sched.step()
         losses.append(loss.item())
-        if step % 100 == 0:
+        if step % 100 == 0 and 0 in share.parts:  # one process prints
             print(f"transformer step {step}: loss {loss.item():.5f}", flush=True)
     transformer.eval().requires_grad_(False)
     return losses
@@ -170,23 +234,55 @@ def save(pipe, out: str, cfg: PretrainConfig, seconds: float, cpu_seconds: float
     os.rename(tmp, out)
 
 
+def pretrain(out: str, cfg: PretrainConfig, share: BatchShare = ALL_ROWS) -> None:
+    """Both stages, then (in the process holding part 0) the save."""
+    torch.set_num_threads(1)  # on a shared 2-core machine one thread each trains faster than two fighting
+    start, cpu_start = time.perf_counter(), time.process_time()
+    pipe = build_shapes_pipeline(cfg.seed)
+    train_vae(pipe.vae, cfg, cfg.vae_steps, share)
+    latents, prompts = encode_pool(pipe, cfg.pool, cfg.pool_categories)
+    train_transformer(pipe, latents, prompts, cfg, cfg.steps, share)
+    seconds, cpu_seconds = time.perf_counter() - start, torch.tensor(time.process_time() - cpu_start, dtype=torch.float64)
+    if share.group is not None:
+        dist.all_reduce(cpu_seconds, group=share.group)  # every process's CPU time
+    if 0 in share.parts:
+        save(pipe, out, cfg, seconds, cpu_seconds.item())
+        print(f"wrote the shapes base to {out} in {seconds:.0f} s ({cpu_seconds.item():.0f} CPU s)")
+
+
+@contextlib.contextmanager
+def joined(rank: int, workers: int, store_path: str) -> Iterator[BatchShare]:
+    """Join the `workers` processes' gloo group (loopback, rendezvous in a file) as `rank`: this process's share."""
+    bind_collectives_to("127.0.0.1")
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, workers), rank=rank, world_size=workers)
+    try:
+        yield BatchShare(parts=(rank,), of=workers, group=dist.group.WORLD)
+    finally:
+        dist.destroy_process_group()
+
+
+def pretrain_worker(rank: int, out: str, cfg: PretrainConfig, store_path: str) -> None:
+    """One of cfg.workers processes."""
+    with joined(rank, cfg.workers, store_path) as share:
+        pretrain(out, cfg, share)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True, help="directory to write (replaced if it exists)")
     parser.add_argument("--seed", type=int, default=PretrainConfig.seed)
     parser.add_argument("--vae-steps", type=int, default=PretrainConfig.vae_steps)
     parser.add_argument("--steps", type=int, default=PretrainConfig.steps, help="transformer steps")
+    parser.add_argument("--workers", type=int, default=PretrainConfig.workers,
+                        help="processes sharing every batch (2 on 2 cores: about half the time; 1 reproduces the shipped weights)")
     args = parser.parse_args(argv)
-    torch.set_num_threads(1)  # on a shared 2-core machine one thread each trains faster than two fighting
-    cfg = PretrainConfig(seed=args.seed, vae_steps=args.vae_steps, steps=args.steps)
-    start, cpu_start = time.perf_counter(), time.process_time()
-    pipe = build_shapes_pipeline(cfg.seed)
-    train_vae(pipe.vae, cfg, cfg.vae_steps)
-    latents, prompts = encode_pool(pipe, cfg.pool, cfg.pool_categories)
-    train_transformer(pipe, latents, prompts, cfg, cfg.steps)
-    seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
-    save(pipe, args.out, cfg, seconds, cpu_seconds)
-    print(f"wrote the shapes base to {args.out} in {seconds:.0f} s ({cpu_seconds:.0f} CPU s)")
+    cfg = PretrainConfig(seed=args.seed, vae_steps=args.vae_steps, steps=args.steps, workers=args.workers)
+    if cfg.workers == 1:
+        pretrain(args.out, cfg)
+        return
+    with tempfile.TemporaryDirectory() as rendezvous:
+        torch.multiprocessing.spawn(pretrain_worker, args=(args.out, cfg, os.path.join(rendezvous, "store")),
+                                    nprocs=cfg.workers)
 
 
 if __name__ == "__main__":
