@@ -1,5 +1,6 @@
 """The shipped shapes base: tools/pretrain_shapes.py reproduces its first steps (and trains the same in two processes
-as in one accumulating both halves of each batch), the shipped copy loads with diffusers, and a missing or corrupt one is named with the command that rebuilds it."""
+as in one accumulating both halves of each batch), the shipped copy loads with diffusers, and a missing or corrupt
+one is named with the command that rebuilds it."""
 
 import multiprocessing
 import os
@@ -32,7 +33,8 @@ def test_first_steps_of_the_pretraining_reproduce():
 
 
 def trained_weights(pipe) -> dict[str, torch.Tensor]:
-    return {f"{part}.{k}": v.clone() for part in ("vae", "transformer") for k, v in getattr(pipe, part).state_dict().items()}
+    return {f"{part}.{name}": weight.clone()
+            for part in ("vae", "transformer") for name, weight in getattr(pipe, part).state_dict().items()}
 
 
 def two_part_training(rank: int, cfg: PretrainConfig, store_path: str, results) -> None:
@@ -70,7 +72,8 @@ def test_two_processes_sharing_each_batch_train_as_one_process_accumulating_both
     expected += train_transformer(pipe, latents, prompts, cfg, 2, both_halves)
     assert losses == expected
     # The halves' rows are not the whole batch's computation: the training differs from the default in rounding only.
-    assert losses[:2] == pytest.approx(VAE_LOSSES, rel=1e-4) and losses[2:] == pytest.approx(TRANSFORMER_LOSSES, rel=1e-4)
+    assert losses[:2] == pytest.approx(VAE_LOSSES, rel=1e-4)
+    assert losses[2:] == pytest.approx(TRANSFORMER_LOSSES, rel=1e-4)
     expected_weights = trained_weights(pipe)
     assert weights.keys() == expected_weights.keys()
     for name, value in expected_weights.items():

@@ -69,7 +69,7 @@ class PretrainConfig:
     """The pool's scene categories, drawn uniformly from this list (the VAE's scenes: every category alike)."""
     cfg_dropout: float = 0.1
     workers: int = 1
-    """Processes that share every batch (--workers): 1 reproduces the shipped weights."""
+    """Processes that share every batch (--workers): 1 is how the shipped weights were made."""
 
     def __post_init__(self) -> None:
         for field, batch in (("batch", self.batch), ("vae_batch", self.vae_batch)):
@@ -139,7 +139,8 @@ def train_vae(vae, cfg: PretrainConfig, steps: int, share: BatchShare = ALL_ROWS
             pixels, _ = scene_batch(step * cfg.vae_batch + rows.start, rows.stop - rows.start)
             recon = vae.decode(vae.encode(pixels).latent_dist.mode()).sample
             # Shapes cover under a tenth of the pixels: unweighted, predicting the background is a deep minimum.
-            weight = 1.0 + (cfg.vae_shape_weight - 1.0) * (pixels - BACKGROUND_PIXEL).abs().amax(dim=1, keepdim=True).gt(0.1)
+            shape_pixels = (pixels - BACKGROUND_PIXEL).abs().amax(dim=1, keepdim=True).gt(0.1)
+            weight = 1.0 + (cfg.vae_shape_weight - 1.0) * shape_pixels
             part_loss = (weight * (recon - pixels).pow(2)).mean()
             loss = loss + share.backward(part_loss, cfg.vae_batch)
         loss = share.sum_across_processes(params, loss)
@@ -242,7 +243,8 @@ def pretrain(out: str, cfg: PretrainConfig, share: BatchShare = ALL_ROWS) -> Non
     train_vae(pipe.vae, cfg, cfg.vae_steps, share)
     latents, prompts = encode_pool(pipe, cfg.pool, cfg.pool_categories)
     train_transformer(pipe, latents, prompts, cfg, cfg.steps, share)
-    seconds, cpu_seconds = time.perf_counter() - start, torch.tensor(time.process_time() - cpu_start, dtype=torch.float64)
+    seconds = time.perf_counter() - start
+    cpu_seconds = torch.tensor(time.process_time() - cpu_start, dtype=torch.float64)
     if share.group is not None:
         dist.all_reduce(cpu_seconds, group=share.group)  # every process's CPU time
     if 0 in share.parts:
@@ -274,7 +276,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--vae-steps", type=int, default=PretrainConfig.vae_steps)
     parser.add_argument("--steps", type=int, default=PretrainConfig.steps, help="transformer steps")
     parser.add_argument("--workers", type=int, default=PretrainConfig.workers,
-                        help="processes sharing every batch (2 on 2 cores: about half the time; 1 reproduces the shipped weights)")
+                        help="processes sharing every batch (2 on 2 cores: about half the time; "
+                             "1 is how the shipped weights were made)")
     args = parser.parse_args(argv)
     cfg = PretrainConfig(seed=args.seed, vae_steps=args.vae_steps, steps=args.steps, workers=args.workers)
     if cfg.workers == 1:
