@@ -98,18 +98,61 @@ def test_each_family_trains_synchronously_equal_to_the_reference_trainer(ray_ses
     assert all(torch.equal(distributed[n][k], v) for n in expected for k, v in expected[n].items())
 
 
-def test_asynchronous_run_overlaps_and_stays_within_the_staleness_bound(ray_session, tiny_model_dir, tmp_path):
-    cfg = small_cfg(GRPO, tiny_model_dir, tmp_path, "trainer.total_steps=4", "trainer.eval_every=2",
+def slow_learners(trainer: Trainer, seconds: float) -> None:
+    """Every learner rank sleeps `seconds` before each train step (so rollout outpaces training)."""
+    import ray
+
+    def slow_down(worker, seconds):  # defined here: Ray ships it by value to the learner processes
+        train_step = worker.backend.train_step
+
+        def slowed(batch):
+            time.sleep(seconds)
+            return train_step(batch)
+        worker.backend.train_step = slowed
+
+    ray.get([w.__ray_call__.remote(slow_down, seconds) for w in trainer.learners.workers])
+
+
+def test_asynchronous_run_stays_within_the_bound_and_queues_the_next_batch_except_before_eval_and_checkpoints(
+        ray_session, tiny_model_dir, tmp_path):
+    """With a learner slower than rollout, the next batch is sampled while the learner trains, and goes to the
+    learners as soon as it is complete (trained at the next version, within the bound at that version), except
+    behind a step that evaluates (4), checkpoints (3) or ends the run (5): those must find the learners at their
+    own version."""
+    cfg = small_cfg(GRPO, tiny_model_dir, tmp_path, "trainer.total_steps=5", "trainer.eval_every=4", "trainer.save_every=3",
                     "logging.progress_bar=false", "async.max_staleness=1", "algorithm.prompts_per_step=2")
-    history = run_trainer(cfg)
-    assert len(history) == 4
+    trainer = Trainer(cfg)
+    try:
+        slow_learners(trainer, 1.0)
+        handed = []  # (driver version when handed to the learners, version it is trained at)
+        train = trainer._train
+        trainer._train = lambda batch, version: handed.append((trainer.version, version)) or train(batch, version)
+        history = trainer.run()
+    finally:
+        trainer.shutdown()
+    assert [v for v, _ in handed] == [0, 0, 1, 3, 4] and [v for _, v in handed] == [0, 1, 2, 3, 4]
     assert all(h["staleness/max"] <= 1 for h in history)
-    # With a bound of 1, the next batch is sampled while the learner trains: some trajectories are
-    # one version behind (possibly partially), and the learner is not idle for whole steps.
-    assert any(h["staleness/mean"] > 0 for h in history[1:])
+    assert any(h["staleness/mean"] > 0 for h in history[1:])  # sampled one version behind the one trained
     assert all(0 <= h["perf/learner_idle"] <= 1 and 0 <= h["perf/rollout_idle"] <= 1 for h in history)
-    events = os.listdir(cfg.trainer.logdir)
-    assert any(name.startswith("events.out.tfevents") for name in events)
+    assert any(name.startswith("events.out.tfevents") for name in os.listdir(cfg.trainer.logdir))
+    root = checkpoint_root(cfg.trainer.run_dir)
+    assert [load_checkpoint(step_dir(root, s)).version for s in (3, 5)] == [3, 5]
+
+
+def test_time_limit_with_a_step_queued_stops_after_that_step_which_evaluates_and_checkpoints(
+        ray_session, tiny_model_dir, tmp_path):
+    """Out of time after step 1 while step 2 is queued behind it: step 2 is trained, not lost, and the run ends there."""
+    cfg = small_cfg(GRPO, tiny_model_dir, tmp_path, "trainer.total_steps=50", "trainer.eval_every=25",
+                    "trainer.save_every=25", "trainer.time_limit_s=0.5", "logging.progress_bar=false",
+                    "async.max_staleness=1", "algorithm.prompts_per_step=2")
+    trainer = Trainer(cfg)
+    try:
+        slow_learners(trainer, 1.0)
+        history = trainer.run()
+    finally:
+        trainer.shutdown()
+    assert len(history) == 2 and history[0]["perf/train_s"] >= 0.5
+    assert load_checkpoint(step_dir(checkpoint_root(cfg.trainer.run_dir), 2)).version == 2
 
 
 def test_time_limit_stops_after_the_step_that_passes_it_evaluating_and_checkpointing_there(ray_session, tiny_model_dir, tmp_path):

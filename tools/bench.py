@@ -19,6 +19,8 @@ the synchronous run against the single-process reference trainer (rayflow.refere
 learner.prefetch=false (the learners fetching a batch's trajectories when its train step starts); with --placement colocated,
 also placement.mode=colocated on the same number of devices (rollout ranks + learner ranks of the disaggregated run).
 --rounds N runs every configuration N times, the order reversed each round (step_s_by_round shows the spread).
+idle_penalty: one rollout step's transformer forwards timed right after this process slept 0, 10 and 100 ms (what a
+role that waits for the other pays on this machine, and the single-process reference never does).
 
 rollout: CFG-parallel rollout on a local Ray, two CFG branches (Qwen-Image true CFG), one torch
 thread per rank, requests of rollout.micro_batch_size (4) samples. The model is the "small" tiny
@@ -303,6 +305,42 @@ def _time_one_copy(worker) -> float:
     return time.perf_counter() - start
 
 
+IDLE_GAPS_S = (0.0, 0.01, 0.1)
+
+
+def idle_penalty(cfg, repeats: int = 15) -> dict:
+    """What idling costs this machine's next compute, which the synchronous distributed run pays and the reference
+    does not: there rollout and learner each sleep while the other works, while the reference's one process never
+    sleeps. Times one rollout step's worth of the recipe's transformer forwards (CFG branches x denoising steps, one
+    thread, in this process) right after sleeping each of IDLE_GAPS_S; medians of `repeats`."""
+    from rayflow import reference
+
+    model, s = reference.build_run(cfg).model, cfg.sampling
+    batch = cfg.rollout.micro_batch_size
+    latents, _ = model.prepare_latents(list(range(batch)), s.height, s.width)
+    cond = model.encode_prompt(["a photo"] * batch)
+    timestep = model.schedule(s.num_steps, s.height, s.width).timesteps[0]
+    forwards = s.num_steps * (2 if s.guidance_scale > 1 else 1)
+
+    def burst() -> float:
+        start = time.perf_counter()
+        with torch.no_grad():
+            for _ in range(forwards):
+                model.predict_velocity(latents, timestep, cond, s.height, s.width)
+        return time.perf_counter() - start
+
+    burst()  # warm-up
+    seconds = {}
+    for gap in IDLE_GAPS_S:
+        rounds = []
+        for _ in range(repeats):
+            time.sleep(gap)
+            rounds.append(burst())
+        seconds[str(gap)] = statistics.median(rounds)
+    return {"forwards_per_burst": forwards, "batch": batch, "burst_s_after_idle_s": seconds,
+            "slowdown_after_longest_idle": seconds[str(IDLE_GAPS_S[-1])] / seconds[str(IDLE_GAPS_S[0])]}
+
+
 def bench_pipeline(args: argparse.Namespace) -> dict:
     """Steady-state step time of the tiny recipe's shape: max_staleness 0 against 1, and synchronous
     mode against the single-process reference trainer."""
@@ -354,6 +392,8 @@ def bench_pipeline(args: argparse.Namespace) -> dict:
     finally:
         ray.shutdown()
 
+    idle = idle_penalty(cfg)
+
     def median(history: list[dict], key: str) -> float:
         return statistics.median(h[key] for h in history)
 
@@ -389,6 +429,7 @@ def bench_pipeline(args: argparse.Namespace) -> dict:
         "disaggregated_devices": disaggregated_devices,
         "staleness_mean_at_1": statistics.mean(h["staleness/mean"] for h in runs["max_staleness_1"]),
         "colocated": colocated,
+        "idle_penalty": idle,
         "goals": {"overlap_speedup_at_least": PIPELINE_OVERLAP_GOAL, "overlap_met": sync_s / async_s >= PIPELINE_OVERLAP_GOAL,
                   "overhead_at_most": PIPELINE_OVERHEAD_GOAL, "overhead_met": sync_s / ref_s - 1 <= PIPELINE_OVERHEAD_GOAL,
                   "idle_at_1_at_most": PIPELINE_IDLE_GOALS,

@@ -5,7 +5,8 @@ One pass of the loop (every call returns futures; the loop only waits for "somet
     admit     new prompt groups while the StalenessQueue allows (max_staleness bounds it)
     rollout   finished requests → rewards (by reference: trajectories never pass through the driver)
     reward    scored trajectories → the queue; complete, fresh groups form a batch
-    train     batch → advantages → learners (algorithm.num_inner_epochs x num_minibatches optimizer steps, version + 1)
+    train     batch → advantages → learners (algorithm.num_inner_epochs x num_minibatches optimizer steps, version + 1);
+              asynchronous, the next batch is handed over while the step before it trains (Trainer._may_queue_behind)
     sync      learner rank 0 pushes the rollout adapter as its train step ends; the WeightSyncActor broadcasts it
     log       TensorBoard / Ray metrics / progress bar; eval and checkpoint on their schedule
 
@@ -17,6 +18,8 @@ the run then equals the single-process reference trainer (rayflow.reference) bit
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import logging
 import time
 
@@ -29,7 +32,7 @@ from rayflow.config import RayflowConfig, to_dict
 from rayflow.data.prompts import GroupSampler, PromptGroup, load_prompts
 from rayflow.distributed.colocated import ColocatedDevices
 from rayflow.driver.evaluation import Evaluator
-from rayflow.driver.queue import StalenessQueue
+from rayflow.driver.queue import QueueStats, StalenessQueue
 from rayflow.driver.timing import Phases, StepClock
 from rayflow.distributed.watchdog import Watchdog
 from rayflow.models.lora import EVAL_EMA_ADAPTER
@@ -53,6 +56,24 @@ POLL_S = 1.0
 """The longest the loop waits for something to finish before it looks at deadlines and replacements again."""
 
 
+@dataclasses.dataclass
+class TrainStep:
+    """A train step handed to the learners, with what its log line takes from the moment its batch was formed."""
+
+    refs: list[ray.ObjectRef]
+    """Each learner rank's metrics."""
+    batch: list[TrajectoryRef]
+    pushing_to: ray.actor.ActorHandle
+    """The weight-sync actor its version is pushed to when it ends."""
+    queue_stats: QueueStats
+    """The queue's figures (staleness, regenerated groups) as its batch was taken."""
+    normalized_means: dict[str, float]
+    """Batch mean of each reward component after its normalisation (logged as reward/<name>/normalized)."""
+    zero_signal_groups: int
+    filtered_samples: int
+    """Zero-advantage samples left out of training (FlowGRPO)."""
+
+
 class Trainer:
     def __init__(self, cfg: RayflowConfig, prompts: list[str] | None = None):
         """`prompts`: the training prompts if already loaded (else read from data.prompts, before any actor starts)."""
@@ -61,17 +82,10 @@ class Trainer:
         self.sampler = GroupSampler(prompts, cfg.algorithm.group_size, cfg.trainer.seed, cfg.data.shuffle)
         self.queue = self._new_queue(accepted=0)
         self.version = 0
-        self.zero_signal_groups = 0
         self.skips = SkippedSteps(cfg.trainer.max_skipped_steps)
-        self.filtered_samples = 0
-        """Zero-advantage samples of the last batch left out of training (FlowGRPO)."""
-        self.normalized_means: dict[str, float] = {}
-        """Batch mean of each reward component after its normalisation (logged as reward/<name>/normalized)."""
         self.history: list[dict[str, float]] = []
         self.train_s = 0.0
         """This start's training time so far: its steps' wall time, evaluations excluded (trainer.time_limit_s)."""
-        self.pushing_to = None
-        """The weight-sync actor the train step in flight pushes its version to."""
         self.evaluating: set[PoolFuture] = set()
         """Requests the driver waits for itself (evaluation) instead of scoring them for training."""
         self.learner_watchdog = Watchdog(cfg.learner.stall_timeout_s, cfg.rollout.stall_factor)
@@ -118,47 +132,59 @@ class Trainer:
     def run(self) -> list[dict[str, float]]:
         """Train until trainer.total_steps optimizer steps; returns each step's logged scalars."""
         cfg = self.cfg
-        training: list[ray.ObjectRef] | None = None
-        batch: list[TrajectoryRef] = []
+        training: collections.deque[TrainStep] = collections.deque()  # in the learners' order: at most two
         if cfg.trainer.eval_at_start and self.version == 0:
             self.evaluator.run(0, self.monitor)
         clock = StepClock()
-        while self.version < cfg.trainer.total_steps and not self.out_of_time:
-            self._check_sync_failure(training_in_flight=training is not None)
-            self._admit()
-            if training is None:
-                batch, stale = self.queue.take_batch(self.version)
-                self._submit(stale)  # regenerated under the current weights
-                if batch is not None:
-                    training = self._train(batch)
-            clock.tick(rollout_busy=bool(self.rollout.in_flight), learner_busy=training is not None)
-            self._serve(training)
-            if training is not None and self.learners.settled(training):
+        while (self.version < cfg.trainer.total_steps and not self.out_of_time) or training:
+            self._check_sync_failure(training_in_flight=bool(training))
+            if not self.out_of_time:
+                self._admit()
+                if not training or (len(training) == 1 and self._may_queue_behind(self.version + 1)):
+                    version = self.version + len(training)  # the version this batch is trained at
+                    batch, stale = self.queue.take_batch(version)
+                    self._submit(stale)  # regenerated under the current weights
+                    if batch is not None:
+                        training.append(self._train(batch, version))
+            clock.tick(rollout_busy=bool(self.rollout.in_flight), learner_busy=bool(training))
+            self._serve(training[0].refs if training else None)
+            if training and self.learners.settled(training[0].refs):
+                step = training.popleft()
                 try:
-                    metrics = self.learners.get(training)[0]
+                    metrics = self.learners.get(step.refs)[0]
                 except LearnerError as e:
+                    training.clear()  # a step queued behind it trains again after the rewind
                     self._restart_learners(e)
                     continue
                 finally:
-                    training = None
-                    self.learner_watchdog.progressed("learners", still_busy=False)
-                self._step_done(metrics, batch, clock)
-            elif training is not None and self.learner_watchdog.overdue():
-                self._learner_stalled(training)
+                    self.learner_watchdog.progressed("learners", still_busy=bool(training))
+                self._step_done(metrics, step, clock, bool(training))
+            elif training and self.learner_watchdog.overdue():
+                self._learner_stalled(training[0].refs)
         return self.history
 
-    def _train(self, batch: list[TrajectoryRef]) -> list[ray.ObjectRef]:
-        """Rewards → advantages → the learners' train step (algorithm.steps_per_batch optimizer steps); refs to its
-        metrics."""
+    def _may_queue_behind(self, version_after: int) -> bool:
+        """Whether the next batch may be handed to the learners while the step that ends at `version_after` trains,
+        so that it starts the moment that one ends, not after the driver has logged it and formed the batch (one
+        round trip per step). Asynchronous runs only (a synchronous batch waits for that step's weights), with
+        the staleness bound taken at the version the batch is trained at; never behind a step that evaluates,
+        checkpoints or ends the run, which must see the learners at `version_after`, not one step later."""
+        cfg, t = self.cfg, self.cfg.trainer
+        return (cfg.async_.max_staleness > 0 and version_after < t.total_steps
+                and not (t.eval_every and version_after % t.eval_every == 0)
+                and not is_save_step(version_after, t.save_every, t.total_steps))
+
+    def _train(self, batch: list[TrajectoryRef], version: int) -> TrainStep:
+        """Rewards → advantages → the learners' train step at `version` (algorithm.steps_per_batch optimizer steps,
+        after any step already in flight)."""
         cfg = self.cfg
-        totals, self.normalized_means = training_rewards(batch, cfg.reward.functions)
+        totals, normalized_means = training_rewards(batch, cfg.reward.functions)
         adv = assign_advantages(batch, global_std=cfg.algorithm.global_std, clip_max=cfg.algorithm.adv_clip_max,
                                 stat_tracking=cfg.algorithm.stat_tracking, rewards=totals)
-        self.zero_signal_groups = adv.zero_signal_groups
-        trained, self.filtered_samples = learner_batch(batch, self.learners.spec, self.version)
+        trained, filtered = learner_batch(batch, self.learners.spec, version)
         self.learner_watchdog.busy("learners")
-        self.pushing_to = self.sync.actor
-        return self.learners.train_step(trained, push_to=self.pushing_to)
+        return TrainStep(self.learners.train_step(trained, push_to=self.sync.actor), batch, self.sync.actor,
+                         dataclasses.replace(self.queue.stats), normalized_means, adv.zero_signal_groups, filtered)
 
     def _serve(self, training: list[ray.ObjectRef] | None) -> None:
         """Wait (at most POLL_S) for something to finish; finished rollouts go to rewards (evaluation's stay with
@@ -243,11 +269,12 @@ class Trainer:
         self.evaluating = set()
         return [t for future in futures for t in future.result()]
 
-    def _step_done(self, metrics: dict[str, float], batch: list[TrajectoryRef], clock: StepClock) -> None:
-        """An optimizer step finished: new version → push weights → log → eval → checkpoint."""
-        cfg = self.cfg
+    def _step_done(self, metrics: dict[str, float], step: TrainStep, clock: StepClock, queued: bool) -> None:
+        """An optimizer step finished: new version → push weights → log → eval → checkpoint. `queued`: another
+        step trains behind it (the run then stops after that one when out of time)."""
+        cfg, batch = self.cfg, step.batch
         self.version += 1
-        if self.sync.actor is self.pushing_to:  # learner rank 0 pushed the version when the step ended
+        if self.sync.actor is step.pushing_to:  # learner rank 0 pushed the version when the step ended
             push_s = metrics.get("sync/gather_s", 0.0) + metrics.get("sync/push_s", 0.0)
         else:  # the weight-sync actor was replaced while the step trained: its push went to the dead one
             push = self._push_weights()
@@ -261,20 +288,20 @@ class Trainer:
         else:
             self._check_sync()
         rewards = torch.tensor([t.reward for t in batch])
-        q = self.queue.stats
+        q = step.queue_stats
         scalars = {
             "reward/mean": float(rewards.mean()),
             "reward/std": float(rewards.std(unbiased=False)),
             **{f"reward/{name}": float(torch.tensor([t.rewards[name] for t in batch]).mean()) for name in batch[0].rewards},
-            **self.normalized_means,
+            **step.normalized_means,
             "loss/policy": metrics["loss/policy"],
             "loss/kl": metrics["loss/kl"],
             "train/clip_frac": metrics.get("train/clip_frac", 0.0),
             "train/approx_kl": metrics.get("train/approx_kl", 0.0),
             "train/grad_norm": metrics["train/grad_norm"],
             "train/skipped_steps": metrics["train/skipped_steps"],
-            "train/zero_signal_groups": self.zero_signal_groups,
-            "train/filtered_samples": self.filtered_samples,
+            "train/zero_signal_groups": step.zero_signal_groups,
+            "train/filtered_samples": step.filtered_samples,
             "staleness/mean": q.staleness_mean,
             "staleness/max": q.staleness_max,
             "rollout/partial_ratio": q.partial_ratio,
@@ -297,7 +324,7 @@ class Trainer:
         if not cfg.logging.progress_bar:
             log.info("step %d  reward %.4f  loss %+.5f  staleness %.2f  %.2fs", self.version, scalars["reward/mean"],
                      scalars["loss/policy"], scalars["staleness/mean"], scalars["perf/step_s"])
-        stopping = self.out_of_time and self.version < cfg.trainer.total_steps
+        stopping = self.out_of_time and self.version < cfg.trainer.total_steps and not queued
         if cfg.trainer.eval_every and (self.version % cfg.trainer.eval_every == 0 or stopping):
             with clock.excluded():  # neither this step's time nor the next one's
                 self.evaluator.run(self.version, self.monitor, self._eval_weights())
@@ -306,7 +333,7 @@ class Trainer:
 
     @property
     def out_of_time(self) -> bool:
-        """trainer.time_limit_s has passed (the loop ends after this step)."""
+        """trainer.time_limit_s has passed (the loop ends after this step, or after the one queued behind it)."""
         return self._out_of_time_at(0.0)
 
     def _out_of_time_at(self, step_s: float) -> bool:
