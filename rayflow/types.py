@@ -132,8 +132,8 @@ class RolloutRequest:
     params: SamplingParams
     min_version: int | None = None
     """The oldest policy version the request may start under: a rollout rank holding only older weights waits for
-    this one to be staged (synchronous mode submits the next batch while its weights are still being broadcast).
-    None: whatever the rank holds."""
+    this one to be staged (the driver submits requests under its newest version while that version is still being
+    broadcast). None: whatever the rank holds."""
 
     def validate(self) -> None:
         n = len(self.prompts)

@@ -115,8 +115,8 @@ def slow_learners(trainer: Trainer, seconds: float) -> None:
 
 def test_asynchronous_run_stays_within_the_bound_and_queues_the_next_batch_except_before_eval_and_checkpoints(
         ray_session, tiny_model_dir, tmp_path):
-    """With a learner slower than rollout, the next batch is sampled while the learner trains, and goes to the
-    learners as soon as it is complete (trained at the next version, within the bound at that version), except
+    """With a learner slower than rollout, the next batch is sampled while the learner trains (every request under
+    the newest version), and goes to the learners as soon as it is complete (trained at the next version, within the bound at that version), except
     behind a step that checkpoints (2), evaluates (3) or ends the run (4): those must find the learners at their
     own version."""
     cfg = small_cfg(GRPO, tiny_model_dir, tmp_path, "trainer.total_steps=4", "trainer.eval_every=3", "trainer.save_every=2",
@@ -127,12 +127,23 @@ def test_asynchronous_run_stays_within_the_bound_and_queues_the_next_batch_excep
         handed = []  # (driver version when handed to the learners, version it is trained at)
         train = trainer._train
         trainer._train = lambda batch, version: handed.append((trainer.version, version)) or train(batch, version)
+        submitted = []  # (driver version, min_version) of the training requests (evaluation's pass their weights)
+        submit = trainer.rollout.submit
+
+        def recording_submit(request, *evaluation):
+            if not evaluation:
+                submitted.append((trainer.version, request.min_version))
+            return submit(request, *evaluation)
+        trainer.rollout.submit = recording_submit
         history = trainer.run()
     finally:
         trainer.shutdown()
     assert [v for v, _ in handed] == [0, 0, 2, 3] and [v for _, v in handed] == [0, 1, 2, 3]
     assert all(h["staleness/max"] <= 1 for h in history)
     assert any(h["staleness/mean"] > 0 for h in history[1:])  # sampled one version behind the one trained
+    # Every request starts under the driver's newest version, never under an older one it would be resampled for.
+    assert submitted and all(version == min_version for version, min_version in submitted)
+    assert history[-1]["rollout/regenerated"] == 0
     assert all(0 <= h["perf/learner_idle"] <= 1 and 0 <= h["perf/rollout_idle"] <= 1 for h in history)
     assert any(name.startswith("events.out.tfevents") for name in os.listdir(cfg.trainer.logdir))
     root = checkpoint_root(cfg.trainer.run_dir)

@@ -218,9 +218,11 @@ class Trainer:
             self._submit([self.sampler.next_group()], new=True)
 
     def _submit(self, groups: list[PromptGroup], new: bool = False) -> None:
-        # Synchronous: a batch is sampled under the newest weights only; the rollout ranks wait for them, so the driver
-        # need not (requests are submitted while the weights are still being broadcast).
-        min_version = self.version if self.cfg.async_.max_staleness == 0 else None
+        # Every request starts under the newest version (the learners pushed it as their step ended): a rank still
+        # holding an older one waits for it to be staged, so the driver need not wait for the broadcast. Synchronous
+        # runs need that to be on-policy; asynchronous ones, because a trajectory begun under the older version would
+        # be one version staler than its batch allows when trained, and be sampled again.
+        min_version = self.version
         for group in groups:
             if new:
                 self.queue.submitted(group)
