@@ -4,8 +4,9 @@ run shape, from the cost of each piece of work.
 The model follows rayflow/driver/trainer.py and rayflow/driver/queue.py:
 
 - admission: a prompt group (group_size samples, split into requests of micro_batch_size) is
-  submitted while accepted + running + group_size <= (max_staleness + v + 1)·B, and, when
-  max_staleness = 0, only once version v is on every rollout replica;
+  submitted while accepted + running + group_size <= (max_staleness + v + 1)·B, and only once
+  version v is on every rollout replica (the real driver submits earlier, each request carrying v as
+  its min_version, and the ranks wait for it: the request starts at the same moment);
 - each request goes to the replica with the fewest samples in flight (ties: lowest index) and is
   served first come first served; it samples under the version its replica holds when it starts;
 - a finished request is scored by the next reward worker in round robin;
@@ -217,8 +218,8 @@ class _Simulation:
     # -- the driver's loop -------------------------------------------------------------------------
     def _admit(self) -> None:
         s = self.s
-        if s.max_staleness == 0 and self.synced_version < self.version:
-            return  # synchronous: the next batch starts only under the newest weights
+        if self.synced_version < self.version:
+            return  # requests start only under the newest weights (RolloutRequest.min_version)
         while (s.max_staleness + self.version + 1) * s.batch_size - self.accepted - self.running >= s.group_size:
             group = _Group(s.group_size)
             self.groups[next(self.group_ids)] = group
