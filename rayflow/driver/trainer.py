@@ -170,9 +170,13 @@ class Trainer:
         the staleness bound taken at the version the batch is trained at; never behind a step that evaluates,
         checkpoints or ends the run, which must see the learners at `version_after`, not one step later."""
         cfg, t = self.cfg, self.cfg.trainer
-        return (cfg.async_.max_staleness > 0 and version_after < t.total_steps
-                and not (t.eval_every and version_after % t.eval_every == 0)
+        return (cfg.async_.max_staleness > 0 and version_after < t.total_steps and not self._evaluates_at(version_after)
                 and not is_save_step(version_after, t.save_every, t.total_steps))
+
+    def _evaluates_at(self, version: int) -> bool:
+        """Whether the step that ends at `version` evaluates on trainer.eval_every's schedule."""
+        every = self.cfg.trainer.eval_every
+        return bool(every) and version % every == 0
 
     def _train(self, batch: list[TrajectoryRef], version: int) -> TrainStep:
         """Rewards → advantages → the learners' train step at `version` (algorithm.steps_per_batch optimizer steps,
@@ -327,7 +331,7 @@ class Trainer:
             log.info("step %d  reward %.4f  loss %+.5f  staleness %.2f  %.2fs", self.version, scalars["reward/mean"],
                      scalars["loss/policy"], scalars["staleness/mean"], scalars["perf/step_s"])
         stopping = self.out_of_time and self.version < cfg.trainer.total_steps and not queued
-        if cfg.trainer.eval_every and (self.version % cfg.trainer.eval_every == 0 or stopping):
+        if cfg.trainer.eval_every and (self._evaluates_at(self.version) or stopping):
             with clock.excluded():  # neither this step's time nor the next one's
                 self.evaluator.run(self.version, self.monitor, self._eval_weights())
         if is_save_step(self.version, cfg.trainer.save_every, cfg.trainer.total_steps) or stopping:
