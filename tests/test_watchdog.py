@@ -61,7 +61,7 @@ def test_only_a_busy_replica_past_the_deadline_is_overdue():
 def test_a_stopped_rank_is_reported_within_the_deadline_rollout_replaced_learner_stops_the_run(ray_session, tiny_model_dir, tmp_path, caplog):
     import ray
 
-    floor_s = 8.0
+    floor_s = 4.0
     overrides = ["trainer.eval_every=0", "logging.progress_bar=false", "async.max_staleness=0", "rollout.max_restarts=1",
                  f"rollout.stall_timeout_s={floor_s}", "rollout.stall_factor=2", f"learner.stall_timeout_s={floor_s}"]
     cfg = small_cfg(GRPO, tiny_model_dir, tmp_path / "distributed", "trainer.total_steps=1", *overrides)
