@@ -49,6 +49,10 @@ class SamplingParams:
     """Latents x_i to capture, i in 0..T (T is the final latent). None: all."""
     shift: float | None = None
     """Sigma-schedule shift; None keeps the model scheduler's own (resolution-dependent for Qwen-Image)."""
+    decode_batch_size: int = 0
+    """Images per VAE decode: 0 decodes a request's whole batch at once; n > 0 decodes it n at a time, and CFG-parallel
+    ranks share those decodes round robin instead of rank 0 decoding alone. The images depend on n (a decode of fewer
+    images may round differently), never on the number of ranks."""
 
     def validate(self, prefix: str = "sampling") -> None:
         def need(ok: bool, key: str, allowed: str) -> None:
@@ -70,6 +74,7 @@ class SamplingParams:
         if self.sde_type == "cps":
             need(self.noise_level <= 1.0, "noise_level", "a float in [0, 1] for sde_type=cps")
         need(self.shift is None or self.shift > 0, "shift", "null or a float > 0")
+        need(self.decode_batch_size >= 0, "decode_batch_size", "an integer >= 0 (0: the whole batch in one decode)")
         T = self.num_steps
         if self.sde_step_indices is not None:
             need(

@@ -15,12 +15,13 @@ from rayflow.cfg.parallel import (
     all_gather_header,
     dispatch_branches,
     pack,
+    parallel_decode,
     slots_per_rank,
     unpack,
 )
 from rayflow.cfg.policy import CFGBranch, CFGPolicy, DualNegativeCFG, NoCFG
 from rayflow.models.base import DiffusionModel, PromptEmbeds, Schedule
-from rayflow.sampling.denoise import advance, finish_rollout, generate, start_rollout
+from rayflow.sampling.denoise import advance, decode_chunks, finish_rollout, generate, start_rollout
 from rayflow.types import RolloutRequest, SamplingParams
 
 
@@ -81,6 +82,7 @@ class FakeModel(DiffusionModel):
     def __init__(self):
         self.device, self.dtype, self.transformer = torch.device("cpu"), torch.float32, None
         self.forward_batches: list[int] = []
+        self.decoded: list[torch.Tensor] = []
 
     @classmethod
     def load(cls, path, device="cpu", dtype=torch.float32):
@@ -113,7 +115,10 @@ class FakeModel(DiffusionModel):
         return torch.tanh(latents * (1 + c[:, None, :4]) + c[:, None, 4:] * timestep / 1000)
 
     def decode(self, latents, height, width):
-        return torch.zeros(latents.shape[0], height, width, 3, dtype=torch.uint8)
+        """Each image a function of its own latents (so a misplaced one shows); records what it decoded."""
+        self.decoded.append(latents.clone())
+        value = (latents.abs().sum(dim=(1, 2)) * 997).floor() % 256  # [B]
+        return value.to(torch.uint8)[:, None, None, None].expand(-1, height, width, 3).clone()
 
     def load_lora(self, path):
         raise NotImplementedError
@@ -258,3 +263,33 @@ def test_batched_branches_run_one_forward_per_step_and_agree_to_rounding(world_s
     assert models[0].forward_batches == [2 * len(dispatch_branches(3, world_size, 0))] * REQUEST.params.num_steps
     for got, want in zip(results[0], generate(FakeModel(), REQUEST, policy)):
         torch.testing.assert_close(got.latents, want.latents, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("batch, size, expected", [
+    (5, 0, [(0, 5)]), (5, 2, [(0, 2), (2, 4), (4, 5)]), (4, 2, [(0, 2), (2, 4)]), (3, 8, [(0, 3)]), (1, 1, [(0, 1)]),
+])
+def test_decode_chunks_are_consecutive_rows_of_the_given_size(batch, size, expected):
+    assert [(c.start, c.stop) for c in decode_chunks(batch, size)] == expected
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+@pytest.mark.parametrize("decode_batch_size", [1, 2, 3])
+def test_ranks_share_the_decode_chunk_by_chunk_and_all_hold_the_single_process_images(world_size, decode_batch_size):
+    """5 images: chunk j of decode_batch_size rows on rank j % W (idle ranks in the last round send zeros); every rank
+    ends with the images one process decoding the same chunks in turn makes (`generate` with the same params)."""
+    params = SamplingParams(height=16, width=32, num_steps=2, decode_batch_size=decode_batch_size)
+    req = RolloutRequest("d", ["a red apple", "a cat", "a dog", "two suns", "a"], list(range(5)), list(range(5)),
+                         [3, 4, 5, 6, 7], params)
+    oracle_model = FakeModel()
+    trajectories = generate(oracle_model, req, CFGPolicy())
+    expected = torch.stack([t.image for t in trajectories])
+    assert [d.shape[0] for d in oracle_model.decoded] == [c.stop - c.start for c in decode_chunks(5, decode_batch_size)]
+
+    final = torch.stack([t.latents[-1] for t in trajectories])  # x_T of every sample: what every rank holds
+    group, models = ThreadGroup(world_size), [FakeModel() for _ in range(world_size)]
+    images = run_ranks(world_size, lambda r: parallel_decode(group.rank(r), models[r], final, params))
+    chunks = decode_chunks(5, decode_batch_size)
+    for r in range(world_size):
+        assert torch.equal(images[r], expected)
+        mine = [c for j, c in enumerate(chunks) if j % world_size == r]
+        assert [d.shape[0] for d in models[r].decoded] == [c.stop - c.start for c in mine]

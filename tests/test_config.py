@@ -79,6 +79,7 @@ def test_user_interpolation_resolves(tmp_path):
         (["sampling.noise_level=0"], "sampling.noise_level", 0.0, "> 0 for sde_type=sde"),
         (["sampling.sde_type=cps", "sampling.noise_level=1.5"], "sampling.noise_level", 1.5, "[0, 1] for sde_type=cps"),
         (["sampling.sde_type=bogus"], "sampling.sde_type", "bogus", "['sde', 'cps', 'ode']"),
+        (["sampling.decode_batch_size=-1"], "sampling.decode_batch_size", -1, "an integer >= 0"),
         (["sampling.sde_step_indices=[0,8]"], "sampling.sde_step_indices", [0, 8], "[0, 7]"),
         (["sampling.sde_step_indices=[1,1]"], "sampling.sde_step_indices", [1, 1], "distinct"),
         (["sampling.return_step_indices=[0,9]"], "sampling.return_step_indices", [0, 9], "[0, 8]"),

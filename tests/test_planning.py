@@ -94,10 +94,17 @@ def test_plan_refuses_what_does_not_fit_naming_the_knob(recipe_plan):
     cfg, (plan, _) = recipe_plan
     with pytest.raises(ConfigError, match=r"model\.dtype: got 'bfloat16'.*rollout rank.*GiB"):
         check_fits(cfg, plan, int(40 * GiB))  # a 40 GB card cannot hold the rollout rank's weights
-    # A larger rollout batch grows the decode and denoising phases: the batch size is what to change.
+    # A larger rollout batch grows the decode and denoising phases; the decode, the peak, is what to split: 8 images at a
+    # time (sampling.decode_batch_size) and the same batch fits.
     big = load_config(RECIPE_8GPU, ["rollout.micro_batch_size=64"])
-    with pytest.raises(ConfigError, match=r"rollout\.micro_batch_size: got 64"):
-        check_fits(big, plan_config(big)[0], int(79.6 * GiB))
+    big_plan = plan_config(big)[0]
+    with pytest.raises(ConfigError, match=r"sampling\.decode_batch_size: got 0.*VAE decode alone is 24\.0 GiB.*"
+                                          r"change sampling\.decode_batch_size \(or rollout\.micro_batch_size\)"):
+        check_fits(big, big_plan, int(79.6 * GiB))
+    chunked = load_config(RECIPE_8GPU, ["rollout.micro_batch_size=64", "sampling.decode_batch_size=8"])
+    chunked_plan = plan_config(chunked)[0]
+    assert chunked_plan[0].phases["VAE decode"] * 8 == big_plan[0].phases["VAE decode"]
+    check_fits(chunked, chunked_plan, int(79.6 * GiB))
 
 
 def test_full_fine_tuning_plan_counts_whole_weight_copies_gradients_and_moments_per_shard(recipe_sizes):

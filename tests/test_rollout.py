@@ -159,6 +159,19 @@ def test_apply_at_request_keeps_a_request_on_one_version(tiny_model_dir):
     assert_same(second, oracle(model, request("b"), TrueCFG(), {}, version=1))
 
 
+def test_two_ranks_sharing_the_decode_return_the_single_process_samplers_images(tiny_model_dir):
+    """sampling.decode_batch_size=1 on 3 images: rank 0 decodes images 0 and 2, rank 1 image 1; the trajectories (images
+    included) are the single-process sampler's with the same params, bit for bit."""
+    ranks = [RolloutRank(spec_for(tiny_model_dir), r, 2) for r in range(2)]
+    group = ThreadGroup(2)
+    for r in range(2):
+        ranks[r].join(group.rank(r))
+    req = request(seeds=(11, 12, 13), decode_batch_size=1)
+    got = run_ranks(2, lambda r: ranks[r].generate(req))
+    assert got[1] is None
+    assert_same(got[0], oracle(lora_model(tiny_model_dir), req, TrueCFG(), {}))
+
+
 def test_ranks_on_different_requests_fail_instead_of_mixing(tiny_model_dir):
     ranks = [RolloutRank(spec_for(tiny_model_dir), r, 2) for r in range(2)]
     group = ThreadGroup(2)

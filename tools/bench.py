@@ -82,7 +82,8 @@ class Requests:
     """Distinct requests (fresh seeds each) of `batch` samples of one prompt."""
 
     def __init__(self, args: argparse.Namespace):
-        self.params = SamplingParams(height=args.height, width=args.width, num_steps=args.steps, guidance_scale=4.0)
+        self.params = SamplingParams(height=args.height, width=args.width, num_steps=args.steps, guidance_scale=4.0,
+                                     decode_batch_size=args.decode_batch_size)
         self.batch, self.count = args.batch, 0
 
     def next(self) -> RolloutRequest:
@@ -161,6 +162,7 @@ def bench_rollout(args: argparse.Namespace) -> dict:
         "setup": {
             "model": args.model or f"tiny {args.arch} '{size}'", "pipeline": pipeline, "height": args.height,
             "width": args.width, "steps": args.steps, "samples_per_request": args.batch, "cfg_branches": 2,
+            "decode_batch_size": args.decode_batch_size,
             "cfg_policy": policy.name,
             "sde_type": "sde", "threads_per_rank": 1, "repeats": args.repeats,
             "throughput_requests_per_round": args.throughput_requests, "cpus": os.cpu_count(),
@@ -504,6 +506,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     rollout.add_argument("--batch", type=int, default=4, help="samples per request")
     rollout.add_argument("--repeats", type=int, default=3)
     rollout.add_argument("--throughput-requests", type=int, default=4, help="requests per throughput round")
+    rollout.add_argument("--decode-batch-size", type=int, default=0,
+                         help="sampling.decode_batch_size at both W (0: rank 0 decodes each request's batch at once)")
     sync = _subcommand(sub, "sync", "weight sync: against a raw broadcast, lora vs merged bytes, learner blocking", model=True)
     sync.add_argument("--lora-rank", type=int, default=128)
     sync.add_argument("--bucket-mb", type=float, default=64.0)

@@ -8,6 +8,10 @@ prediction in branch order and combines them with the policy's own arithmetic: a
 the same guided velocity, bit for bit, for any W >= 1 and any N >= 1. Nothing here sums partial
 results across ranks (an all-reduce of weighted terms is only right for one branch layout).
 
+The VAE decode after the last step is shared too (`parallel_decode`): with sampling.decode_batch_size = n > 0 decode
+chunk j (rows j·n … j·n + n − 1) runs on rank j % W, and one all_gather per round of W chunks hands every chunk to
+every rank, so each holds the images one process decoding the same chunks in turn makes.
+
 A small int64 header rides on the same payload (the caller's: e.g. the newest policy version a
 rank holds, and a request tag), so agreeing on a step boundary costs no extra collective.
 
@@ -25,7 +29,8 @@ import torch
 
 from rayflow.cfg.policy import CFGBranch, CFGPolicy
 from rayflow.models.base import DiffusionModel, PromptEmbeds
-from rayflow.sampling.denoise import RolloutState, branch_velocity
+from rayflow.sampling.denoise import RolloutState, branch_velocity, decode_chunks
+from rayflow.types import SamplingParams
 
 HEADER_LEN = 8
 """int64 header entries per payload: 64 bytes, so the predictions after it start cache-line
@@ -134,3 +139,19 @@ class CFGParallel:
         W = self.group.size
         in_branch_order = [gathered[i % W][i // W] for i in range(self.num_branches)]
         return policy.combine(in_branch_order, state.params.guidance_scale), torch.stack(headers)
+
+
+def parallel_decode(group: Group, model: DiffusionModel, latents: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Final latents [B, N, C] (the same on every rank) -> images [B, H, W, 3] uint8 on every rank, each rank decoding
+    the chunks j % W == rank of `params.decode_batch_size` rows (module docstring)."""
+    chunks = decode_chunks(latents.shape[0], params.decode_batch_size)
+    rows = chunks[0].stop  # every chunk's rows but the last's, to which it is zero-padded
+    W, images = group.size, []
+    for first in range(0, len(chunks), W):
+        slot = torch.zeros(rows, params.height, params.width, 3, dtype=torch.uint8, device=latents.device)
+        if first + group.rank < len(chunks):  # an idle rank (a last round of fewer than W chunks) sends zeros
+            mine = model.decode(latents[chunks[first + group.rank]], params.height, params.width)
+            slot[: mine.shape[0]] = mine
+        gathered = group.all_gather(slot)
+        images += [gathered[k][: c.stop - c.start].cpu() for k, c in enumerate(chunks[first:first + W])]
+    return torch.cat(images)

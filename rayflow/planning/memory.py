@@ -102,13 +102,14 @@ def rollout_rank(cfg: RayflowConfig, sizes: ModelSizes) -> RoleMemory:
     t = sizes.text
     text_batch = r.micro_batch_size * n_branches
     encode = text_batch * PLANNED_TEXT_TOKENS * (t["hidden"] * (t["layers"] + 1) + t["vocab"] + 2 * t["intermediate"]) * wb if t else 0
-    decode = VAE_LIVE_MAPS * r.micro_batch_size * s.height * s.width * sizes.vae_full_res_channels * wb
+    decoded_at_once = min(s.decode_batch_size, r.micro_batch_size) if s.decode_batch_size else r.micro_batch_size
+    decode = VAE_LIVE_MAPS * decoded_at_once * s.height * s.width * sizes.vae_full_res_channels * wb
     role.phases = {"prompt encoding (text encoder forward)": encode, "denoising (transformer forward)": denoise,
                    "VAE decode": decode}
     role.knobs = {"transformer weights": "model.dtype", "text encoder weights": "model.dtype",
                   "denoising (transformer forward)": "rollout.micro_batch_size",
                   "prompt encoding (text encoder forward)": "rollout.micro_batch_size",
-                  "VAE decode": "rollout.micro_batch_size"}
+                  "VAE decode": "sampling.decode_batch_size (or rollout.micro_batch_size)"}
     return role
 
 

@@ -8,7 +8,8 @@ threads of one process over an in-process group. Per request every rank of a rep
     agree on the newest version staged on all ranks -> apply it
     per step: CFG-parallel velocity (one all_gather, carrying each rank's newest staged version)
               -> advance(state, v, version) -> at the boundary, apply the newly agreed version
-    rank 0: finish_rollout (decode) -> trajectories; other ranks return None
+    decode: rank 0 alone, or every rank its share of the chunks (sampling.decode_batch_size, parallel_decode)
+    rank 0: the trajectories; other ranks return None
 
 so all ranks hold identical latents and record identical per-step versions. Weights (receive, verify,
 stage, agree, load) are the rank's WeightReceiver's (rayflow.sync.receiver), whose docstring states the rules.
@@ -24,7 +25,7 @@ import torch
 from diffusers.utils import logging as diffusers_logging
 from transformers.utils import logging as transformers_logging
 
-from rayflow.cfg.parallel import CFGParallel, Group, all_gather_header
+from rayflow.cfg.parallel import CFGParallel, Group, all_gather_header, parallel_decode
 from rayflow.cfg.policy import CFGPolicy
 from rayflow.models.lora import TRAINED_ADAPTER, adapter_parameters, target_weight_names
 from rayflow.models.weight_sets import named_weights
@@ -32,7 +33,7 @@ from rayflow.models import DiffusionModel, load_configured
 from rayflow.models.speed import apply_speed_options
 from rayflow.rollout.spec import RolloutRankSpec
 from rayflow.sync.receiver import WeightReceiver
-from rayflow.sampling.denoise import advance, finish_rollout, start_rollout
+from rayflow.sampling.denoise import advance, finish_rollout, split_trajectories, start_rollout
 from rayflow.types import RolloutRequest, Trajectory
 
 
@@ -178,6 +179,9 @@ class RolloutRank:
         finally:
             self.progress = None
         self.requests += 1
+        if self.world_size > 1 and state.params.decode_batch_size:
+            images = parallel_decode(self.group, self.model, state.latents, state.params)
+            return split_trajectories(state, images) if self.rank == 0 else None
         # Every rank holds the same final latents: one decode is enough.
         return finish_rollout(self.model, state) if self.rank == 0 else None
 

@@ -147,13 +147,33 @@ def advance(state: RolloutState, velocity: torch.Tensor, version: int) -> None:
         state.captured[state.num_steps] = state.latents.to(torch.float32, copy=True)
 
 
+def decode_chunks(batch: int, size: int) -> list[slice]:
+    """The rows of each VAE decode of `batch` final latents (sampling.decode_batch_size): all at once for size 0,
+    else `size` at a time (the last chunk may be shorter)."""
+    if size == 0:
+        return [slice(0, batch)]
+    return [slice(start, min(start + size, batch)) for start in range(0, batch, size)]
+
+
+@torch.no_grad()
+def decode(model: DiffusionModel, latents: torch.Tensor, params: SamplingParams) -> torch.Tensor | None:
+    """Final latents [B, N, C] -> images [B, H, W, 3] uint8, decoded in sampling.decode_batch_size chunks."""
+    chunks = [model.decode(latents[rows], params.height, params.width)
+              for rows in decode_chunks(latents.shape[0], params.decode_batch_size)]
+    return None if chunks[0] is None else torch.cat(chunks)
+
+
 @torch.no_grad()
 def finish_rollout(model: DiffusionModel, state: RolloutState) -> list[Trajectory]:
     """Decode the final latents and split the batch into one Trajectory per sample."""
     if not state.done:
         raise RuntimeError(f"finish_rollout at step {state.step} of {state.num_steps}")
+    return split_trajectories(state, decode(model, state.latents, state.params))
+
+
+def split_trajectories(state: RolloutState, images: torch.Tensor | None) -> list[Trajectory]:
+    """The finished batch as one Trajectory per sample, with its decoded `images` [B, H, W, 3] (or None)."""
     req, p = state.request, state.params
-    images = model.decode(state.latents, p.height, p.width)
     indices = sorted(state.captured)
     rows = [state.captured[i] for i in indices]
     B, N, C = state.latents.shape
