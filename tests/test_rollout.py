@@ -251,16 +251,18 @@ def replicas(ray_session, tiny_model_dir):
 def test_replica_equals_single_process_sampler(replicas, tiny_model, world_size, num_branches):
     replica = replicas[world_size]
     req = request(guidance=1.0 if num_branches == 1 else 4.0)
+    # The second request decodes one image at a time: with W > 1 the ranks share the decode (over the replica's group).
+    chunked = request(guidance=req.params.guidance_scale, decode_batch_size=1)
     serial = POLICIES[num_branches]
     parallel = dataclasses.replace(serial, parallel_arithmetic=True)
-    futures = [replica.submit(req, serial), replica.submit(req, parallel)]
+    futures = [replica.submit(req, serial), replica.submit(chunked, parallel)]
     expected = generate(tiny_model, req, serial)
     assert (expected[0].log_probs[:-1] != 0).all()  # SDE steps: log-probs to compare
     got_serial, got_parallel = (f.result() for f in futures)
     assert_same(got_serial, expected)  # bit for bit, whatever W
     # Distribution adds no error in either order; the parallel order itself differs from the serial
     # one by a few ulp of the latents (up to ~1.7e-6 at |x| ~ 3 in one process).
-    assert_same(got_parallel, generate(tiny_model, req, parallel))
+    assert_same(got_parallel, generate(tiny_model, chunked, parallel))
     for got, want in zip(got_parallel, expected):
         torch.testing.assert_close(got.latents, want.latents, rtol=1e-6, atol=1e-6)
         torch.testing.assert_close(got.log_probs, want.log_probs, rtol=1e-6, atol=1e-6)
