@@ -124,6 +124,8 @@ def measure_round(one_a, one_b, two, requests: Requests, args: argparse.Namespac
 
 
 def bench_rollout(args: argparse.Namespace) -> dict:
+    if args.decode_batch_size < 0:
+        raise SystemExit(f"--decode-batch-size: got {args.decode_batch_size}; allowed: integers >= 0 (0: one decode of the batch)")
     size = args.size or ("tiny" if args.arch == "flux" else "small")
     path = resolve_model_path(args.model, args.cache_dir, size=size, arch=args.arch)
     pipeline = pipeline_class_of(path)
