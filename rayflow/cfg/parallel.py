@@ -145,7 +145,7 @@ def parallel_decode(group: Group, model: DiffusionModel, latents: torch.Tensor, 
     """Final latents [B, N, C] (the same on every rank) -> images [B, H, W, 3] uint8 on every rank, each rank decoding
     the chunks j % W == rank of `params.decode_batch_size` rows (module docstring)."""
     chunks = decode_chunks(latents.shape[0], params.decode_batch_size)
-    rows = chunks[0].stop  # every chunk's rows but the last's, to which it is zero-padded
+    rows = chunks[0].stop  # images per chunk; a shorter last chunk is padded with zeros to this many
     W, images = group.size, []
     for first in range(0, len(chunks), W):
         slot = torch.zeros(rows, params.height, params.width, 3, dtype=torch.uint8, device=latents.device)
