@@ -21,6 +21,7 @@ import torch
 from rayflow.cfg.policy import guidance_policy
 from rayflow.config import RayflowConfig
 from rayflow.planning.sizes import PLANNED_TEXT_TOKENS, ModelSizes, measure_model, model_directory
+from rayflow.sampling.denoise import decode_chunks
 
 GiB = 2**30
 PROCESS_OVERHEAD = int(1.0 * GiB)
@@ -102,7 +103,7 @@ def rollout_rank(cfg: RayflowConfig, sizes: ModelSizes) -> RoleMemory:
     t = sizes.text
     text_batch = r.micro_batch_size * n_branches
     encode = text_batch * PLANNED_TEXT_TOKENS * (t["hidden"] * (t["layers"] + 1) + t["vocab"] + 2 * t["intermediate"]) * wb if t else 0
-    decoded_at_once = min(s.decode_batch_size, r.micro_batch_size) if s.decode_batch_size else r.micro_batch_size
+    decoded_at_once = decode_chunks(r.micro_batch_size, s.decode_batch_size)[0].stop  # the first chunk is the largest
     decode = VAE_LIVE_MAPS * decoded_at_once * s.height * s.width * sizes.vae_full_res_channels * wb
     role.phases = {"prompt encoding (text encoder forward)": encode, "denoising (transformer forward)": denoise,
                    "VAE decode": decode}
