@@ -21,18 +21,18 @@ def run_recipe(recipe: str, *overrides: str, timeout: int = 600) -> subprocess.C
 
 
 def listening_addresses(pid: int, until: subprocess.Popen) -> set[str]:
-    """Every address a process tree listens on, polled until `until` exits."""
+    """Every address a process tree listens on (TCP: only TCP sockets listen), polled until `until` exits.
+
+    One system-wide table per poll, filtered to the tree: asking each of the run's ~25 processes for its own
+    connections parses the kernel's tables once per process, 180 ms of CPU a poll against 17 ms, and took half a
+    core from the run it watches."""
     seen = set()
     while until.poll() is None:
         try:
-            procs = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
+            tree = {pid, *(child.pid for child in psutil.Process(pid).children(recursive=True))}
         except psutil.NoSuchProcess:
             break
-        for proc in procs:
-            try:
-                seen |= {c.laddr.ip for c in proc.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN}
-            except (psutil.NoSuchProcess, psutil.AccessDenied):
-                pass
+        seen |= {c.laddr.ip for c in psutil.net_connections(kind="tcp") if c.status == psutil.CONN_LISTEN and c.pid in tree}
         time.sleep(0.2)
     return seen
 
