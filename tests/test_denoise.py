@@ -141,3 +141,14 @@ def test_finish_before_done_and_bad_size_raise(tiny_model):
         finish_rollout(tiny_model, state)
     with pytest.raises(ValueError, match="sampling.height: got 72"):
         start_rollout(tiny_model, request([0], height=72), POLICY)
+
+
+def test_a_trajectory_pickles_its_own_sample_not_its_whole_batch(tiny_model):
+    """Trajectories cross actors one request at a time: a sample of an 8-sample request pickles to what a sample of
+    a 1-sample request does (a row of a batch tensor would carry the whole batch's storage with it)."""
+    import pickle
+
+    (alone,) = run(tiny_model, [5])
+    batch = run(tiny_model, list(range(8)))
+    size = len(pickle.dumps(alone))
+    assert all(abs(len(pickle.dumps(t)) - size) <= 64 for t in batch), (size, [len(pickle.dumps(t)) for t in batch])

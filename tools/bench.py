@@ -8,6 +8,7 @@
     python tools/bench.py costs --json costs.json [--recipe ... --steps 8]      the simulator's costs; see tools/sim_bench.py
     python tools/bench.py simulator --json bench_sim.json [--steps 16]         the simulator against real runs
     python tools/bench.py learning --json bench_learning.json [--budget-s 180]  algorithms on the shapes world; see tools/learning_bench.py
+    python tools/bench.py trajectories --json bench_traj.json [--shape qwen-image-1024]  a request's trajectories pickled; see tools/trajectory_bench.py
 
 sync: a learner's rollout adapter (the "small" tiny model, LoRA rank 128) pushed through the
 WeightSyncActor to two W = 1 rollout replicas, in lora and in merged mode, against one raw
@@ -61,6 +62,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the sibling gp
 import gpu_bench  # noqa: E402
 import learning_bench  # noqa: E402
 import sim_bench  # noqa: E402
+import trajectory_bench  # noqa: E402
 
 # Issue 20's goals (the earlier ones were 1.6x latency, 1.5x overlap and 25% overhead).
 LATENCY_GOAL, LATENCY_LIMIT, THROUGHPUT_GOAL = 1.85, 2.0, 0.9
@@ -539,6 +541,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     startup.add_argument("overrides", nargs="*", help="extra dotlist overrides for the recipe")
     learning_bench.add_arguments(_subcommand(sub, "learning", "FlowGRPO, its 2-step window, DiffusionNFT x staleness 0, 1 on the shapes world",
                                              model=False))
+    trajectory_bench.add_arguments(_subcommand(sub, "trajectories", "one request's trajectories through Ray's pickling: bytes, seconds",
+                                               model=False))
     gpu_bench.add_arguments(_subcommand(sub, "gpu", "one GPU: rollout vs diffusers, learner vs bare, bf16 log-prob drift, memory vs plan",
                               model=False))
     return parser.parse_args(argv)
@@ -546,7 +550,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 BENCHMARKS = {"rollout": bench_rollout, "sync": bench_sync, "pipeline": bench_pipeline, "gpu": gpu_bench.run,
               "startup": bench_startup, "costs": sim_bench.bench_costs, "simulator": lambda args: sim_bench.bench_simulator(args, start_local_ray),
-              "learning": lambda args: learning_bench.bench_learning(args, start_local_ray)}
+              "learning": lambda args: learning_bench.bench_learning(args, start_local_ray), "trajectories": trajectory_bench.run}
 
 
 def main(argv: list[str] | None = None) -> None:

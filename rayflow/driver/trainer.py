@@ -31,6 +31,7 @@ from rayflow.checkpoint import base_model_record, checkpoint_root, is_save_step,
 from rayflow.config import RayflowConfig, to_dict
 from rayflow.data.prompts import GroupSampler, PromptGroup, load_prompts
 from rayflow.distributed.colocated import ColocatedDevices
+from rayflow.distributed.tensor_pickle import install as install_tensor_pickling
 from rayflow.driver.evaluation import Evaluator
 from rayflow.driver.queue import QueueStats, StalenessQueue
 from rayflow.driver.timing import Phases, StepClock
@@ -78,6 +79,7 @@ class Trainer:
     def __init__(self, cfg: RayflowConfig, prompts: list[str] | None = None):
         """`prompts`: the training prompts if already loaded (else read from data.prompts, before any actor starts)."""
         self.cfg = cfg
+        install_tensor_pickling()  # what the driver sends (evaluation weights) as its actors send theirs
         prompts = prompts if prompts is not None else load_prompts(cfg.data.prompts, cfg.data.max_prompt_chars)
         self.sampler = GroupSampler(prompts, cfg.algorithm.group_size, cfg.trainer.seed, cfg.data.shuffle)
         self.queue = self._new_queue(accepted=0)

@@ -27,6 +27,7 @@ from rayflow.checkpoint import Checkpoint, CheckpointWriteError, check_identity,
 from rayflow.distributed.placement import PlacedGroup, place, resolve_gpus
 from rayflow.distributed.restart_budget import RestartBudget
 from rayflow.distributed.process_group import GroupHost, Rendezvous, init_default_group
+from rayflow.distributed.tensor_pickle import install as install_tensor_pickling
 from rayflow.learner.backend import LearnerBackend
 from rayflow.learner.prefetch import TrajectoryCache
 from rayflow.distributed.parallelize import build_mesh
@@ -55,6 +56,7 @@ class LearnerWorker(GroupHost):
     def __init__(self, spec: LearnerSpec, rank: int, whole_pipeline: bool = False):
         """`whole_pipeline`: load the text encoder and VAE too (colocated placement samples with this model)."""
         torch.set_num_threads(spec.learner.threads_per_rank)
+        install_tensor_pickling()
         self.spec, self.rank, self.whole_pipeline = spec, rank, whole_pipeline
         self.backend: LearnerBackend | None = None
         # One rank trains every request it is handed; one of several only its shard, unknown until the batch forms.

@@ -20,6 +20,7 @@ import ray
 import torch
 
 from rayflow.distributed.process_group import CollectiveGroup, GroupHost, Rendezvous, node_ip
+from rayflow.distributed.tensor_pickle import install as install_tensor_pickling
 from rayflow.sync.buckets import Manifest
 from rayflow.types import RolloutRequest, Trajectory
 
@@ -103,4 +104,5 @@ class RolloutWorker(RolloutRankHost):
     def __init__(self, spec: RolloutRankSpec, rank: int, world_size: int):
         from rayflow.rollout.rank import RolloutRank
 
+        install_tensor_pickling()
         self.rank = RolloutRank(spec, rank, world_size)

@@ -183,6 +183,9 @@ def split_trajectories(state: RolloutState, images: torch.Tensor | None) -> list
     log_probs = torch.stack(state.log_probs, dim=1).cpu()  # [B, T]
     sde_mask = torch.tensor([i in state.sde_steps for i in range(state.num_steps)])
     versions = torch.tensor(state.versions, dtype=torch.int64)
+    timesteps, sigmas = state.schedule.timesteps.cpu(), state.schedule.sigmas.cpu()  # one copy, shared by the samples
+    # Each sample's tensors get storage of their own (clone): a row of a batch tensor pickles the whole batch's
+    # storage, so every trajectory would carry the batch's bytes across actors (B times the request's data).
     return [
         Trajectory(
             prompt=req.prompts[b],
@@ -190,16 +193,16 @@ def split_trajectories(state: RolloutState, images: torch.Tensor | None) -> list
             group_id=req.group_ids[b],
             seed=req.seeds[b],
             params=p,
-            latents=latents[b],
+            latents=latents[b].clone(),
             latent_indices=indices,
-            timesteps=state.schedule.timesteps.cpu(),
-            sigmas=state.schedule.sigmas.cpu(),
-            log_probs=log_probs[b],
+            timesteps=timesteps,
+            sigmas=sigmas,
+            log_probs=log_probs[b].clone(),
             sde_mask=sde_mask,
             versions=versions,
-            means=means[b],
+            means=means[b].clone(),
             conds={name: embeds[b].cpu() for name, embeds in state.conds.items()},
-            image=None if images is None else images[b],
+            image=None if images is None else images[b].clone(),
         )
         for b in range(len(req.prompts))
     ]

@@ -12,6 +12,7 @@ import ray
 import torch
 
 from rayflow.distributed.process_group import CollectiveGroup, GroupHost, Rendezvous
+from rayflow.distributed.tensor_pickle import install as install_tensor_pickling
 from rayflow.models.synced import SyncedModelSpec
 from rayflow.sync.buckets import Manifest, WirePush
 from rayflow.sync.fold import AdapterFolder
@@ -67,6 +68,7 @@ class RayReceivers:
 class WeightSyncActor(GroupHost):
     def __init__(self, spec: SyncSpec, synced: SyncedModelSpec):
         """`synced` says what the receivers hold (model and LoRA shape); merged mode folds with it."""
+        install_tensor_pickling()
         self.spec = spec
         # Full fine-tuning pushes the plain weights themselves: nothing to fold.
         fold = AdapterFolder(synced) if spec.mode == "merged" and synced.train_mode == "lora" else None
