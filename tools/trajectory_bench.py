@@ -45,8 +45,9 @@ def request_state(shape: dict):
     from rayflow.types import RolloutRequest, SamplingParams
 
     B, N, C, T = shape["batch"], shape["tokens"], shape["channels"], shape["steps"]
-    cond = lambda: torch.randn(shape["cond_tokens"], shape["cond_dim"]).to(getattr(torch, shape["cond_dtype"]))
-    positive, negative = cond(), cond()  # one prompt for the request's group, as a group's samples share it
+    # One prompt for the whole request, as a group's samples share it.
+    positive, negative = (torch.randn(shape["cond_tokens"], shape["cond_dim"]).to(getattr(torch, shape["cond_dtype"]))
+                          for _ in range(2))
     request = RolloutRequest("bench", ["a prompt"] * B, [0] * B, [0] * B, list(range(B)), SamplingParams(num_steps=T))
     sigmas = torch.linspace(1, 0, T + 1)
     return RolloutState(
