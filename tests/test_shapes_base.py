@@ -11,10 +11,13 @@ import pytest
 import torch
 
 from rayflow.models.shapes import MANIFEST, REBUILD_COMMAND, SHAPES_MODEL_DIR, build_shapes_pipeline, check_shapes_base
+from rayflow.worlds.shapes import POSITIONS, parse_prompt, sample_scene
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
 
-from pretrain_shapes import BatchShare, PretrainConfig, encode_pool, joined, train_transformer, train_vae  # noqa: E402
+from pretrain_shapes import (  # noqa: E402
+    BatchShare, PretrainConfig, encode_pool, joined, miscaption, train_transformer, train_vae,
+)
 
 # The losses of the first two steps of each stage with the default PretrainConfig (seed 0). The VAE's are
 # those of the shipped run (its log printed step 0 as 1.29740); the transformer's are on a pool of the
@@ -78,6 +81,41 @@ def test_two_processes_sharing_each_batch_train_as_one_process_accumulating_both
     assert weights.keys() == expected_weights.keys()
     for name, value in expected_weights.items():
         assert torch.equal(torch.from_numpy(weights[name]), value), name
+
+
+def test_caption_noise_misstates_that_share_of_counts_and_sides_and_nothing_else():
+    cfg = PretrainConfig()
+    prompts = [sample_scene(seed, cfg.pool_categories)[0] for seed in range(4096)]
+    assert miscaption(prompts, 0.0, seed=3) == prompts
+    noisy = miscaption(prompts, 0.3, seed=3)
+    assert noisy == miscaption(prompts, 0.3, seed=3)  # a pure function of its seed
+    misstatable, changed = 0, 0
+    for prompt, caption in zip(prompts, noisy):
+        req, said = parse_prompt(prompt), parse_prompt(caption)
+        counting = req.position is None and len(req.objects) == 1 and req.objects[0].exact
+        misstatable += req.position is not None or counting
+        if caption == prompt:
+            continue
+        changed += 1
+        if req.position is not None:  # another side, the object as it was
+            assert said.objects == req.objects and said.position in POSITIONS and said.position != req.position
+        else:  # another count of 1-3 of the same shape and colour, still a number word
+            assert counting, prompt
+            (obj,), (told,) = req.objects, said.objects
+            assert told.count in (1, 2, 3) and told.count != obj.count
+            assert (told.shape, told.colour, told.exact) == (obj.shape, obj.colour, True)
+    # 3 binomial standard deviations of the share over ~950 misstatable captions: 0.045.
+    assert misstatable > 800 and abs(changed / misstatable - 0.3) < 0.045
+    every = miscaption(prompts, 1.0, seed=3)
+    assert sum(a != b for a, b in zip(prompts, every)) == misstatable
+    # Whether and how a caption changes does not depend on the rest of the pool (its own generator).
+    others = ["a circle" if i % 2 else p for i, p in enumerate(prompts)]
+    assert miscaption(others, 0.3, seed=3)[::2] == noisy[::2]
+
+
+def test_caption_noise_must_be_a_fraction():
+    with pytest.raises(ValueError, match=r"caption_noise=1.5 must be in \[0, 1\]"):
+        PretrainConfig(caption_noise=1.5)
 
 
 def test_workers_must_divide_both_batches():

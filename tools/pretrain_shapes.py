@@ -11,6 +11,9 @@ classes, rayflow.models.shapes) on rendered scenes of the shapes world (rayflow.
    dropped to the negative prompt " " for 10% of samples so that CFG has an unconditional branch, on scenes
    drawn with two-object and relation prompts four times as often as single objects and positions (binding two
    objects is what a small model learns last), its learning rate decayed to 0 along a cosine after warm-up.
+   With --caption-noise p, a fraction p of the counting and position scenes carry a caption that misstates the
+   count or the side (as web captions miscount and misplace): the base then draws what such prompts ask less
+   reliably than it could, and RL has that to sharpen.
 With --workers N, N processes (one torch thread each) split every batch's rows and sum their gradients over gloo
 on loopback: the same training as one process that accumulates the N parts' gradients, bit for bit, in about 1/N of
 the time; it differs from the one-process default (whole batches at once, which made the shipped weights) only in
@@ -23,12 +26,13 @@ import contextlib
 import json
 import math
 import os
+import random
 import shutil
 import sys
 import tempfile
 import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 import torch
@@ -41,7 +45,9 @@ from rayflow.checkpoint_integrity import sha256_file  # noqa: E402
 from rayflow.distributed.process_group import bind_collectives_to  # noqa: E402
 from rayflow.models.base import PromptEmbeds  # noqa: E402
 from rayflow.models.shapes import MANIFEST, SHAPES_SPEC, build_shapes_pipeline  # noqa: E402
-from rayflow.worlds.shapes import BACKGROUND, CATEGORIES, render, sample_scene  # noqa: E402
+from rayflow.worlds.shapes import (  # noqa: E402
+    BACKGROUND, CATEGORIES, POSITIONS, parse_prompt, prompt_of, render, sample_scene,
+)
 
 BACKGROUND_PIXEL = (torch.tensor(BACKGROUND, dtype=torch.float32) / 127.5 - 1.0).view(1, 3, 1, 1, 1)
 UNCONDITIONAL = " "
@@ -68,10 +74,14 @@ class PretrainConfig:
                                         *("relation",) * 4)
     """The pool's scene categories, drawn uniformly from this list (the VAE's scenes: every category alike)."""
     cfg_dropout: float = 0.1
+    caption_noise: float = 0.0
+    """Fraction of the pool's counting and position scenes captioned with another count or side (`miscaption`)."""
     workers: int = 1
     """Processes that share every batch (--workers): 1 is how the shipped weights were made."""
 
     def __post_init__(self) -> None:
+        if not 0.0 <= self.caption_noise <= 1.0:
+            raise ValueError(f"PretrainConfig: caption_noise={self.caption_noise} must be in [0, 1]")
         for field, batch in (("batch", self.batch), ("vae_batch", self.vae_batch)):
             if self.workers < 1 or batch % self.workers:
                 raise ValueError(f"PretrainConfig: workers={self.workers} must be >= 1 and divide {field}={batch}")
@@ -168,6 +178,25 @@ def encode_pool(pipe, n: int, categories: tuple[str, ...]) -> tuple[torch.Tensor
     return pipe._pack_latents(z, n, z.shape[1], z.shape[2], z.shape[3]), prompts
 
 
+def miscaption(prompts: list[str], fraction: float, seed: int) -> list[str]:
+    """The pool's captions with `fraction` of its counting and position prompts misstated: another count (of 1–3)
+    or another side. Caption i's draws come from a generator of its own (seed·1_000_003 + i), so whether and how
+    it changes depends on nothing else in the pool; the other categories are left as they are."""
+    out = []
+    for index, prompt in enumerate(prompts):
+        rng = random.Random(seed * 1_000_003 + index)
+        misstate = rng.random() < fraction
+        req = parse_prompt(prompt)
+        first, *rest = req.objects
+        if misstate and req.position is not None:
+            prompt = prompt_of(replace(req, position=rng.choice([p for p in POSITIONS if p != req.position])))
+        elif misstate and first.exact and not rest:  # a counting prompt
+            count = rng.choice([n for n in (1, 2, 3) if n != first.count])
+            prompt = prompt_of(replace(req, objects=(replace(first, count=count),)))
+        out.append(prompt)
+    return out
+
+
 @torch.no_grad()
 def prompt_embeddings(pipe, prompts: list[str]) -> dict[str, torch.Tensor]:
     """Each distinct prompt (and the unconditional one) -> its unpadded text embedding [L, D]."""
@@ -242,6 +271,7 @@ def pretrain(out: str, cfg: PretrainConfig, share: BatchShare = ALL_ROWS) -> Non
     pipe = build_shapes_pipeline(cfg.seed)
     train_vae(pipe.vae, cfg, cfg.vae_steps, share)
     latents, prompts = encode_pool(pipe, cfg.pool, cfg.pool_categories)
+    prompts = miscaption(prompts, cfg.caption_noise, cfg.seed + 3)
     train_transformer(pipe, latents, prompts, cfg, cfg.steps, share)
     seconds = time.perf_counter() - start
     cpu_seconds = torch.tensor(time.process_time() - cpu_start, dtype=torch.float64)
@@ -275,11 +305,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=PretrainConfig.seed)
     parser.add_argument("--vae-steps", type=int, default=PretrainConfig.vae_steps)
     parser.add_argument("--steps", type=int, default=PretrainConfig.steps, help="transformer steps")
+    parser.add_argument("--caption-noise", type=float, default=PretrainConfig.caption_noise,
+                        help="fraction of counting and position scenes captioned with another count or side")
     parser.add_argument("--workers", type=int, default=PretrainConfig.workers,
                         help="processes sharing every batch (2 on 2 cores: about half the time; "
                              "1 is how the shipped weights were made)")
     args = parser.parse_args(argv)
-    cfg = PretrainConfig(seed=args.seed, vae_steps=args.vae_steps, steps=args.steps, workers=args.workers)
+    cfg = PretrainConfig(seed=args.seed, vae_steps=args.vae_steps, steps=args.steps,
+                         caption_noise=args.caption_noise, workers=args.workers)
     if cfg.workers == 1:
         pretrain(args.out, cfg)
         return
