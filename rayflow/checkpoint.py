@@ -205,7 +205,7 @@ def _rotate(root: str, keep: int) -> None:
             log.warning("checkpoint rotation keeps %s: the newer ones are not healthy (non-finite tensors or skipped steps)",
                         healthy[-1])
     for old in doomed:
-        shutil.rmtree(old)
+        _remove_dir(old)
 
 
 def _is_healthy(path: str) -> bool:
@@ -228,13 +228,24 @@ def remove_leftovers(root: str) -> None:
 def _replace_dir(src: str, dst: str) -> None:
     # A rename onto an existing directory fails: move the old one aside first, so `dst` is at every
     # moment either the old complete checkpoint or the new one.
-    aside = None
-    if os.path.exists(dst):
-        aside = tempfile.mkdtemp(prefix=f".old-{os.path.basename(dst)}-", dir=os.path.dirname(dst))
-        os.rename(dst, os.path.join(aside, "ckpt"))
+    aside = _move_aside(dst) if os.path.exists(dst) else None
     os.rename(src, dst)
     if aside is not None:
         shutil.rmtree(aside)
+
+
+def _remove_dir(path: str) -> None:
+    """Delete a checkpoint directory, first renamed out of the step_* names in one step: a process killed or
+    interrupted (`ray job stop`) while the files go leaves a leftover that the next start removes, never a
+    step_* directory with some of its files gone."""
+    shutil.rmtree(_move_aside(path))
+
+
+def _move_aside(path: str) -> str:
+    """Rename checkpoint directory `path` into a new .old-<name>-* leftover directory beside it; that directory."""
+    aside = tempfile.mkdtemp(prefix=f".old-{os.path.basename(path)}-", dir=os.path.dirname(path))
+    os.rename(path, os.path.join(aside, "ckpt"))
+    return aside
 
 
 def read_meta(path: str) -> dict:
