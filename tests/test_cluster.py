@@ -18,12 +18,14 @@ from pathlib import Path
 
 import pytest
 import yaml
+from ray.autoscaler._private.providers import _get_node_provider_cls
 from ray.autoscaler._private.util import prepare_config, validate_config
 from ray.runtime_env import RuntimeEnv
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from cluster_fake import FakeAutoscalingCluster, free_port
 from rayflow.config import load_config
+from rayflow.distributed.fake_nodes import FakeNodesWithOwnDirs
 from rayflow.distributed.resources import required_cpus
 
 REPO = Path(__file__).resolve().parents[1]
@@ -77,7 +79,8 @@ def test_launcher_config_passes_rays_schema_and_asks_for_8_gpu_nodes_on_demand(p
 def test_local_fake_cluster_config_passes_rays_schema():
     config = load("fake_multinode.yaml")
     validate_config(config)  # complete as written: the wheel has no defaults for this provider
-    assert config["provider"]["type"] == "fake_multinode"
+    # The class Ray's autoscaler loads from it: its fake provider, each node with a runtime-env directory of its own.
+    assert _get_node_provider_cls(config["provider"]) is FakeNodesWithOwnDirs
     types = config["available_node_types"]
     assert types[config["head_node_type"]]["max_workers"] == 0
     workers = {name: t for name, t in types.items() if name != config["head_node_type"]}
@@ -294,6 +297,11 @@ def test_autoscaler_adds_rollout_and_learner_nodes_and_the_submitted_recipe_comp
             f"job failed ({job.returncode}):\n{job.stdout[-4000:]}\n{job.stderr[-2000:]}\nhead:\n{cluster.head_log()}"
         )
         after = cluster.state()
+        # The head (for the job's driver) and each worker node unpacked the working dir into a directory of its own
+        # (rayflow/distributed/fake_nodes.py): the learner and rollout actors start at once on two nodes.
+        unpacked = [p.parent.parent.name for p in Path(cluster.temp_dir).glob("session_2*/runtime_resources*/working_dir_files/*")
+                    if p.is_dir()]
+        assert sorted(unpacked) == ["runtime_resources", "runtime_resources_node1", "runtime_resources_node2"], unpacked
 
     node_types = after["node_types"]
     added = sorted(t for t in node_types.values() if t != "ray.head.default")

@@ -98,23 +98,24 @@ class Trainer:
         phase = Phases(self.startup_s)
         try:
             spec, learner_spec = RolloutRankSpec.from_config(cfg), LearnerSpec.from_config(cfg)
-            # One role after the other. Starting every role's actors at once was tried (bench.py startup): no faster
-            # on 2 cores, and on the fake autoscaling cluster a rollout actor then failed to import torch
-            # ("partially initialized module 'torch'"), a cause not pinned down.
             if cfg.placement.colocated:
                 with phase("devices"):
                     devices = self._own(ColocatedDevices(learner_spec, spec, cfg.placement, cfg.rollout))
                 self.learners, self.rollout, self.sync = devices.learners, devices.rollout, devices.weights
             else:
-                with phase("learners"):
+                # Every role's actors start at once (on a cluster, on their own nodes): the rollout ranks and the
+                # weight-sync actor load while the learners do; the group forms once the replicas are up.
+                with phase("actors"):
+                    self.rollout = self._own(RolloutPool.start(spec, cfg.rollout))
+                    self.sync = self._own(WeightSync(cfg.sync, spec, None, cfg.rollout.collective_timeout_s))
                     self.learners = self._own(LearnerGroup(learner_spec))
                 with phase("rollout"):
-                    self.rollout = self._own(RolloutPool.create(spec, cfg.rollout))
+                    self.rollout.wait_ready()
             with phase("rewards"):
                 self.rewards = self._own(RewardPool(cfg.reward))
             if not cfg.placement.colocated:
                 with phase("weight sync"):
-                    self.sync = self._own(WeightSync(cfg.sync, spec, self.rollout.replicas, cfg.rollout.collective_timeout_s))
+                    self.sync.connect(self.rollout.replicas)
             self.rollout.sync_with(self.sync)
             self.evaluator = Evaluator(cfg.data, cfg.sampling, prompts, self._generate, self.rewards)
             with phase("resume"):

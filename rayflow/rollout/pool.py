@@ -102,14 +102,23 @@ class RolloutPool:
     @classmethod
     def create(cls, spec: RolloutRankSpec, rollout: RolloutConfig, name: str = "rollout") -> "RolloutPool":
         """Start every replica (their actors load concurrently), then wait for all of them."""
+        return cls.start(spec, rollout, name).wait_ready()
+
+    @classmethod
+    def start(cls, spec: RolloutRankSpec, rollout: RolloutConfig, name: str = "rollout") -> "RolloutPool":
+        """Start every replica without waiting for them to load (`wait_ready` does)."""
         def start(replica_name: str) -> RolloutReplica:
             return RolloutReplica(spec, rollout, name=replica_name)
 
         replicas = [start(f"{name}-{i}") for i in range(rollout.num_replicas)]
-        for replica in replicas:
-            replica.wait_ready()
         watchdog = Watchdog(rollout.stall_timeout_s, rollout.stall_factor)
         return cls(replicas, start, rollout.max_restarts, rollout.restart_window_s, watchdog)
+
+    def wait_ready(self) -> "RolloutPool":
+        """Wait until every replica's ranks loaded their models and joined their groups."""
+        for replica in self.replicas:
+            replica.wait_ready()
+        return self
 
     def sync_with(self, membership: ReplicaMembership) -> None:
         """The weight sync: a dead replica leaves its group, a replacement joins it and catches up before serving."""

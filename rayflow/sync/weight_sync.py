@@ -56,10 +56,11 @@ class SyncedReplica(Protocol):
 
 
 class WeightSync:
-    def __init__(self, cfg: SyncConfig, rollout_spec: SyncedModelSpec, replicas: list[SyncedReplica],
+    def __init__(self, cfg: SyncConfig, rollout_spec: SyncedModelSpec, replicas: list[SyncedReplica] | None,
                  timeout_s: float = 300.0, name: str = "rayflow-weight-sync"):
         """`rollout_spec`: what the rollout ranks hold (a rayflow.rollout.RolloutRankSpec is one); only its
-        SyncedModelSpec fields cross to the actor."""
+        SyncedModelSpec fields cross to the actor. `replicas` None: the actor starts, and `connect` forms the group
+        later (once the replicas are up)."""
         self.cfg = cfg
         self.gpus = resolve_gpus(cfg.gpus)
         self.placed = place(1, cfg.cpus, self.gpus, cfg.resources, name=name)
@@ -73,6 +74,8 @@ class WeightSync:
         self.restarts = 0
         """Replacements of a dead actor started."""
         self._start_actor()
+        if replicas is None:
+            return
         try:
             self.connect(replicas)
         except BaseException:
