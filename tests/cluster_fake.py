@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -104,6 +105,22 @@ class FakeAutoscalingCluster:
 
     def head_log(self, tail: int = 40) -> str:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-tail:]) if self.log_path.exists() else ""
+
+    def pending_demands(self) -> list[set[str]]:
+        """Per status report of the autoscaler (its monitor log), the custom resources of the placement groups pending
+        in it, such as {"rollout_node", "learner_node"}."""
+        reports: list[set[str]] = []
+        section = None
+        for log in sorted(Path(self.temp_dir).glob("session_2*/logs/monitor.log")):
+            for line in log.read_text(errors="replace").splitlines():
+                if line.startswith("======== Autoscaler status"):
+                    reports.append(set())
+                    section = None
+                elif line.rstrip().endswith(":") and not line.startswith(" "):
+                    section = line.strip()
+                elif section == "Pending Demands:" and reports and "pending placement groups" in line:
+                    reports[-1] |= {name for name in re.findall(r"'(\w+)': ", line) if name not in ("CPU", "GPU")}
+        return reports
 
     def state(self) -> dict:
         """Nodes, the autoscaler's node types and where rayflow's actors ran (a subprocess reads them,

@@ -297,6 +297,9 @@ def test_autoscaler_adds_rollout_and_learner_nodes_and_the_submitted_recipe_comp
             f"job failed ({job.returncode}):\n{job.stdout[-4000:]}\n{job.stderr[-2000:]}\nhead:\n{cluster.head_log()}"
         )
         after = cluster.state()
+        # The run asked for every role's placement before waiting for any: the autoscaler saw the demand for both
+        # node types at once, and started them together (one after the other, the second waited for the first).
+        assert any({"rollout_node", "learner_node"} <= pending for pending in cluster.pending_demands())
         # The head (for the job's driver) and each worker node unpacked the working dir into a directory of its own
         # (rayflow/distributed/fake_nodes.py): the learner and rollout actors start at once on two nodes.
         unpacked = [p.parent.parent.name for p in Path(cluster.temp_dir).glob("session_2*/runtime_resources*/working_dir_files/*")

@@ -98,6 +98,49 @@ def test_each_family_trains_synchronously_equal_to_the_reference_trainer(ray_ses
     assert all(torch.equal(distributed[n][k], v) for n in expected for k, v in expected[n].items())
 
 
+def live_placement_groups() -> dict[str, str]:
+    """{id: name} of the placement groups not removed."""
+    from ray.util import placement_group_table
+
+    return {pg_id: t["name"] for pg_id, t in placement_group_table().items() if t["state"] != "REMOVED"}
+
+
+def test_every_roles_placement_is_asked_for_before_any_is_waited_for_and_none_outlives_a_failed_start(
+        ray_session, tiny_model_dir, tmp_path, monkeypatch):
+    """So that an autoscaler starts every node the run needs together (tests/test_cluster.py shows it launching both
+    node types in one update)."""
+    from rayflow.distributed.placement import Reservation
+    from rayflow.rollout.pool import RolloutPool
+
+    before = live_placement_groups()
+    cfg = small_cfg(GRPO, tiny_model_dir, tmp_path / "run", "trainer.total_steps=1", "logging.progress_bar=false")
+    names = {"rollout-0", "rayflow-rewards", "rayflow-weight-sync", "rayflow-learner"}
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("no rollout today")
+
+    # A start that fails before any role took its placement leaves none of them reserved.
+    with monkeypatch.context() as patch:
+        patch.setattr(RolloutPool, "start", refuse)
+        with pytest.raises(RuntimeError, match="no rollout today"):
+            Trainer(cfg)
+    assert live_placement_groups() == before
+
+    live_at_first_wait = []
+    wait = Reservation.wait
+
+    def recording_wait(self, timeout_s: float = 600.0):
+        if not live_at_first_wait:
+            live_at_first_wait.append(set(live_placement_groups().values()) - set(before.values()))
+        return wait(self, timeout_s)
+
+    monkeypatch.setattr(Reservation, "wait", recording_wait)
+    trainer = Trainer(cfg)
+    trainer.shutdown()
+    assert live_at_first_wait == [names]
+    assert live_placement_groups() == before
+
+
 def slow_learners(trainer: Trainer, seconds: float) -> None:
     """Every learner rank sleeps `seconds` before each train step (so rollout outpaces training)."""
     import ray

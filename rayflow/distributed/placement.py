@@ -6,7 +6,9 @@ Every role (rollout ranks, learner ranks, colocated devices, reward workers, the
     actor = placed.spawn(rank, ActorClass, *args)                   # in rank's bundle, with its CPUs and GPUs
     f"learner rank {placed.describe(rank)}"                          # how every message names a rank
 
-never by pinning node IPs, so Ray's autoscaler sees the demand and adds the nodes that satisfy it.
+never by pinning node IPs, so Ray's autoscaler sees the demand and adds the nodes that satisfy it. `place` is
+`reserve(...).wait()`: a run asks for every role's group first and waits after, so that an autoscaler sees all the
+demand at once and starts every node the run needs together, not one node type after the other.
 """
 
 from __future__ import annotations
@@ -87,26 +89,56 @@ class PlacedGroup:
             remove_placement_group(self.pg)
 
 
+@dataclass
+class Reservation:
+    """A placement group asked for and not waited for yet: its demand is already visible to an autoscaler."""
+
+    pg: PlacementGroup
+    bundles: list[dict[str, float]]
+    strategy: str
+    name: str
+    settled: bool = False
+    """Waited for (the caller owns the placed group) or removed."""
+
+    def wait(self, timeout_s: float = 600.0) -> PlacedGroup:
+        """The placed group, once Ray placed every bundle (an autoscaler may add nodes meanwhile).
+
+        Raises TimeoutError naming the group and the bundles when the cluster cannot satisfy them in
+        time; the placement group is removed so nothing stays reserved."""
+        self.settled = True
+        pg, bundles = self.pg, self.bundles
+        ready, _ = ray.wait([pg.ready()], timeout=timeout_s)
+        if not ready:
+            remove_placement_group(pg)
+            raise TimeoutError(
+                f"placement group {self.name or pg.id.hex()} ({self.strategy}, bundles {bundles}) was not placed within "
+                f"{timeout_s:.0f}s; cluster resources: {ray.cluster_resources()}"
+            )
+        nodes = {int(i): node for i, node in placement_group_table(pg)["bundles_to_node_id"].items()}
+        # Deterministic rank order: group bundles by node (in the order nodes first appear), then by index.
+        node_order: dict[str, int] = {}
+        for i in sorted(nodes):
+            node_order.setdefault(nodes[i], len(node_order))
+        rank_bundles = sorted(nodes, key=lambda i: (node_order[nodes[i]], i))
+        return PlacedGroup(pg=pg, rank_bundles=rank_bundles, bundle_nodes=nodes, bundles=bundles)
+
+    def shutdown(self) -> None:
+        """Remove the placement group unless it was waited for (then its owner removes it): a run that stops before
+        a role took its reservation leaves nothing reserved."""
+        if not self.settled:
+            self.settled = True
+            remove_placement_group(self.pg)
+
+
+def reserve(count: int, cpus: float, gpus: float, resources: dict[str, float] | None = None, strategy: str = "PACK",
+            name: str = "") -> Reservation:
+    """Ask for `count` bundles of `cpus` CPUs, `gpus` GPUs and custom `resources` each (one per rank), without
+    waiting for them."""
+    bundles = make_bundles(count, cpus, gpus, resources)
+    return Reservation(placement_group(bundles, strategy=strategy, name=name), bundles, strategy, name)
+
+
 def place(count: int, cpus: float, gpus: float, resources: dict[str, float] | None = None, strategy: str = "PACK",
           name: str = "", timeout_s: float = 600.0) -> PlacedGroup:
-    """Reserve `count` bundles of `cpus` CPUs, `gpus` GPUs and custom `resources` each (one per rank) and wait until
-    they are placed (an autoscaler may add nodes meanwhile).
-
-    Raises TimeoutError naming the group and the bundles when the cluster cannot satisfy them in
-    time; the placement group is removed so nothing stays reserved."""
-    bundles = make_bundles(count, cpus, gpus, resources)
-    pg = placement_group(bundles, strategy=strategy, name=name)
-    ready, _ = ray.wait([pg.ready()], timeout=timeout_s)
-    if not ready:
-        remove_placement_group(pg)
-        raise TimeoutError(
-            f"placement group {name or pg.id.hex()} ({strategy}, bundles {bundles}) was not placed within "
-            f"{timeout_s:.0f}s; cluster resources: {ray.cluster_resources()}"
-        )
-    nodes = {int(i): node for i, node in placement_group_table(pg)["bundles_to_node_id"].items()}
-    # Deterministic rank order: group bundles by node (in the order nodes first appear), then by index.
-    node_order: dict[str, int] = {}
-    for i in sorted(nodes):
-        node_order.setdefault(nodes[i], len(node_order))
-    rank_bundles = sorted(nodes, key=lambda i: (node_order[nodes[i]], i))
-    return PlacedGroup(pg=pg, rank_bundles=rank_bundles, bundle_nodes=nodes, bundles=bundles)
+    """`reserve` and wait: the placed group (Reservation.wait)."""
+    return reserve(count, cpus, gpus, resources, strategy, name).wait(timeout_s)

@@ -24,7 +24,8 @@ import ray
 import torch
 
 from rayflow.checkpoint import Checkpoint, CheckpointWriteError, check_identity, sharded_staging_dir
-from rayflow.distributed.placement import PlacedGroup, place, resolve_gpus
+from rayflow.distributed.placement import PlacedGroup, Reservation, resolve_gpus
+from rayflow.distributed.placement import reserve as reserve_placement
 from rayflow.distributed.restart_budget import RestartBudget
 from rayflow.distributed.process_group import GroupHost, Rendezvous, init_default_group
 from rayflow.distributed.tensor_pickle import install as install_tensor_pickling
@@ -140,16 +141,23 @@ def light_batch(batch: list[Trajectory] | list[TrajectoryRef], world_size: int) 
 class LearnerGroup:
     """learner.world_size LearnerWorker ranks in one placement group (GPU bundles when the cluster has GPUs)."""
 
-    def __init__(self, spec: LearnerSpec, name: str = "rayflow-learner"):
+    def __init__(self, spec: LearnerSpec, name: str = "rayflow-learner", reservation: Reservation | None = None):
+        """`reservation`: the group's placement asked for already (`LearnerGroup.reserve`)."""
         lc = spec.learner
         self.spec, self.name = spec, name
         self.world_size = lc.world_size
-        self.gpus = resolve_gpus(lc.gpus_per_rank)
-        self.placed = place(lc.world_size, lc.cpus_per_rank, self.gpus, lc.resources, lc.placement_strategy, name=name)
+        self.placed = (reservation or self.reserve(spec, name)).wait()
         self.budget = RestartBudget(lc.max_restarts, lc.restart_window_s)
         self.restarts = 0
         """Times the group was started again after a rank died."""
         self._start()
+
+    @staticmethod
+    def reserve(spec: LearnerSpec, name: str = "rayflow-learner") -> Reservation:
+        """The group's placement, asked for without waiting."""
+        lc = spec.learner
+        return reserve_placement(lc.world_size, lc.cpus_per_rank, resolve_gpus(lc.gpus_per_rank), lc.resources,
+                                 lc.placement_strategy, name=name)
 
     @classmethod
     def over(cls, spec: LearnerSpec, placed: PlacedGroup, workers: list[ray.actor.ActorHandle],

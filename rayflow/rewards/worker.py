@@ -17,7 +17,8 @@ import ray
 import torch
 
 from rayflow.config import RewardConfig, RewardFnConfig
-from rayflow.distributed.placement import PlacedGroup, place
+from rayflow.distributed.placement import PlacedGroup, Reservation
+from rayflow.distributed.placement import reserve as reserve_placement
 from rayflow.distributed.watchdog import Watchdog
 from rayflow.distributed.worker_imports import light_actor_options
 from rayflow.rewards.weighted import WeightedReward, reward_inputs
@@ -94,9 +95,10 @@ POLL_S = 1.0
 class RewardPool:
     """reward.num_workers RewardWorkers in one placement group; calls go round robin."""
 
-    def __init__(self, cfg: RewardConfig, name: str = "rayflow-rewards"):
+    def __init__(self, cfg: RewardConfig, name: str = "rayflow-rewards", reservation: Reservation | None = None):
+        """`reservation`: the workers' placement asked for already (`RewardPool.reserve`)."""
         self.cfg = cfg
-        self.placed: PlacedGroup = place(cfg.num_workers, cfg.cpus_per_worker, cfg.gpus_per_worker, cfg.resources, name=name)
+        self.placed: PlacedGroup = (reservation or self.reserve(cfg, name)).wait()
         self.workers = [self._start(i) for i in range(cfg.num_workers)]
         self.restarts = [0] * cfg.num_workers
         """Replacements started per worker."""
@@ -111,6 +113,11 @@ class RewardPool:
         self.calls: list[_Call] = []
         self._held: list[Trajectory | TrajectoryRef] = []
         """Results that finished while `score` waited for its own; the next `collect` returns them."""
+
+    @staticmethod
+    def reserve(cfg: RewardConfig, name: str = "rayflow-rewards") -> Reservation:
+        """The workers' placement, asked for without waiting."""
+        return reserve_placement(cfg.num_workers, cfg.cpus_per_worker, cfg.gpus_per_worker, cfg.resources, name=name)
 
     def _start(self, index: int) -> ray.actor.ActorHandle:
         cfg = self.cfg

@@ -34,6 +34,7 @@ import ray
 
 from rayflow.cfg.policy import CFGPolicy
 from rayflow.config import RolloutConfig
+from rayflow.distributed.placement import Reservation
 from rayflow.distributed.restart_budget import RestartBudget
 from rayflow.distributed.watchdog import Watchdog
 from rayflow.rollout.spec import RolloutRankSpec
@@ -104,13 +105,21 @@ class RolloutPool:
         """Start every replica (their actors load concurrently), then wait for all of them."""
         return cls.start(spec, rollout, name).wait_ready()
 
+    @staticmethod
+    def reserve(rollout: RolloutConfig, name: str = "rollout") -> list[Reservation]:
+        """Every replica's placement, asked for without waiting."""
+        return [RolloutReplica.reserve(rollout, f"{name}-{i}") for i in range(rollout.num_replicas)]
+
     @classmethod
-    def start(cls, spec: RolloutRankSpec, rollout: RolloutConfig, name: str = "rollout") -> "RolloutPool":
-        """Start every replica without waiting for them to load (`wait_ready` does)."""
+    def start(cls, spec: RolloutRankSpec, rollout: RolloutConfig, name: str = "rollout",
+              reservations: list[Reservation] | None = None) -> "RolloutPool":
+        """Start every replica without waiting for them to load (`wait_ready` does); `reservations`: their
+        placements asked for already (`RolloutPool.reserve`)."""
         def start(replica_name: str) -> RolloutReplica:
             return RolloutReplica(spec, rollout, name=replica_name)
 
-        replicas = [start(f"{name}-{i}") for i in range(rollout.num_replicas)]
+        reservations = reservations or cls.reserve(rollout, name)
+        replicas = [RolloutReplica(spec, rollout, f"{name}-{i}", reservation) for i, reservation in enumerate(reservations)]
         watchdog = Watchdog(rollout.stall_timeout_s, rollout.stall_factor)
         return cls(replicas, start, rollout.max_restarts, rollout.restart_window_s, watchdog)
 

@@ -26,7 +26,8 @@ from ray.exceptions import RayActorError, RayTaskError
 
 from rayflow.cfg.policy import CFGPolicy
 from rayflow.config import RolloutConfig
-from rayflow.distributed.placement import PlacedGroup, describe_rank, place, resolve_gpus
+from rayflow.distributed.placement import PlacedGroup, Reservation, describe_rank, resolve_gpus
+from rayflow.distributed.placement import reserve as reserve_placement
 from rayflow.distributed.process_group import CollectiveError
 from rayflow.rollout.spec import RolloutRankSpec
 from rayflow.rollout.worker import RolloutWorker
@@ -91,12 +92,19 @@ class RolloutReplica:
     """`rollout.cfg_parallel_size` ranks of one replica. Construction does not wait for the actors;
     `wait_ready` (or `create`) does."""
 
-    def __init__(self, spec: RolloutRankSpec, rollout: RolloutConfig, name: str = "rollout-0"):
+    def __init__(self, spec: RolloutRankSpec, rollout: RolloutConfig, name: str = "rollout-0",
+                 reservation: Reservation | None = None):
+        """`reservation`: the replica's placement asked for already (`RolloutReplica.reserve`)."""
         W = rollout.cfg_parallel_size
-        gpus = resolve_gpus(rollout.gpus_per_rank)
-        placed = place(W, rollout.cpus_per_rank, gpus, rollout.resources, rollout.placement_strategy, name=name)
+        placed = (reservation or self.reserve(rollout, name)).wait()
         workers = [placed.spawn(r, RolloutWorker, spec, r, W) for r in range(W)]
         self._join(name, placed, workers, spec.collective_timeout_s)
+
+    @staticmethod
+    def reserve(rollout: RolloutConfig, name: str = "rollout-0") -> Reservation:
+        """The replica's placement (one bundle per CFG rank), asked for without waiting."""
+        return reserve_placement(rollout.cfg_parallel_size, rollout.cpus_per_rank, resolve_gpus(rollout.gpus_per_rank),
+                                 rollout.resources, rollout.placement_strategy, name=name)
 
     @classmethod
     def over(cls, name: str, placed: PlacedGroup, workers: list[ray.actor.ActorHandle],

@@ -25,7 +25,8 @@ import ray
 import torch
 
 from rayflow.config import SyncConfig
-from rayflow.distributed.placement import place, resolve_gpus
+from rayflow.distributed.placement import Reservation, resolve_gpus
+from rayflow.distributed.placement import reserve as reserve_placement
 from rayflow.distributed.restart_budget import RestartBudget
 from rayflow.distributed.worker_imports import light_actor_options
 from rayflow.models.synced import SyncedModelSpec
@@ -57,13 +58,13 @@ class SyncedReplica(Protocol):
 
 class WeightSync:
     def __init__(self, cfg: SyncConfig, rollout_spec: SyncedModelSpec, replicas: list[SyncedReplica] | None,
-                 timeout_s: float = 300.0, name: str = "rayflow-weight-sync"):
+                 timeout_s: float = 300.0, name: str = "rayflow-weight-sync", reservation: Reservation | None = None):
         """`rollout_spec`: what the rollout ranks hold (a rayflow.rollout.RolloutRankSpec is one); only its
         SyncedModelSpec fields cross to the actor. `replicas` None: the actor starts, and `connect` forms the group
-        later (once the replicas are up)."""
+        later (once the replicas are up). `reservation`: the actor's placement asked for already
+        (`WeightSync.reserve`)."""
         self.cfg = cfg
-        self.gpus = resolve_gpus(cfg.gpus)
-        self.placed = place(1, cfg.cpus, self.gpus, cfg.resources, name=name)
+        self.placed = (reservation or self.reserve(cfg, name)).wait()
         self.spec = SyncSpec(cfg.mode, cfg.bucket_mb, cfg.verify_checksum, timeout_s)
         self.synced = rollout_spec.synced_model()
         self.timeout_s = timeout_s
@@ -81,6 +82,11 @@ class WeightSync:
         except BaseException:
             self.shutdown()
             raise
+
+    @staticmethod
+    def reserve(cfg: SyncConfig, name: str = "rayflow-weight-sync") -> Reservation:
+        """The actor's placement, asked for without waiting."""
+        return reserve_placement(1, cfg.cpus, resolve_gpus(cfg.gpus), cfg.resources, name=name)
 
     def _start_actor(self) -> None:
         # No restarts by Ray: a new actor must join a new group generation, which `restart` forms.
