@@ -98,28 +98,28 @@ class Trainer:
         phase = Phases(self.startup_s)
         try:
             spec, learner_spec = RolloutRankSpec.from_config(cfg), LearnerSpec.from_config(cfg)
-            # Every role's placement is asked for before any is waited for, so that an autoscaler starts all the nodes
-            # the run needs together (a placement never taken is removed at shutdown).
-            reward_pg = self._own(RewardPool.reserve(cfg.reward))
             if cfg.placement.colocated:
                 with phase("devices"):
+                    self.rewards = self._own(RewardPool(cfg.reward))  # started, not waited for
                     devices = self._own(ColocatedDevices(learner_spec, spec, cfg.placement, cfg.rollout))
                 self.learners, self.rollout, self.sync = devices.learners, devices.rollout, devices.weights
             else:
-                # Then every role's actors start at once (on a cluster, on their own nodes): the rollout ranks and the
+                # Every role's placement is asked for before any is waited for, so that an autoscaler starts all the
+                # nodes the run needs together (a placement never taken is removed at shutdown). Then every role's
+                # actors start at once (on a cluster, on their own nodes): the reward workers, rollout ranks and
                 # weight-sync actor load while the learners do; the weight-sync group forms once the replicas are up.
                 with phase("actors"):
-                    rollout_pgs = [self._own(r) for r in RolloutPool.reserve(cfg.rollout)]
+                    reward_pg, rollout_pgs = self._own(RewardPool.reserve(cfg.reward)), RolloutPool.reserve(cfg.rollout)
+                    for reservation in rollout_pgs:
+                        self._own(reservation)
                     sync_pg, learner_pg = self._own(WeightSync.reserve(cfg.sync)), self._own(LearnerGroup.reserve(learner_spec))
+                    self.rewards = self._own(RewardPool(cfg.reward, reservation=reward_pg))
                     self.rollout = self._own(RolloutPool.start(spec, cfg.rollout, reservations=rollout_pgs))
                     self.sync = self._own(WeightSync(cfg.sync, spec, None, cfg.rollout.collective_timeout_s,
                                                      reservation=sync_pg))
                     self.learners = self._own(LearnerGroup(learner_spec, reservation=learner_pg))
                 with phase("rollout"):
                     self.rollout.wait_ready()
-            with phase("rewards"):
-                self.rewards = self._own(RewardPool(cfg.reward, reservation=reward_pg))
-            if not cfg.placement.colocated:
                 with phase("weight sync"):
                     self.sync.connect(self.rollout.replicas)
             self.rollout.sync_with(self.sync)
