@@ -107,8 +107,8 @@ def live_placement_groups() -> dict[str, str]:
 
 def test_every_roles_placement_is_asked_for_before_any_is_waited_for_and_none_outlives_a_failed_start(
         ray_session, tiny_model_dir, tmp_path, monkeypatch):
-    """So that an autoscaler starts every node the run needs together (tests/test_cluster.py shows it launching both
-    node types in one update)."""
+    """So that an autoscaler starts every node the run needs together (tests/test_cluster.py shows the autoscaler
+    seeing both node types' demand in one status report)."""
     from rayflow.distributed.placement import Reservation
     from rayflow.rollout.pool import RolloutPool
 
