@@ -119,7 +119,8 @@ def test_every_roles_placement_is_asked_for_before_any_is_waited_for_and_none_ou
     def refuse(*args, **kwargs):
         raise RuntimeError("no rollout today")
 
-    # A start that fails before any role took its placement leaves none of them reserved.
+    # A start that fails part way (the reward workers started, no other role yet) leaves none of the placements
+    # reserved: the reward pool removes the one it took, the Trainer those no role took.
     with monkeypatch.context() as patch:
         patch.setattr(RolloutPool, "start", refuse)
         with pytest.raises(RuntimeError, match="no rollout today"):

@@ -109,10 +109,10 @@ class Trainer:
                 # actors start at once (on a cluster, on their own nodes): the reward workers, rollout ranks and
                 # weight-sync actor load while the learners do; the weight-sync group forms once the replicas are up.
                 with phase("actors"):
-                    reward_pg, rollout_pgs = self._own(RewardPool.reserve(cfg.reward)), RolloutPool.reserve(cfg.rollout)
-                    for reservation in rollout_pgs:
-                        self._own(reservation)
-                    sync_pg, learner_pg = self._own(WeightSync.reserve(cfg.sync)), self._own(LearnerGroup.reserve(learner_spec))
+                    reward_pg = self._own(RewardPool.reserve(cfg.reward))
+                    rollout_pgs = [self._own(reservation) for reservation in RolloutPool.reserve(cfg.rollout)]
+                    sync_pg = self._own(WeightSync.reserve(cfg.sync))
+                    learner_pg = self._own(LearnerGroup.reserve(learner_spec))
                     self.rewards = self._own(RewardPool(cfg.reward, reservation=reward_pg))
                     self.rollout = self._own(RolloutPool.start(spec, cfg.rollout, reservations=rollout_pgs))
                     self.sync = self._own(WeightSync(cfg.sync, spec, None, cfg.rollout.collective_timeout_s,

@@ -115,11 +115,11 @@ class RolloutPool:
               reservations: list[Reservation] | None = None) -> "RolloutPool":
         """Start every replica without waiting for them to load (`wait_ready` does); `reservations`: their
         placements asked for already (`RolloutPool.reserve`)."""
-        def start(replica_name: str) -> RolloutReplica:
-            return RolloutReplica(spec, rollout, name=replica_name)
+        def start(replica_name: str, reservation: Reservation | None = None) -> RolloutReplica:
+            return RolloutReplica(spec, rollout, replica_name, reservation)
 
         reservations = reservations or cls.reserve(rollout, name)
-        replicas = [RolloutReplica(spec, rollout, f"{name}-{i}", reservation) for i, reservation in enumerate(reservations)]
+        replicas = [start(f"{name}-{i}", reservation) for i, reservation in enumerate(reservations)]
         watchdog = Watchdog(rollout.stall_timeout_s, rollout.stall_factor)
         return cls(replicas, start, rollout.max_restarts, rollout.restart_window_s, watchdog)
 
