@@ -127,15 +127,22 @@ def test_full_fine_tuning_plan_counts_whole_weight_copies_gradients_and_moments_
 
 def test_start_up_check_refuses_on_a_gpu_cluster_before_any_actor(recipe_plan, monkeypatch):
     """launch.run_recipe calls check_before_start right after Ray starts: the probe's GPU memory (or
-    trainer.gpu_memory_gib) against the plan."""
+    trainer.gpu_memory_gib) against the plan, which is made while the probe's task runs."""
     from rayflow.planning import device_check, memory
     from rayflow.planning.device_check import DeviceFacts, check_before_start
 
     cfg, planned = recipe_plan
-    monkeypatch.setattr(memory, "plan_config", lambda c: planned)
-    monkeypatch.setattr(device_check, "probe_cluster", lambda: DeviceFacts("cuda", "A100-SXM4-40GB", 40 * GiB, True, True))
+    calls = []
+
+    def start_probe():
+        calls.append("probe started")
+        return lambda: calls.append("probe awaited") or DeviceFacts("cuda", "A100-SXM4-40GB", 40 * GiB, True, True)
+
+    monkeypatch.setattr(memory, "plan_config", lambda c: calls.append("plan made") or planned)
+    monkeypatch.setattr(device_check, "start_cluster_probe", start_probe)
     with pytest.raises(ConfigError, match=r"^model\.dtype: got 'bfloat16'.*of 40\.0 GiB"):
         check_before_start(cfg)
+    assert calls == ["probe started", "plan made", "probe awaited"]
     cfg.trainer.gpu_memory_gib = 79.6  # the configured figure wins over the probe's
     check_before_start(cfg)
     cfg.trainer.gpu_memory_gib, cfg.trainer.memory_check = None, False

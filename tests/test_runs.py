@@ -203,3 +203,27 @@ def test_the_driver_starts_a_run_on_a_cached_tiny_model_without_importing_the_mo
                             text=True, timeout=120, env=dict(os.environ, PYTHONPATH=REPO_ROOT))
     assert result.returncode == 0, result.stderr[-3000:]
     assert "model code: []" in result.stdout, result.stdout
+
+
+@pytest.mark.parametrize("missing", [None, "No module named 'opentelemetry'"])
+def test_a_local_ray_without_the_dashboards_packages_starts_without_it_and_says_so(tiny_model_dir, tmp_path, monkeypatch,
+                                                                                   caplog, missing):
+    """A minimal Ray (the offline GPU machine's bundle, no ray[default]) refuses ray.init(include_dashboard=True)
+    with "Cannot include dashboard with missing packages" (seen there, 2026-11-27): the run starts without it."""
+    from types import SimpleNamespace
+
+    import ray
+    import ray._private.utils
+
+    from rayflow.driver import launch
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setattr(ray._private.utils, "get_dashboard_dependency_error", lambda: missing)
+    init_kwargs = {}
+    monkeypatch.setattr(ray, "init", lambda **kw: init_kwargs.update(kw) or SimpleNamespace(dashboard_url="127.0.0.1:8265"))
+    with caplog.at_level("INFO", logger="rayflow"):
+        assert launch.start_ray(small_cfg(GRPO, tiny_model_dir, tmp_path))
+    assert init_kwargs["include_dashboard"] is (missing is None)
+    expected = ("without its dashboard: No module named 'opentelemetry' (pip install 'ray[default]' for it)" if missing
+                else "dashboard at http://127.0.0.1:8265")
+    assert expected in caplog.text

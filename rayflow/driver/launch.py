@@ -57,11 +57,19 @@ def start_ray(cfg: RayflowConfig) -> bool:
     model = cfg.model
     pipeline_class = pipeline_class_of(resolve_model_path(model.path, model.cache_dir, model.tiny_size, model.tiny_seed,
                                                           model.tiny_arch))
+    # A minimal Ray install (no ray[default]: the offline GPU machine's bundle) cannot start the dashboard, and
+    # ray.init(include_dashboard=True) would refuse to start at all: run without it and say so.
+    dashboard_missing = ray._private.utils.get_dashboard_dependency_error()
     with _one_start_at_a_time():
-        context = ray.init(address="local", num_cpus=cpus, include_dashboard=True, dashboard_host="127.0.0.1",
-                           dashboard_port=dashboard_port(), _system_config=preload_system_config(cpus, pipeline_class))
-    log.info("local Ray with %d logical CPUs; dashboard at http://%s (its API wants the token in ~/.ray/auth_token)",
-             cpus, context.dashboard_url)
+        context = ray.init(address="local", num_cpus=cpus, include_dashboard=not dashboard_missing,
+                           dashboard_host="127.0.0.1", dashboard_port=dashboard_port(),
+                           _system_config=preload_system_config(cpus, pipeline_class))
+    if dashboard_missing:
+        log.warning("local Ray with %d logical CPUs, without its dashboard: %s (pip install 'ray[default]' for it)",
+                    cpus, dashboard_missing)
+    else:
+        log.info("local Ray with %d logical CPUs; dashboard at http://%s (its API wants the token in ~/.ray/auth_token)",
+                 cpus, context.dashboard_url)
     return True
 
 
@@ -151,12 +159,14 @@ def run_recipe(default_config: str, argv: list[str] | None = None) -> list[dict[
 
     trainer = None
     try:
+        checks_start = time.perf_counter()
         check_cluster_fits(cfg)
         # The devices' features and, on GPU clusters, the memory plan: before any actor starts.
         check_before_start(cfg)
+        checks_s = time.perf_counter() - checks_start
         trainer = Trainer(cfg, prompts)
-        log.info("startup: %s", ", ".join(f"{name} {s:.1f}s" for name, s in
-                                          {"ray": ray_s, **trainer.startup_s, "total": time.perf_counter() - start}.items()))
+        phases = {"ray": ray_s, "checks": checks_s, **trainer.startup_s, "total": time.perf_counter() - start}
+        log.info("startup: %s", ", ".join(f"{name} {s:.1f}s" for name, s in phases.items()))
         history = trainer.run()
         log.info("%s", summary(cfg, history, time.perf_counter() - start))
         return history
