@@ -105,16 +105,22 @@ def live_placement_groups() -> dict[str, str]:
     return {pg_id: t["name"] for pg_id, t in placement_group_table().items() if t["state"] != "REMOVED"}
 
 
+@pytest.mark.parametrize("placement", ["disaggregated", "colocated"])
 def test_every_roles_placement_is_asked_for_before_any_is_waited_for_and_none_outlives_a_failed_start(
-        ray_session, tiny_model_dir, tmp_path, monkeypatch):
+        ray_session, tiny_model_dir, tmp_path, monkeypatch, placement):
     """So that an autoscaler starts every node the run needs together (tests/test_cluster.py shows the autoscaler
     seeing both node types' demand in one status report)."""
+    from rayflow.distributed.colocated import ColocatedDevices
     from rayflow.distributed.placement import Reservation
     from rayflow.rollout.pool import RolloutPool
 
     before = live_placement_groups()
-    cfg = small_cfg(GRPO, tiny_model_dir, tmp_path / "run", "trainer.total_steps=1", "logging.progress_bar=false")
-    names = {"rollout-0", "rayflow-rewards", "rayflow-weight-sync", "rayflow-learner"}
+    cfg = small_cfg(GRPO, tiny_model_dir, tmp_path / "run", "trainer.total_steps=1", "logging.progress_bar=false",
+                    f"placement.mode={placement}")
+    if placement == "colocated":
+        names, refused_start = {"rayflow-rewards", "rayflow-devices"}, (ColocatedDevices, "__init__")
+    else:
+        names, refused_start = {"rollout-0", "rayflow-rewards", "rayflow-weight-sync", "rayflow-learner"}, (RolloutPool, "start")
 
     def refuse(*args, **kwargs):
         raise RuntimeError("no rollout today")
@@ -122,7 +128,7 @@ def test_every_roles_placement_is_asked_for_before_any_is_waited_for_and_none_ou
     # A start that fails part way (the reward workers started, no other role yet) leaves none of the placements
     # reserved: the reward pool removes the one it took, the Trainer those no role took.
     with monkeypatch.context() as patch:
-        patch.setattr(RolloutPool, "start", refuse)
+        patch.setattr(*refused_start, refuse)
         with pytest.raises(RuntimeError, match="no rollout today"):
             Trainer(cfg)
     assert live_placement_groups() == before

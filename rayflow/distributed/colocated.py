@@ -24,7 +24,8 @@ import ray
 import torch
 
 from rayflow.config import PlacementConfig, RolloutConfig
-from rayflow.distributed.placement import PlacedGroup, place, resolve_gpus
+from rayflow.distributed.placement import PlacedGroup, Reservation, resolve_gpus
+from rayflow.distributed.placement import reserve as reserve_placement
 from rayflow.distributed.watchdog import Watchdog
 from rayflow.errors import ConfigError
 from rayflow.learner.optim import offload_optimizer_state, reload_optimizer_state
@@ -169,12 +170,11 @@ class ColocatedDevices:
     """learner.world_size DeviceWorkers in one placement group, seen as a LearnerGroup and a RolloutPool."""
 
     def __init__(self, learner_spec: LearnerSpec, spec: RolloutRankSpec, placement: PlacementConfig, rollout: RolloutConfig,
-                 name: str = "rayflow-devices"):
+                 name: str = "rayflow-devices", reservation: Reservation | None = None):
         """`rollout`: its cfg_parallel_size (the devices of one replica) and the watchdog's stall_*; its resources are
-        disaggregated placement's."""
-        p, devices, W = placement, learner_spec.learner.world_size, rollout.cfg_parallel_size
-        gpus = resolve_gpus(p.gpus_per_device)
-        self.placed = place(devices, p.cpus_per_device, gpus, p.resources, name=name)
+        disaggregated placement's. `reservation`: the devices' placement asked for already (`reserve`)."""
+        devices, W = learner_spec.learner.world_size, rollout.cfg_parallel_size
+        self.placed = (reservation or self.reserve(placement, devices, name)).wait()
         self.workers: list = []
         self.replicas: list[RolloutReplica] = []
         try:
@@ -197,6 +197,12 @@ class ColocatedDevices:
         # No replacements: a device's learner rank holds optimizer state that a new rollout rank alone cannot bring back.
         self.rollout = RolloutPool(self.replicas, watchdog=Watchdog(rollout.stall_timeout_s, rollout.stall_factor))
         self.weights = SharedWeights()
+
+    @staticmethod
+    def reserve(placement: PlacementConfig, devices: int, name: str = "rayflow-devices") -> Reservation:
+        """One bundle per device, asked for without waiting."""
+        return reserve_placement(devices, placement.cpus_per_device, resolve_gpus(placement.gpus_per_device),
+                                 placement.resources, name=name)
 
     def shutdown(self) -> None:
         for replica in self.replicas:

@@ -99,9 +99,12 @@ class Trainer:
         try:
             spec, learner_spec = RolloutRankSpec.from_config(cfg), LearnerSpec.from_config(cfg)
             if cfg.placement.colocated:
-                with phase("devices"):
-                    self.rewards = self._own(RewardPool(cfg.reward))  # started, not waited for
-                    devices = self._own(ColocatedDevices(learner_spec, spec, cfg.placement, cfg.rollout))
+                with phase("devices"):  # both placements asked for before either is waited for, as below
+                    reward_pg = self._own(RewardPool.reserve(cfg.reward))
+                    devices_pg = self._own(ColocatedDevices.reserve(cfg.placement, learner_spec.learner.world_size))
+                    self.rewards = self._own(RewardPool(cfg.reward, reservation=reward_pg))  # started, not waited for
+                    devices = self._own(ColocatedDevices(learner_spec, spec, cfg.placement, cfg.rollout,
+                                                         reservation=devices_pg))
                 self.learners, self.rollout, self.sync = devices.learners, devices.rollout, devices.weights
             else:
                 # Every role's placement is asked for before any is waited for, so that an autoscaler starts all the
