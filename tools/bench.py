@@ -22,6 +22,9 @@ also placement.mode=colocated on the same number of devices (rollout ranks + lea
 --rounds N runs every configuration N times, the order reversed each round (step_s_by_round shows the spread).
 idle_penalty: one rollout step's transformer forwards timed right after this process slept 0, 10 and 100 ms (what a
 role that waits for the other pays on this machine, and the single-process reference never does).
+cpu: each configuration's CPU seconds per step by process role (tools/process_cpu.py: the learner and rollout actors,
+the driver, raylet, GCS, ...), their sum over the cores (least_step_s: the shortest step the cores allow at that CPU)
+and the share of the cores' time that was busy.
 
 rollout: CFG-parallel rollout on a local Ray, two CFG branches (Qwen-Image true CFG), one torch
 thread per rank, requests of rollout.micro_batch_size (4) samples. The model is the "small" tiny
@@ -61,6 +64,7 @@ from rayflow.types import RolloutRequest, SamplingParams
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the sibling gpu_bench.py, however bench.py is run
 import gpu_bench  # noqa: E402
 import learning_bench  # noqa: E402
+import process_cpu  # noqa: E402
 import sim_bench  # noqa: E402
 import trajectory_bench  # noqa: E402
 
@@ -347,6 +351,19 @@ def idle_penalty(cfg, repeats: int = 15) -> dict:
             "slowdown_after_longest_idle": seconds[str(IDLE_GAPS_S[-1])] / seconds[str(IDLE_GAPS_S[0])]}
 
 
+def cpu_per_step(windows: list[tuple[process_cpu.Snapshot, process_cpu.Snapshot]], steps: int) -> dict:
+    """CPU seconds per step by role over a configuration's runs (their first, warm-up steps included), and the
+    shortest step this machine's cores allow at that CPU per step."""
+    roles: dict[str, float] = {}
+    for before, after in windows:
+        for role, seconds in process_cpu.cpu_by_role(before, after).items():
+            roles[role] = roles.get(role, 0.0) + seconds / steps
+    total, cores = sum(roles.values()), os.cpu_count() or 1
+    busy = statistics.mean(process_cpu.busy_fraction(before, after) for before, after in windows)
+    return {"per_step_s": dict(sorted(roles.items(), key=lambda item: -item[1])), "total_per_step_s": total,
+            "cores": cores, "least_step_s": total / cores, "cores_busy": busy}
+
+
 def bench_pipeline(args: argparse.Namespace) -> dict:
     """Steady-state step time of the tiny recipe's shape: max_staleness 0 against 1, and synchronous
     mode against the single-process reference trainer."""
@@ -382,17 +399,22 @@ def bench_pipeline(args: argparse.Namespace) -> dict:
     # Every round runs each configuration once (the reference trainer in this process), in the reverse order of
     # the round before: a machine that speeds up or slows down during the benchmark favours no configuration.
     runs, ref_steps, order = {name: [] for name in run_cfgs}, [], ["reference", *run_cfgs]
+    cpu_windows: dict[str, list[tuple[process_cpu.Snapshot, process_cpu.Snapshot]]] = {name: [] for name in order}
     try:
         for round_ in range(args.rounds):
             for name in (order if round_ % 2 == 0 else order[::-1]):
                 run_cfg = cfg if name == "reference" else run_cfgs[name]
                 shutil.rmtree(run_cfg.trainer.output_dir, ignore_errors=True)
                 if name == "reference":
+                    before = process_cpu.snapshot()
                     ref_steps += [h.seconds for h in reference.train(cfg, log=lambda *_: None)[1]][args.warmup:]
+                    cpu_windows[name].append((before, process_cpu.snapshot()))
                     continue
                 trainer = Trainer(run_cfg)
                 try:
+                    before = process_cpu.snapshot()  # the steps only: the actors' start-up is not a step's cost
                     runs[name] += trainer.run()[args.warmup:]
+                    cpu_windows[name].append((before, process_cpu.snapshot()))
                 finally:
                     trainer.shutdown()
     finally:
@@ -436,6 +458,7 @@ def bench_pipeline(args: argparse.Namespace) -> dict:
         "staleness_mean_at_1": statistics.mean(h["staleness/mean"] for h in runs["max_staleness_1"]),
         "colocated": colocated,
         "idle_penalty": idle,
+        "cpu": {name: cpu_per_step(windows, args.rounds * args.steps) for name, windows in cpu_windows.items()},
         "goals": {"overlap_speedup_at_least": PIPELINE_OVERLAP_GOAL, "overlap_met": sync_s / async_s >= PIPELINE_OVERLAP_GOAL,
                   "overhead_at_most": PIPELINE_OVERHEAD_GOAL, "overhead_met": sync_s / ref_s - 1 <= PIPELINE_OVERHEAD_GOAL,
                   "idle_at_1_at_most": PIPELINE_IDLE_GOALS,
