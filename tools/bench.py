@@ -36,7 +36,9 @@ CFG parallelism has little to win) and the transformer dominates the step time.
   (b) throughput at equal resources: images/s of one W = 2 replica against two W = 1 replicas
       serving concurrently, both on the machine's cores;
   (c) the share of the W = 2 ranks' step time spent in the per-step all_gather (waiting for the
-      peer included).
+      peer included);
+  (d) latency_cpu: the CPU seconds per image of the latency requests at W = 1 and W = 2 by process role, the
+      shortest time per image the cores allow at that CPU, and the share of the cores' time that was busy.
 Configurations take turns, repeated, and the medians are reported; the other replicas idle meanwhile.
 """
 
@@ -99,10 +101,15 @@ class Requests:
                               [0] * self.batch, seeds, self.params)
 
 
-def timed(fn) -> float:
+def timed(fn, cpu_windows: list | None = None) -> float:
+    """Wall seconds of fn(); `cpu_windows` gets the process CPU snapshots around it (tools/process_cpu.py)."""
+    before = process_cpu.snapshot() if cpu_windows is not None else None
     start = time.perf_counter()
     fn()
-    return time.perf_counter() - start
+    seconds = time.perf_counter() - start
+    if cpu_windows is not None:
+        cpu_windows.append((before, process_cpu.snapshot()))
+    return seconds
 
 
 def gather_share(before: list[dict], after: list[dict]) -> list[float]:
@@ -112,10 +119,12 @@ def gather_share(before: list[dict], after: list[dict]) -> list[float]:
     ]
 
 
-def measure_round(one_a, one_b, two, requests: Requests, args: argparse.Namespace) -> dict[str, float]:
-    """One turn of every configuration, back to back, so their ratios see the same machine state."""
-    w1 = timed(lambda: one_a.generate(requests.next())) / args.batch
-    w2 = timed(lambda: two.generate(requests.next())) / args.batch
+def measure_round(one_a, one_b, two, requests: Requests, args: argparse.Namespace,
+                  cpu_windows: dict[str, list]) -> dict[str, float]:
+    """One turn of every configuration, back to back, so their ratios see the same machine state; the latency
+    requests' process CPU goes to cpu_windows["w1"] and ["w2"]."""
+    w1 = timed(lambda: one_a.generate(requests.next()), cpu_windows["w1"]) / args.batch
+    w2 = timed(lambda: two.generate(requests.next()), cpu_windows["w2"]) / args.batch
     n = args.throughput_requests
     batch = [requests.next() for _ in range(n)]
     pair = timed(lambda: [f.result() for f in [(one_a, one_b)[i % 2].submit(r) for i, r in enumerate(batch)]])
@@ -155,8 +164,8 @@ def bench_rollout(args: argparse.Namespace) -> dict:
         requests = Requests(args)
         for replica in replicas:  # warm-up: first-call allocations, lazy imports
             replica.generate(requests.next())
-        before = two.timings()
-        rounds = [measure_round(one_a, one_b, two, requests, args) for _ in range(args.repeats)]
+        before, cpu_windows = two.timings(), {"w1": [], "w2": []}
+        rounds = [measure_round(one_a, one_b, two, requests, args, cpu_windows) for _ in range(args.repeats)]
         shares = gather_share(before, two.timings())
     finally:
         for replica in replicas:
@@ -190,6 +199,7 @@ def bench_rollout(args: argparse.Namespace) -> dict:
             "goal": THROUGHPUT_GOAL, "goal_met": median["throughput_ratio"] >= THROUGHPUT_GOAL,
         },
         "all_gather": {"share_of_step_time": statistics.mean(shares), "per_rank": shares},
+        "latency_cpu": {name: cpu_use(windows, args.repeats * args.batch, "image") for name, windows in cpu_windows.items()},
         "rounds": rounds,
         "note": "speedup and ratio are medians of per-round ratios (each round runs every configuration back to back)",
     }
@@ -351,17 +361,17 @@ def idle_penalty(cfg, repeats: int = 15) -> dict:
             "slowdown_after_longest_idle": seconds[str(IDLE_GAPS_S[-1])] / seconds[str(IDLE_GAPS_S[0])]}
 
 
-def cpu_per_step(windows: list[tuple[process_cpu.Snapshot, process_cpu.Snapshot]], steps: int) -> dict:
-    """CPU seconds per step by role over a configuration's runs (their first, warm-up steps included), and the
-    shortest step this machine's cores allow at that CPU per step."""
+def cpu_use(windows: list[tuple[process_cpu.Snapshot, process_cpu.Snapshot]], units: int, unit: str) -> dict:
+    """CPU seconds per `unit` (a step, an image) by process role over `windows` that did `units` of them, and the
+    shortest time per unit this machine's cores allow at that CPU."""
     roles: dict[str, float] = {}
     for before, after in windows:
         for role, seconds in process_cpu.cpu_by_role(before, after).items():
-            roles[role] = roles.get(role, 0.0) + seconds / steps
+            roles[role] = roles.get(role, 0.0) + seconds / units
     total, cores = sum(roles.values()), os.cpu_count() or 1
     busy = statistics.mean(process_cpu.busy_fraction(before, after) for before, after in windows)
-    return {"per_step_s": dict(sorted(roles.items(), key=lambda item: -item[1])), "total_per_step_s": total,
-            "cores": cores, "least_step_s": total / cores, "cores_busy": busy}
+    return {f"per_{unit}_s": dict(sorted(roles.items(), key=lambda item: -item[1])), f"total_per_{unit}_s": total,
+            "cores": cores, f"least_{unit}_s": total / cores, "cores_busy": busy}
 
 
 def bench_pipeline(args: argparse.Namespace) -> dict:
@@ -458,7 +468,7 @@ def bench_pipeline(args: argparse.Namespace) -> dict:
         "staleness_mean_at_1": statistics.mean(h["staleness/mean"] for h in runs["max_staleness_1"]),
         "colocated": colocated,
         "idle_penalty": idle,
-        "cpu": {name: cpu_per_step(windows, args.rounds * args.steps) for name, windows in cpu_windows.items()},
+        "cpu": {name: cpu_use(windows, args.rounds * args.steps, "step") for name, windows in cpu_windows.items()},
         "goals": {"overlap_speedup_at_least": PIPELINE_OVERLAP_GOAL, "overlap_met": sync_s / async_s >= PIPELINE_OVERLAP_GOAL,
                   "overhead_at_most": PIPELINE_OVERHEAD_GOAL, "overhead_met": sync_s / ref_s - 1 <= PIPELINE_OVERHEAD_GOAL,
                   "idle_at_1_at_most": PIPELINE_IDLE_GOALS,
