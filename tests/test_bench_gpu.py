@@ -14,12 +14,13 @@ def test_gpu_benchmark_harness_runs_on_cpu(tmp_path, capsys):
     out = tmp_path / "bench_gpu.json"
     subprocess.run(
         [sys.executable, os.path.join(ROOT, "tools", "bench.py"), "gpu", "--device", "cpu", "--tiny", "--repeats", "1",
-         "--batch", "1", "--learner-batch", "2", "--size", "32", "--json", str(out)],
+         "--batch", "1", "--learner-batch", "2", "--size", "32", "--json", str(out), "--overrides", "model.attention_backend=math"],
         cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1"), check=True, timeout=600,
         capture_output=True,
     )
     result = json.loads(out.read_text())
     assert result["setup"]["dtype"] == "float32" and result["setup"]["steps"] == 2
+    assert result["setup"]["overrides"] == ["model.attention_backend=math"]  # the rayflow phases' config; not diffusers'
     rollout, learner = result["rollout"], result["learner"]
     assert rollout["pipeline"]["images_per_s"] > 0 and rollout["replica"]["images_per_s"] > 0
     assert rollout["ratio"] == rollout["replica"]["images_per_s"] / rollout["pipeline"]["images_per_s"]
@@ -41,3 +42,13 @@ def test_gpu_benchmark_harness_runs_on_cpu(tmp_path, capsys):
                           "--gpus", "4", "--staleness", "0"]) == 0
     sizing = capsys.readouterr().out
     assert "4 GPUs: " in sizing and "x1 roll + " in sizing
+
+
+def test_a_bad_override_is_refused_naming_the_key_before_any_model_is_built():
+    result = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "tools", "bench.py"), "gpu", "--device", "cpu", "--tiny",
+         "--overrides", "model.attention_backend=fastest"],
+        cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT), capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines()[-1] == (
+        "--overrides: model.attention_backend: got 'fastest'; allowed: one of ['auto', 'flash', 'efficient', 'cudnn', 'math']")

@@ -53,6 +53,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the rollout's synced weights: a rank-64 LoRA slot (lora) or the folded linears, no LoRA (merged)")
     parser.add_argument("--phases", nargs="+", default=list(PHASES), choices=PHASES,
                         help="the phases to run (default: all); the rollout ratios need pipeline and replica or rank")
+    parser.add_argument("--overrides", nargs="+", default=[], metavar="KEY=VALUE",
+                        help="dotlist overrides of rayflow's run config in the rank, replica, learner and log-prob phases "
+                             "(the pipeline phase is diffusers' own), e.g. model.compile=true model.attention_backend=flash")
 
 
 def _config(args, path: str, guidance: float, batch: int):
@@ -67,7 +70,7 @@ def _config(args, path: str, guidance: float, batch: int):
         "algorithm.name=flow_grpo", f"algorithm.group_size={group}", "algorithm.prompts_per_step=1",
         f"learner.micro_batch_size={group}", f"rollout.micro_batch_size={batch}",
         "learner.activation_checkpointing=true", "learner.lora_rank=64", "learner.lora_alpha=128", f"sync.mode={args.sync_mode}",
-        f"learner.mixed_precision={'autocast' if args.dtype == 'bfloat16' else 'none'}",
+        f"learner.mixed_precision={'autocast' if args.dtype == 'bfloat16' else 'none'}", *args.overrides,
     ])
 
 
@@ -283,6 +286,12 @@ def run(args: argparse.Namespace) -> dict:
     args.dtype = args.dtype or ("float32" if args.tiny else "bfloat16")
     args.size = args.size or (64 if args.tiny else 512)
     args.steps = args.steps or (2 if args.tiny else 10)
+    from rayflow.errors import ConfigError
+
+    try:  # a bad --overrides entry stops here, named, before any model is built
+        _config(args, "unused", 4.0, args.batch)
+    except ConfigError as e:
+        sys.exit(f"--overrides: {e}")
     with tempfile.TemporaryDirectory() as tmp:
         if args.tiny:
             path, model = resolve_model_path(None, "~/.cache/rayflow"), "tiny offline Qwen-Image"
@@ -310,6 +319,7 @@ def run(args: argparse.Namespace) -> dict:
         "setup": {"model": model, "device": device, "dtype": args.dtype, "height": args.size, "width": args.size,
                   "steps": args.steps, "true_cfg_scale": 4.0, "rollout_batch": args.batch,
                   "learner_batch": args.learner_batch, "repeats": args.repeats, "sync_mode": args.sync_mode,
+                  "overrides": args.overrides,
                   "phases": [p for p in PHASES if p in args.phases],
                   "torch": torch.__version__,
                   "cuda": torch.version.cuda, "python": platform.python_version()},
