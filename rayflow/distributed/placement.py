@@ -2,13 +2,14 @@
 
 Every role (rollout ranks, learner ranks, colocated devices, reward workers, the weight-sync actor) is
 
-    placed = place(count, cpus, gpus, resources, strategy, name)   # one bundle per rank, waited for
-    actor = placed.spawn(rank, ActorClass, *args)                   # in rank's bundle, with its CPUs and GPUs
-    f"learner rank {placed.describe(rank)}"                          # how every message names a rank
+    reservation = reserve(count, cpus, gpus, resources, strategy, name)  # one bundle per rank, not waited for
+    placed = reservation.wait()                                         # once every bundle is placed
+    actor = placed.spawn(rank, ActorClass, *args)                       # in rank's bundle, with its CPUs and GPUs
+    f"learner rank {placed.describe(rank)}"                              # how every message names a rank
 
-never by pinning node IPs, so Ray's autoscaler sees the demand and adds the nodes that satisfy it. `place` is
-`reserve(...).wait()`: a run asks for every role's group first and waits after, so that an autoscaler sees all the
-demand at once and starts every node the run needs together, not one node type after the other.
+never by pinning node IPs, so Ray's autoscaler sees the demand and adds the nodes that satisfy it. A run asks for
+every role's group first and waits after, so that an autoscaler sees all the demand at once and starts every node
+the run needs together, not one node type after the other.
 """
 
 from __future__ import annotations
@@ -137,8 +138,3 @@ def reserve(count: int, cpus: float, gpus: float, resources: dict[str, float] | 
     bundles = make_bundles(count, cpus, gpus, resources)
     return Reservation(placement_group(bundles, strategy=strategy, name=name), bundles, strategy, name)
 
-
-def place(count: int, cpus: float, gpus: float, resources: dict[str, float] | None = None, strategy: str = "PACK",
-          name: str = "", timeout_s: float = 600.0) -> PlacedGroup:
-    """`reserve` and wait: the placed group (Reservation.wait)."""
-    return reserve(count, cpus, gpus, resources, strategy, name).wait(timeout_s)
