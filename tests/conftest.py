@@ -101,6 +101,12 @@ def ray_session():
     """
     import ray
 
-    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=True)
+    from rayflow.distributed.worker_imports import start_worker_zygotes, stop_worker_zygotes, wait_worker_zygotes
+
+    # As a local run's: workers forked from zygotes that hold torch and the tiny model's classes imported.
+    zygotes = start_worker_zygotes("QwenImagePipeline")
+    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=True, **zygotes)
+    wait_worker_zygotes()
     yield ray
     ray.shutdown()
+    stop_worker_zygotes()

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from rayflow import reference
-from rayflow.distributed.worker_imports import PIPELINE_ENV, PRELOAD_MAX_CORES
+from rayflow.distributed.worker_imports import MAX_CORES, has_gpus
 from rayflow.paths import REPO_ROOT
 from rayflow.runs import ResumeRefused, RunComplete, plan_resume, write_run_config
 from tiny_run import GRPO, small_cfg
@@ -141,42 +141,50 @@ def test_the_resource_check_reads_the_live_cluster(ray_session):
         check_cluster_fits(load_config(GRPO, ["rollout.num_replicas=24"]))
 
 
-PRELOAD_PROBE = """
+ZYGOTE_PROBE = """
 import os, sys
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
 import ray
-from rayflow.distributed.worker_imports import light_actor_options, preload_system_config
-config = preload_system_config(2, "QwenImagePipeline") if sys.argv[1] == "yes" else {}
-ray.init(address="local", num_cpus=2, include_dashboard=False, _system_config=config)
+from rayflow.distributed import worker_imports
+zygotes = worker_imports.start_worker_zygotes("QwenImagePipeline") if sys.argv[1] == "yes" else {}
+ray.init(address="local", num_cpus=2, include_dashboard=False, **zygotes)
+worker_imports.wait_worker_zygotes()
 MODEL_CODE = ("diffusers", "diffusers.pipelines.qwenimage.pipeline_qwenimage", "transformers", "peft")
+zygotes = [z.process.pid for z in worker_imports._started]
 
 @ray.remote
 class Probe:
     def loaded(self):
-        return [m for m in MODEL_CODE if m in sys.modules]
+        parent = zygotes.index(os.getppid()) if os.getppid() in zygotes else None
+        return [m for m in MODEL_CODE if m in sys.modules], parent
 
 try:
     # A fresh worker's modules, before it runs anything of rayflow's own; then an actor that needs no model code.
     print("worker:", ray.get(ray.remote(lambda: [m for m in MODEL_CODE if m in sys.modules]).remote()))
-    print("light actor:", ray.get(Probe.options(**light_actor_options()).remote().loaded.remote()))
+    print("actor:", ray.get(Probe.remote().loaded.remote()))
+    print("light actor:", ray.get(Probe.options(**worker_imports.light_actor_options()).remote().loaded.remote()))
 finally:
     ray.shutdown()
+    worker_imports.stop_worker_zygotes()
 """
 
 
-@pytest.mark.parametrize("preload", ["yes", "no"])
-def test_a_local_runs_workers_have_the_model_code_imported_before_they_take_work(tmp_path, preload):
-    """What start-up gains from (README, Benchmarks, start-up): Ray's workers import torch, diffusers and the run's
-    pipeline class as they start; an actor that needs none of it (weight sync, rewards) gets a worker that skips it."""
-    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", PIPELINE_ENV)}
-    result = subprocess.run([sys.executable, "-c", PRELOAD_PROBE, preload], cwd=tmp_path, env=env, capture_output=True,
+@pytest.mark.parametrize("zygotes", ["yes", "no"])
+def test_a_local_runs_workers_are_forked_with_the_model_code_imported(tmp_path, zygotes):
+    """What start-up and the suite gain from (README, Benchmarks, start-up): Ray's workers are forked from a zygote
+    that holds torch, diffusers and the run's pipeline class; an actor that needs none of it (weight sync, rewards)
+    is forked from the light zygote, which holds torch only."""
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    result = subprocess.run([sys.executable, "-c", ZYGOTE_PROBE, zygotes], cwd=tmp_path, env=env, capture_output=True,
                             text=True, timeout=180)
     assert result.returncode == 0, result.stderr[-3000:]
-    # Local runs preload on machines of up to PRELOAD_MAX_CORES cores (CI's has 2); the unconfigured Ray is the control.
-    preloaded = preload == "yes" and (os.cpu_count() or 1) <= PRELOAD_MAX_CORES
+    # Local runs use zygotes on Linux machines of up to MAX_CORES cores without GPUs (CI's); a plain Ray is the
+    # control.
+    forked = zygotes == "yes" and sys.platform == "linux" and (os.cpu_count() or 1) <= MAX_CORES and not has_gpus()
     model_code = ["diffusers", "diffusers.pipelines.qwenimage.pipeline_qwenimage", "transformers", "peft"]
-    assert f"worker: {model_code if preloaded else []}" in result.stdout, result.stdout
-    assert "light actor: []" in result.stdout, result.stdout
+    assert f"worker: {model_code if forked else []}" in result.stdout, result.stdout
+    assert f"actor: ({model_code if forked else []}, {0 if forked else None})" in result.stdout, result.stdout
+    assert f"light actor: ([], {1 if forked else None})" in result.stdout, result.stdout
 
 
 DRIVER_PROBE = """
@@ -221,6 +229,7 @@ def test_a_local_ray_without_the_dashboards_packages_starts_without_it_and_says_
     monkeypatch.setattr(ray._private.utils, "get_dashboard_dependency_error", lambda: missing)
     init_kwargs = {}
     monkeypatch.setattr(ray, "init", lambda **kw: init_kwargs.update(kw) or SimpleNamespace(dashboard_url="127.0.0.1:8265"))
+    monkeypatch.setattr(launch, "start_worker_zygotes", lambda pipeline_class: {})  # no Ray starts: no workers to fork
     with caplog.at_level("INFO", logger="rayflow"):
         assert launch.start_ray(small_cfg(GRPO, tiny_model_dir, tmp_path))
     assert init_kwargs["include_dashboard"] is (missing is None)

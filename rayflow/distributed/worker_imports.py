@@ -1,52 +1,91 @@
-"""What the worker processes of a local Ray import as they start, and which actors start without it.
+"""Where a local Ray's worker processes come from: forked from zygotes that hold the model code imported.
 
-On a laptop an actor's first seconds are imports: torch, diffusers, transformers, peft, ~4 s of CPU a process on
-2 cores. A local run's Ray (rayflow.driver.launch) therefore has every worker process import
-`rayflow.distributed.preload` as it starts (Ray's `preload_python_modules`): the learner's and the rollout's actor
-modules and the run's diffusers pipeline class, so the workers Ray starts ahead of demand have them loaded by the time
-the learner and the rollout rank take them.
+On a laptop an actor's first seconds are imports: torch, diffusers, transformers, peft, ~3 s of CPU a process on
+2 cores, and every actor pays them again. A local run (rayflow.driver.launch) and the test suite's Ray
+(tests/conftest.py) therefore start two zygotes (rayflow.distributed.zygote) before Ray and have Ray start every
+worker through the zygote client (runtime_env `py_executable`):
 
-The weight-sync actor and the reward workers need none of the model code. They start with SKIP_ENV in their runtime
-env (`light_actor_options`): Ray gives an actor of another runtime env a worker process of its own, started with that
-environment, whose preload then imports nothing. So they neither pay for imports they do not use nor take the
-preloaded workers from the actors that use them.
+    model zygote   torch, FSDP, peft and the run's diffusers pipeline class (its model classes and transformers'
+                   modeling code): the learner, rollout and colocated-device actors are forked from it;
+    light zygote   torch only: the weight-sync actor and the reward workers (`light_actor_options`: their runtime
+                   env sets LIGHT_ENV), which need none of the model code, are forked from it.
+
+A forked worker starts with those modules imported for ~0.5 s of CPU instead of ~3.5 s. Linux machines without
+GPUs only (`has_gpus`); RAYFLOW_ZYGOTE=0 in the environment turns it off (every worker is then a fresh Python
+process, as on a cluster).
 """
 
 from __future__ import annotations
 
 import os
+import shutil
+import sys
+import tempfile
 
-ACTOR_MODULES = ("rayflow.learner.worker", "rayflow.rollout.worker", "rayflow.rollout.rank")
-"""The actor modules of the learner and the rollout (rank.py holds the rollout's model code)."""
-PRELOAD_MODULE = "rayflow.distributed.preload"
-PIPELINE_ENV = "RAYFLOW_PRELOAD_PIPELINE"
-"""The diffusers pipeline class the workers preload; set in the driver before its local Ray starts (Ray's processes
-inherit its environment), and only then: it also says that this process's Ray preloads."""
-SKIP_ENV = "RAYFLOW_SKIP_PRELOAD"
-PRELOAD_MAX_CORES = 16
-"""Ray starts up to one worker per core ahead of demand; with the preload each holds ~400 MB (RSS). Above this many
-cores a local run does not preload: there the imports are not the bottleneck they are on a laptop."""
+from rayflow.distributed.zygote import Zygote, worker_command
+from rayflow.distributed.zygote_client import LIGHT_ENV
+
+MODEL_MODULES = ("torch", "torch.distributed.fsdp", "peft")
+"""What the model zygote imports besides the run's pipeline class (`diffusers:<class>`)."""
+LIGHT_MODULES = ("torch",)
+SWITCH_ENV = "RAYFLOW_ZYGOTE"
+MAX_CORES = 16
+"""Above this many cores a local run starts plain workers: there the imports are not the bottleneck they are on a
+laptop."""
+
+_started: list[Zygote] = []
+"""This process's zygotes (model, light), while its local Ray runs."""
+_socket_dir: list[str] = []
 
 
-def preload_system_config(cpus: int, pipeline_class: str) -> dict:
-    """Ray system settings of a local run with `cpus` logical CPUs that loads a `pipeline_class` model: its workers
-    preload on a machine of up to PRELOAD_MAX_CORES cores (and the class is named to them in this process's
-    environment), and idle workers are kept until an actor takes them (with the default soft limit, the logical CPUs,
-    Ray killed the second preloaded worker before the rollout actor asked for one on a 2-CPU run)."""
-    if (os.cpu_count() or 1) > PRELOAD_MAX_CORES:
+def start_worker_zygotes(pipeline_class: str) -> dict:
+    """Start the two zygotes for a local Ray about to start in this process, without waiting for their imports (they
+    overlap Ray's own start; `wait_worker_zygotes` after `ray.init`). Returns the keyword arguments for `ray.init`
+    ({} where zygotes are not used: not Linux, more than MAX_CORES cores, GPUs, or RAYFLOW_ZYGOTE=0): the runtime
+    env whose worker command forks from them, and no workers started ahead of demand (those would be plain processes
+    of another runtime env, which no actor of the run takes; a forked worker starts in a fraction of a second)."""
+    if (sys.platform != "linux" or (os.cpu_count() or 1) > MAX_CORES or os.environ.get(SWITCH_ENV) == "0"
+            or has_gpus()):
         return {}
-    os.environ[PIPELINE_ENV] = pipeline_class
-    return {"preload_python_modules": [PRELOAD_MODULE], "num_workers_soft_limit": 2 * cpus}
+    if _started:  # one local Ray per process: stopping them here would kill that Ray's workers
+        raise RuntimeError("this process's zygotes already run (a local Ray started here is still up)")
+    directory = tempfile.mkdtemp(prefix="rayflow-zygote-")  # mode 0700: only this user reaches the sockets
+    _socket_dir.append(directory)
+    try:
+        for name, modules in (("model", [*MODEL_MODULES, f"diffusers:{pipeline_class}"]), ("light", LIGHT_MODULES)):
+            _started.append(Zygote.launch(os.path.join(directory, name), list(modules)))
+    except BaseException:
+        stop_worker_zygotes()
+        raise
+    return {"runtime_env": {"py_executable": worker_command(*_started)},
+            "_system_config": {"enable_worker_prestart": False}}
 
 
-def end_preload() -> None:
-    """Forget the preload when this process's local Ray stops (a later Ray in the same process may not preload)."""
-    os.environ.pop(PIPELINE_ENV, None)
+def has_gpus() -> bool:
+    """Whether this machine has NVIDIA or AMD GPUs (read from the drivers' files, without initialising CUDA). Zygotes
+    are not used there yet: an import that asks CUDA for its devices in the zygote (`torch.cuda.is_available()`)
+    can leave the forked workers unable to initialise it, and that has not been tried on a GPU machine."""
+    nvidia = "/proc/driver/nvidia/gpus"
+    return (os.path.isdir(nvidia) and bool(os.listdir(nvidia))) or os.path.exists("/dev/kfd")
+
+
+def wait_worker_zygotes() -> None:
+    """Wait until this process's zygotes listen; a zygote that cannot start raises with its error (RuntimeError)."""
+    for zygote in _started:
+        zygote.wait_ready()
+
+
+def stop_worker_zygotes() -> None:
+    """Stop this process's zygotes (after its Ray has stopped) and forget them (a later Ray may start without)."""
+    while _started:
+        _started.pop().stop()
+    while _socket_dir:
+        shutil.rmtree(_socket_dir.pop(), ignore_errors=True)
 
 
 def light_actor_options() -> dict:
     """Actor options for an actor that needs none of the model code (the weight-sync actor, a reward worker): under
-    a preloading local Ray, a worker process of its own that skips the preload; elsewhere none."""
-    if PIPELINE_ENV not in os.environ:
+    a local Ray with zygotes, a worker forked from the light one; elsewhere none."""
+    if not _started:
         return {}
-    return {"runtime_env": {"env_vars": {SKIP_ENV: "1"}}}
+    return {"runtime_env": {"env_vars": {LIGHT_ENV: "1"}}}

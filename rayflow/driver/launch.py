@@ -24,7 +24,7 @@ from collections.abc import Iterator
 from rayflow.checkpoint import checkpoint_root, latest_checkpoint
 from rayflow.config import RayflowConfig, load_config
 from rayflow.distributed.resources import check_cluster_fits, required_cpus
-from rayflow.distributed.worker_imports import end_preload, preload_system_config
+from rayflow.distributed.worker_imports import start_worker_zygotes, stop_worker_zygotes, wait_worker_zygotes
 from rayflow.errors import ConfigError
 from rayflow.runs import USER_ERRORS, RunComplete, preflight, write_run_config
 
@@ -60,10 +60,18 @@ def start_ray(cfg: RayflowConfig) -> bool:
     # A minimal Ray install (no ray[default]: the offline GPU machine's bundle) cannot start the dashboard, and
     # ray.init(include_dashboard=True) would refuse to start at all: run without it and say so.
     dashboard_missing = ray._private.utils.get_dashboard_dependency_error()
-    with _one_start_at_a_time():
-        context = ray.init(address="local", num_cpus=cpus, include_dashboard=not dashboard_missing,
-                           dashboard_host="127.0.0.1", dashboard_port=dashboard_port(),
-                           _system_config=preload_system_config(cpus, pipeline_class))
+    # Workers forked from processes that hold the model code imported (rayflow.distributed.worker_imports).
+    zygotes = start_worker_zygotes(pipeline_class)
+    try:
+        with _one_start_at_a_time():
+            context = ray.init(address="local", num_cpus=cpus, include_dashboard=not dashboard_missing,
+                               dashboard_host="127.0.0.1", dashboard_port=dashboard_port(), **zygotes)
+        wait_worker_zygotes()
+    except BaseException:
+        if ray.is_initialized():
+            ray.shutdown()
+        stop_worker_zygotes()
+        raise
     if dashboard_missing:
         log.warning("local Ray with %d logical CPUs, without its dashboard: %s (pip install 'ray[default]' for it)",
                     cpus, dashboard_missing)
@@ -185,7 +193,7 @@ def run_recipe(default_config: str, argv: list[str] | None = None) -> list[dict[
             import ray
 
             ray.shutdown()
-            end_preload()
+            stop_worker_zygotes()
 
 
 def _where(cfg: RayflowConfig) -> str:

@@ -1,0 +1,303 @@
+"""A zygote: a process that imports the heavy modules once and forks a local Ray's worker processes from itself.
+
+A Ray worker is a fresh Python process, and on a laptop its first seconds are imports: torch, diffusers,
+transformers, peft, about 3 s of CPU per actor, paid again by every actor a run or the test suite starts. Forked
+from a process that already holds them, a worker starts with them imported (shared copy-on-write) for about 0.5 s of
+CPU: its own `import ray`, Ray's worker set-up and rayflow's modules.
+
+    server   `python -m rayflow.distributed.zygote SOCKET MODULE...`: imports the modules ("pkg.mod" or
+             "pkg:Attr"), never Ray (Ray's C++ side caches its config and auth mode at import, which each worker
+             must read from its own environment), then on each connection forks a child that becomes the worker
+             (`become_worker`) and reports its pid and, later, its exit status.
+    client   rayflow/distributed/zygote_client.py: the command Ray runs for a worker (runtime_env py_executable).
+    owner    `Zygote.start` / `stop`: the process that starts the local Ray (rayflow.distributed.worker_imports).
+
+Linux only (fork, SCM_RIGHTS, prctl). The socket lives in a directory only this user can enter, and the server
+serves only this user's processes.
+"""
+
+from __future__ import annotations
+
+import array
+import importlib
+import json
+import os
+import random
+import selectors
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import time
+
+CLIENT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "zygote_client.py")
+READY = b"ready\n"
+
+
+class Zygote:
+    """A zygote server started by this process; it ends with this process (prctl PDEATHSIG) if not stopped."""
+
+    def __init__(self, process: subprocess.Popen, socket_path: str, modules: list[str]):
+        self.process, self.socket_path, self.modules = process, socket_path, modules
+
+    @classmethod
+    def launch(cls, socket_path: str, modules: list[str]) -> "Zygote":
+        """Start a server that preloads `modules` and then listens on `socket_path`, without waiting for it (its
+        imports overlap what this process does next; `wait_ready`). Its own errors go to `socket_path`.log, which
+        exists from now on: a client that finds it but no socket yet waits for the socket."""
+        package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        pythonpath = os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH")) if p)
+        env = {**os.environ, "PYTHONPATH": pythonpath}
+        # torch reads its thread count as it is imported, here, before any worker sets OMP_NUM_THREADS: Ray's
+        # default for an actor (one thread) unless this process sets another (rayflow's actors set theirs).
+        env.setdefault("OMP_NUM_THREADS", "1")
+        with open(socket_path + ".log", "wb") as log:
+            process = subprocess.Popen([sys.executable, "-m", __name__, socket_path, *modules], env=env,
+                                       stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=log)
+        return cls(process, socket_path, modules)
+
+    @classmethod
+    def start(cls, socket_path: str, modules: list[str], timeout_s: float = 120.0) -> "Zygote":
+        """`launch`, then `wait_ready`."""
+        zygote = cls.launch(socket_path, modules)
+        zygote.wait_ready(timeout_s)
+        return zygote
+
+    def wait_ready(self, timeout_s: float = 120.0) -> None:
+        """Return once the server listens. Raises RuntimeError, with its log's end, if it exits or is not ready
+        within `timeout_s` (the server is then killed)."""
+        if self.process.stdout.closed:
+            return
+        selector = selectors.DefaultSelector()
+        selector.register(self.process.stdout, selectors.EVENT_READ)
+        ready = bool(selector.select(timeout_s)) and self.process.stdout.readline() == READY
+        selector.close()
+        self.process.stdout.close()  # the server writes nothing more there
+        if not ready:
+            self.process.kill()
+            self.process.wait()
+            with open(self.socket_path + ".log", errors="replace") as log:
+                raise RuntimeError(f"the zygote preloading {self.modules} did not start within {timeout_s:.0f}s "
+                                   f"(exit code {self.process.returncode}): {log.read()[-2000:]}")
+
+    def stop(self) -> None:
+        """End the server; workers it forked that are still running are killed."""
+        if not self.process.stdout.closed:
+            self.process.stdout.close()
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+
+def worker_command(model: Zygote, light: Zygote) -> str:
+    """The worker command for Ray's runtime_env `py_executable`: the client, on this interpreter, without site,
+    told the two zygotes' sockets."""
+    return f"{sys.executable} -S -I {CLIENT} {model.socket_path} {light.socket_path}"
+
+
+# -- the server ------------------------------------------------------------------------------------
+
+def serve(socket_path: str, modules: list[str]) -> None:
+    for name in modules:
+        module, _, attribute = name.partition(":")
+        imported = importlib.import_module(module)
+        if attribute:
+            getattr(imported, attribute)
+    if "ray" in sys.modules:
+        raise RuntimeError(f"preloading {modules} imported ray: a forked worker would keep this process's Ray config")
+    _die_with_parent()
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(socket_path)
+    listener.listen(128)
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_w, False)
+    signal.set_wakeup_fd(wake_w)
+    signal.signal(signal.SIGCHLD, lambda *_: None)  # a handler, so that SIGCHLD writes to the wake-up pipe
+    workers: dict[int, socket.socket] = {}  # pid -> its client's connection
+    stopping = []
+    signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
+    selector = selectors.DefaultSelector()
+    selector.register(listener, selectors.EVENT_READ)
+    selector.register(wake_r, selectors.EVENT_READ)
+    os.write(1, READY)
+    os.dup2(os.open(os.devnull, os.O_WRONLY), 1)  # the starter closes its end of the pipe
+    while not stopping:
+        for key, _ in selector.select(timeout=1.0):  # SIGCHLD wakes it; the timeout reaps even if a wake-up were lost
+            if key.fileobj is listener:
+                _accept(listener, selector, workers)
+            elif key.fileobj == wake_r:
+                os.read(wake_r, 4096)
+            else:  # a client closed its connection (it was killed): its worker goes too
+                _kill(key.data)
+                selector.unregister(key.fileobj)
+        _reap(workers, selector)
+    for pid in list(workers):
+        _kill(pid)
+    deadline = time.monotonic() + 5
+    while workers and time.monotonic() < deadline:
+        _reap(workers, selector)
+        time.sleep(0.01)
+
+
+def _accept(listener: socket.socket, selector: selectors.BaseSelector, workers: dict[int, socket.socket]) -> None:
+    conn, _ = listener.accept()
+    try:
+        conn.settimeout(10)
+        _, uid, _ = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+        request, fds = _receive_request(conn) if uid == os.getuid() else (None, [])
+    except OSError:
+        request, fds = None, []
+    if request is None or len(fds) != 3:
+        for fd in fds:
+            os.close(fd)
+        conn.close()
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            become_worker(request, fds)
+        finally:
+            os._exit(70)  # become_worker never returns; reached only if it raised before running the worker
+    for fd in fds:
+        os.close(fd)
+    try:
+        conn.sendall(struct.pack("!i", pid))
+    except OSError:
+        pass  # the client is gone: reported below as its connection closing
+    conn.setblocking(False)
+    workers[pid] = conn
+    selector.register(conn, selectors.EVENT_READ, pid)
+
+
+def _receive_request(conn: socket.socket) -> tuple[dict | None, list[int]]:
+    """One request: a 4-byte length and that many bytes of JSON, with the client's fds 0, 1, 2 attached."""
+    fds = array.array("i")
+    head, ancillary, _, _ = conn.recvmsg(4, socket.CMSG_SPACE(3 * fds.itemsize))
+    for level, kind, data in ancillary:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            fds.frombytes(data[: len(data) - len(data) % fds.itemsize])
+    if len(head) < 4:
+        return None, list(fds)
+    size, = struct.unpack("!I", head)
+    body = b""
+    while len(body) < size:
+        chunk = conn.recv(size - len(body))
+        if not chunk:
+            return None, list(fds)
+        body += chunk
+    return json.loads(body), list(fds)
+
+
+def _reap(workers: dict[int, socket.socket], selector: selectors.BaseSelector) -> None:
+    """Collect every ended worker and send its wait status to its client."""
+    while workers:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        conn = workers.pop(pid, None)
+        if conn is None:
+            continue
+        try:
+            selector.unregister(conn)
+        except KeyError:
+            pass  # already unregistered: its client had gone
+        try:
+            conn.setblocking(True)
+            conn.sendall(struct.pack("!i", status))
+        except OSError:
+            pass
+        conn.close()
+
+
+def _kill(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def _die_with_parent() -> None:
+    """The server ends when the process that started it does (Linux prctl(PR_SET_PDEATHSIG))."""
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+    if os.getppid() == 1:  # the parent was already gone
+        raise SystemExit(1)
+
+
+# -- a forked worker -------------------------------------------------------------------------------
+
+def become_worker(request: dict, fds: list[int]) -> None:
+    """In a freshly forked child: take on the client's stdio, environment, working directory and niceness, then
+    run its command (`script.py ARGS...`) as `python script.py ARGS...` would, and exit with its code."""
+    signal.set_wakeup_fd(-1)
+    for signum in (signal.SIGCHLD, signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(signum, signal.SIG_DFL)
+    for target, fd in enumerate(fds):
+        os.dup2(fd, target)
+    os.closerange(3, os.sysconf("SC_OPEN_MAX"))  # the listener, other clients' connections, the received copies
+    old_pythonpath = _split_path(os.environ.get("PYTHONPATH"))
+    os.environ.clear()
+    os.environ.update(request["env"])
+    os.chdir(request["cwd"])
+    extra_nice = request["nice"] - os.nice(0)
+    if extra_nice > 0:
+        os.nice(extra_nice)
+    argv = request["argv"]
+    script = os.path.abspath(argv[0])
+    # sys.path as a fresh interpreter would have it: the script's directory first, then the client's PYTHONPATH.
+    site_paths = [p for p in sys.path[1:] if p not in old_pythonpath]
+    sys.path[:] = [os.path.dirname(script), *_split_path(os.environ.get("PYTHONPATH")), *site_paths]
+    sys.argv = list(argv)
+    _fresh_process_state()
+    code = 0
+    try:
+        import runpy
+
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+        code = 1
+    finally:
+        try:
+            import atexit
+
+            atexit._run_exitfuncs()  # as the interpreter does at exit (os._exit below skips it)
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(code)
+
+
+def _split_path(value: str | None) -> list[str]:
+    return [os.path.abspath(p) for p in value.split(os.pathsep) if p] if value else []
+
+
+def _fresh_process_state() -> None:
+    """What a forked worker must not share with its siblings or keep from the zygote: the random generators' state
+    (seeded from the OS in every fresh process) and the torch thread count (read from OMP_NUM_THREADS at start)."""
+    random.seed()
+    if "numpy" in sys.modules:
+        sys.modules["numpy"].random.seed()
+    threads = os.environ.get("OMP_NUM_THREADS", "")
+    if "torch" in sys.modules and threads.isdigit() and int(threads) > 0:
+        sys.modules["torch"].set_num_threads(int(threads))
+
+
+if __name__ == "__main__":
+    serve(sys.argv[1], sys.argv[2:])

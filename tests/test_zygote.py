@@ -1,0 +1,154 @@
+"""The zygote that forks a local Ray's workers (rayflow/distributed/zygote.py), without Ray: the client's command
+runs in a forked child that holds the preloaded modules and takes the client's argv, environment, working
+directory and stdio; exits and signals pass through both ways; nothing outlives what it belongs to."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from rayflow.distributed.zygote import CLIENT, Zygote
+
+WORKER = """
+import json, os, random, signal, sys, time
+if sys.argv[1] == "wait":  # until SIGTERM, which it answers with exit code 3
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(3))
+report = {"argv": sys.argv[1:], "env": os.environ.get("ZYGOTE_TEST"), "cwd": os.getcwd(), "pid": os.getpid(),
+          "ppid": os.getppid(), "preloaded": "email.mime.text" in sys.modules, "random": random.random(),
+          "path0": sys.path[0]}
+print(json.dumps(report), flush=True)
+mode = sys.argv[1]
+if mode == "exit":
+    sys.exit(int(sys.argv[2]))
+if mode == "signal":
+    os.kill(os.getpid(), signal.SIGTERM)
+if mode == "wait":
+    time.sleep(60)
+"""
+
+
+@pytest.fixture(scope="module")
+def zygotes(tmp_path_factory):
+    """A zygote preloading a module no fresh interpreter imports, and the path of a second socket nobody serves."""
+    root = tmp_path_factory.mktemp("zygote")
+    zygote = Zygote.start(str(root / "z"), ["email.mime.text"])
+    yield zygote, str(root / "nobody")
+    zygote.stop()
+
+
+def run_worker(zygote_socket, script, *args, env=None, cwd=None, **popen):
+    """The client as Ray runs it (`python -S -I client MODEL LIGHT script ARGS`), the worker's stdout captured."""
+    return subprocess.Popen([sys.executable, "-S", "-I", CLIENT, zygote_socket, zygote_socket, str(script), *args],
+                            stdout=subprocess.PIPE, text=True, env={**os.environ, **(env or {})}, cwd=cwd, **popen)
+
+
+def report_of(process):
+    import json
+
+    return json.loads(process.stdout.readline())
+
+
+@pytest.fixture
+def script(tmp_path):
+    path = tmp_path / "worker.py"
+    path.write_text(WORKER)
+    return path
+
+
+def test_the_worker_is_forked_with_the_clients_argv_env_cwd_and_stdout(zygotes, script, tmp_path):
+    zygote, _ = zygotes
+    work = tmp_path / "work"
+    work.mkdir()
+    first = run_worker(zygote.socket_path, script, "exit", "7", env={"ZYGOTE_TEST": "one"}, cwd=work)
+    second = run_worker(zygote.socket_path, script, "exit", "0", env={"ZYGOTE_TEST": "two"})
+    a, b = report_of(first), report_of(second)
+    assert first.wait(30) == 7 and second.wait(30) == 0  # the client ends with the worker's exit code
+    assert a["argv"] == ["exit", "7"] and a["env"] == "one" and a["cwd"] == str(work)
+    assert b["env"] == "two"
+    # Forked from the zygote (not the client), with the module it preloaded, and sys.path as `python script.py`'s.
+    assert a["ppid"] == b["ppid"] == zygote.process.pid != first.pid
+    assert a["preloaded"] and b["preloaded"]
+    assert a["path0"] == str(script.parent)
+    assert a["random"] != b["random"]  # each reseeded, as a fresh process is
+
+
+def test_signals_pass_through_both_ways(zygotes, script):
+    zygote, _ = zygotes
+    killed = run_worker(zygote.socket_path, script, "signal")
+    report_of(killed)
+    assert killed.wait(30) == -signal.SIGTERM  # the worker died of SIGTERM: so does the client
+    waiting = run_worker(zygote.socket_path, script, "wait")
+    report_of(waiting)
+    waiting.send_signal(signal.SIGTERM)  # forwarded to the worker, which exits 3
+    assert waiting.wait(30) == 3
+
+
+def test_a_killed_client_takes_its_worker_with_it(zygotes, script):
+    zygote, _ = zygotes
+    client = run_worker(zygote.socket_path, script, "wait")
+    worker = report_of(client)["pid"]
+    client.kill()
+    client.wait(30)
+    assert wait_gone(worker), "the worker outlived its client"
+
+
+def test_without_a_zygote_the_client_runs_the_worker_itself(zygotes, script):
+    _, nobody = zygotes
+    client = run_worker(nobody, script, "exit", "5")
+    report = report_of(client)
+    assert client.wait(30) == 5
+    assert report["pid"] == client.pid and not report["preloaded"]  # the client exec'd a plain interpreter
+
+
+def test_a_client_waits_for_a_zygote_still_importing(tmp_path, script, monkeypatch):
+    """The zygotes import while Ray starts (`Zygote.launch`): a worker asked for meanwhile is forked once they
+    listen."""
+    (tmp_path / "slow_module.py").write_text("import time\ntime.sleep(1.5)\n")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    zygote = Zygote.launch(str(tmp_path / "z"), ["slow_module"])
+    try:
+        client = run_worker(zygote.socket_path, script, "exit", "0")
+        report = report_of(client)
+        assert client.wait(30) == 0
+        assert report["ppid"] == zygote.process.pid and report["pid"] != client.pid
+    finally:
+        zygote.stop()
+
+
+def test_stopping_the_zygote_ends_its_workers_and_later_clients_run_their_own(tmp_path, script):
+    zygote = Zygote.start(str(tmp_path / "z"), [])
+    client = run_worker(zygote.socket_path, script, "wait")
+    worker = report_of(client)["pid"]
+    zygote.stop()
+    assert wait_gone(worker)
+    assert client.wait(30) != 0
+    # Its socket file is left, with nobody listening: a new client runs the worker itself, without waiting.
+    start = time.monotonic()
+    late = run_worker(zygote.socket_path, script, "exit", "0")
+    assert report_of(late)["pid"] == late.pid and late.wait(30) == 0
+    assert time.monotonic() - start < 20
+
+
+def test_a_zygote_that_cannot_preload_is_named_with_its_error(tmp_path):
+    missing = r"(?s)preloading \['no_such_module_here'\].*No module named 'no_such_module_here'"
+    with pytest.raises(RuntimeError, match=missing):
+        Zygote.start(str(tmp_path / "z"), ["no_such_module_here"])
+    # Ray caches its config at import: a zygote holding it would hand every worker this process's.
+    with pytest.raises(RuntimeError, match="imported ray"):
+        Zygote.start(str(tmp_path / "r"), ["ray"])
+
+
+def wait_gone(pid: int, timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:  # reaped by its parent, or a zombie waiting to be
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().split(")")[-1].split()[0] == "Z":
+                    return True
+        except FileNotFoundError:
+            return True
+        time.sleep(0.05)
+    return False
