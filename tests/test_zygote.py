@@ -148,7 +148,7 @@ def wait_gone(pid: int, timeout_s: float = 10.0) -> bool:
             with open(f"/proc/{pid}/stat") as f:
                 if f.read().split(")")[-1].split()[0] == "Z":
                     return True
-        except FileNotFoundError:
+        except (FileNotFoundError, ProcessLookupError):  # gone while being read
             return True
         time.sleep(0.05)
     return False

@@ -112,8 +112,11 @@ def serve(socket_path: str, modules: list[str]) -> None:
         raise RuntimeError(f"preloading {modules} imported ray: a forked worker would keep this process's Ray config")
     _die_with_parent()
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listener.bind(socket_path)
+    listener.bind(socket_path + ".bound")
     listener.listen(128)
+    # The socket appears under its name only once it listens: a client that finds it and cannot connect knows this
+    # server is gone (zygote_client.connect), where between bind and listen it would be refused as well.
+    os.rename(socket_path + ".bound", socket_path)
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_w, False)
     signal.set_wakeup_fd(wake_w)
