@@ -132,6 +132,17 @@ def test_stopping_the_zygote_ends_its_workers_and_later_clients_run_their_own(tm
     assert time.monotonic() - start < 20
 
 
+def test_a_zygote_ends_with_the_process_that_started_it(tmp_path):
+    """A driver killed outright (SIGKILL: no shutdown runs) leaves no zygote behind."""
+    owner = subprocess.Popen([sys.executable, "-c", "import sys, time\nfrom rayflow.distributed.zygote import Zygote\n"
+                              f"print(Zygote.start({str(tmp_path / 'z')!r}, []).process.pid, flush=True)\n"
+                              "time.sleep(60)"], stdout=subprocess.PIPE, text=True)
+    zygote = int(owner.stdout.readline())
+    owner.kill()
+    owner.wait(30)
+    assert wait_gone(zygote), "the zygote outlived its owner"
+
+
 def test_a_zygote_that_cannot_preload_is_named_with_its_error(tmp_path):
     missing = r"(?s)preloading \['no_such_module_here'\].*No module named 'no_such_module_here'"
     with pytest.raises(RuntimeError, match=missing):
