@@ -163,3 +163,28 @@ def wait_gone(pid: int, timeout_s: float = 10.0) -> bool:
             return True
         time.sleep(0.05)
     return False
+
+
+@pytest.mark.parametrize("switch", [None, "0", "1"])
+def test_a_local_ray_on_a_gpu_machine_forks_from_zygotes_only_when_asked(monkeypatch, switch):
+    """Not yet tried with CUDA (README, Start-up): off where there are GPUs, on with RAYFLOW_ZYGOTE=1, and off
+    everywhere with RAYFLOW_ZYGOTE=0."""
+    from rayflow.distributed import worker_imports
+
+    monkeypatch.setattr(worker_imports, "has_gpus", lambda: True)
+    for state in ("_started", "_socket_dir"):  # apart from the zygotes of this test session's Ray, if it has one
+        monkeypatch.setattr(worker_imports, state, [])
+    if switch is None:
+        monkeypatch.delenv(worker_imports.SWITCH_ENV, raising=False)
+    else:
+        monkeypatch.setenv(worker_imports.SWITCH_ENV, switch)
+    ray_init = worker_imports.start_worker_zygotes("QwenImagePipeline")
+    try:
+        assert bool(ray_init) is (switch == "1")
+        if ray_init:
+            assert ray_init["runtime_env"]["py_executable"].split()[-3:-2] == [CLIENT]
+            assert worker_imports.light_actor_options() == {"runtime_env": {"env_vars": {"RAYFLOW_LIGHT_WORKER": "1"}}}
+        else:
+            assert worker_imports.light_actor_options() == {}
+    finally:
+        worker_imports.stop_worker_zygotes()

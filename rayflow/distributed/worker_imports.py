@@ -10,9 +10,9 @@ worker through the zygote client (runtime_env `py_executable`):
     light zygote   torch only: the weight-sync actor and the reward workers (`light_actor_options`: their runtime
                    env sets LIGHT_ENV), which need none of the model code, are forked from it.
 
-A forked worker starts with those modules imported for ~0.5 s of CPU instead of ~3.5 s. Linux machines without
-GPUs only (`has_gpus`); RAYFLOW_ZYGOTE=0 in the environment turns it off (every worker is then a fresh Python
-process, as on a cluster).
+A forked worker starts with those modules imported for ~0.5 s of CPU instead of ~3.5 s. Linux machines of up to
+MAX_CORES cores without GPUs (`has_gpus`); RAYFLOW_ZYGOTE=0 in the environment turns it off (every worker is then a
+fresh Python process, as on a cluster), RAYFLOW_ZYGOTE=1 on whatever the machine (to try it on a GPU machine).
 """
 
 from __future__ import annotations
@@ -41,11 +41,12 @@ _socket_dir: list[str] = []
 def start_worker_zygotes(pipeline_class: str) -> dict:
     """Start the two zygotes for a local Ray about to start in this process, without waiting for their imports (they
     overlap Ray's own start; `wait_worker_zygotes` after `ray.init`). Returns the keyword arguments for `ray.init`
-    ({} where zygotes are not used: not Linux, more than MAX_CORES cores, GPUs, or RAYFLOW_ZYGOTE=0): the runtime
+    ({} where zygotes are not used: not Linux, RAYFLOW_ZYGOTE=0, or more than MAX_CORES cores or GPUs unless
+    RAYFLOW_ZYGOTE=1): the runtime
     env whose worker command forks from them, and no workers started ahead of demand (those would be plain processes
     of another runtime env, which no actor of the run takes; a forked worker starts in a fraction of a second)."""
-    if (sys.platform != "linux" or (os.cpu_count() or 1) > MAX_CORES or os.environ.get(SWITCH_ENV) == "0"
-            or has_gpus()):
+    switch = os.environ.get(SWITCH_ENV)
+    if sys.platform != "linux" or switch == "0" or (switch != "1" and ((os.cpu_count() or 1) > MAX_CORES or has_gpus())):
         return {}
     if _started:  # one local Ray per process: stopping them here would kill that Ray's workers
         raise RuntimeError("this process's zygotes already run (a local Ray started here is still up)")
