@@ -42,11 +42,12 @@ def start_worker_zygotes(pipeline_class: str) -> dict:
     """Start the two zygotes for a local Ray about to start in this process, without waiting for their imports (they
     overlap Ray's own start; `wait_worker_zygotes` after `ray.init`). Returns the keyword arguments for `ray.init`
     ({} where zygotes are not used: not Linux, RAYFLOW_ZYGOTE=0, or more than MAX_CORES cores or GPUs unless
-    RAYFLOW_ZYGOTE=1): the runtime
-    env whose worker command forks from them, and no workers started ahead of demand (those would be plain processes
-    of another runtime env, which no actor of the run takes; a forked worker starts in a fraction of a second)."""
+    RAYFLOW_ZYGOTE=1): the runtime env whose worker command forks from them, and no workers started ahead of demand
+    (those would be plain processes of another runtime env, which no actor of the run takes; a forked worker starts
+    in a fraction of a second)."""
     switch = os.environ.get(SWITCH_ENV)
-    if sys.platform != "linux" or switch == "0" or (switch != "1" and ((os.cpu_count() or 1) > MAX_CORES or has_gpus())):
+    large_or_gpu = (os.cpu_count() or 1) > MAX_CORES or has_gpus()
+    if sys.platform != "linux" or switch == "0" or (switch != "1" and large_or_gpu):
         return {}
     if _started:  # one local Ray per process: stopping them here would kill that Ray's workers
         raise RuntimeError("this process's zygotes already run (a local Ray started here is still up)")
