@@ -172,8 +172,7 @@ def test_a_local_ray_on_a_gpu_machine_forks_from_zygotes_only_when_asked(monkeyp
     from rayflow.distributed import worker_imports
 
     monkeypatch.setattr(worker_imports, "has_gpus", lambda: True)
-    for state in ("_started", "_socket_dir"):  # apart from the zygotes of this test session's Ray, if it has one
-        monkeypatch.setattr(worker_imports, state, [])
+    monkeypatch.setattr(worker_imports, "_started", [])  # apart from the zygotes of this test session's Ray, if any
     if switch is None:
         monkeypatch.delenv(worker_imports.SWITCH_ENV, raising=False)
     else:

@@ -34,8 +34,7 @@ MAX_CORES = 16
 laptop."""
 
 _started: list[Zygote] = []
-"""This process's zygotes (model, light), while its local Ray runs."""
-_socket_dir: list[str] = []
+"""This process's zygotes (model, light), while its local Ray runs; their sockets share one directory."""
 
 
 def start_worker_zygotes(pipeline_class: str) -> dict:
@@ -52,12 +51,12 @@ def start_worker_zygotes(pipeline_class: str) -> dict:
     if _started:  # one local Ray per process: stopping them here would kill that Ray's workers
         raise RuntimeError("this process's zygotes already run (a local Ray started here is still up)")
     directory = tempfile.mkdtemp(prefix="rayflow-zygote-")  # mode 0700: only this user reaches the sockets
-    _socket_dir.append(directory)
     try:
         for name, modules in (("model", [*MODEL_MODULES, f"diffusers:{pipeline_class}"]), ("light", LIGHT_MODULES)):
             _started.append(Zygote.launch(os.path.join(directory, name), list(modules)))
     except BaseException:
         stop_worker_zygotes()
+        shutil.rmtree(directory, ignore_errors=True)  # if no zygote was launched in it
         raise
     return {"runtime_env": {"py_executable": worker_command(*_started)},
             "_system_config": {"enable_worker_prestart": False}}
@@ -80,9 +79,9 @@ def wait_worker_zygotes() -> None:
 def stop_worker_zygotes() -> None:
     """Stop this process's zygotes (after its Ray has stopped) and forget them (a later Ray may start without)."""
     while _started:
-        _started.pop().stop()
-    while _socket_dir:
-        shutil.rmtree(_socket_dir.pop(), ignore_errors=True)
+        zygote = _started.pop()
+        zygote.stop()
+        shutil.rmtree(os.path.dirname(zygote.socket_path), ignore_errors=True)
 
 
 def light_actor_options() -> dict:

@@ -10,7 +10,8 @@ CPU: its own `import ray`, Ray's worker set-up and rayflow's modules.
              must read from its own environment), then on each connection forks a child that becomes the worker
              (`become_worker`) and reports its pid and, later, its exit status.
     client   rayflow/distributed/zygote_client.py: the command Ray runs for a worker (runtime_env py_executable).
-    owner    `Zygote.start` / `stop`: the process that starts the local Ray (rayflow.distributed.worker_imports).
+    owner    `Zygote.launch`, `wait_ready`, `stop` (or `start`: both first two): the process that starts the local
+             Ray (rayflow.distributed.worker_imports).
 
 Linux only (fork, SCM_RIGHTS, prctl). The socket lives in a directory only this user can enter, and the server
 serves only this user's processes.
