@@ -1,4 +1,5 @@
-"""The README stays true: its opening commands, and its configuration reference equals the code's."""
+"""The README stays true: its opening commands, its configuration reference equals the code's, and its
+flow_grpo / DiffusionNFT override blocks load."""
 
 import os
 import subprocess
@@ -34,3 +35,19 @@ def test_every_tensorboard_tag_is_documented():
 
     text = readme()
     assert [tag for tag in SCALAR_TAGS if f"`{tag}`" not in text] == []
+
+
+def test_the_reference_projects_recipes_as_overrides_load():
+    """The override blocks under "Coming from flow_grpo / DiffusionNFT" are valid keys and values on the recipes
+    they are written for (a renamed or removed key would make them fail)."""
+    from rayflow.config import load_config
+    from rayflow.paths import recipe
+
+    section = readme().split("### Coming from flow_grpo / DiffusionNFT", 1)[1].split("\n## ", 1)[0]
+    blocks = [" ".join(line.strip().rstrip("\\") for line in chunk.splitlines() if line.startswith("    "))
+              for chunk in section.split("\n\n") if chunk.startswith("    ")]
+    assert len(blocks) == 2
+    flow_grpo = load_config(recipe("flowgrpo_qwen_image.yaml"), blocks[0].split())
+    assert (flow_grpo.sampling.num_steps, flow_grpo.trainer.eval_num_steps, flow_grpo.algorithm.group_size) == (10, 40, 24)
+    nft = load_config(recipe("diffusion_nft_qwen_image.yaml"), blocks[1].split())
+    assert (nft.sampling.solver, nft.trainer.eval_solver, nft.trainer.eval_num_steps) == ("dpm2", "euler", 40)

@@ -107,6 +107,19 @@ def test_plan_refuses_what_does_not_fit_naming_the_knob(recipe_plan):
     check_fits(chunked, chunked_plan, int(79.6 * GiB))
 
 
+def test_cfg_evaluation_of_cfg_free_rollouts_is_planned_on_the_rollout_rank_only(recipe_sizes):
+    """CFG-free rollouts evaluated under CFG (trainer.eval_guidance_scale): a rollout rank encodes two conditionings
+    per sample during evaluation, so its prompt-encoding phase is planned at twice the batch; the learner, which
+    never evaluates, trains one branch either way."""
+    sizes = recipe_sizes[0]
+    cfg_free = ["sampling.guidance_scale=1.0", "rollout.cfg_parallel_size=1"]
+    rollouts_only = roles(load_config(RECIPE_8GPU, cfg_free), sizes)
+    with_cfg_eval = roles(load_config(RECIPE_8GPU, [*cfg_free, "trainer.eval_guidance_scale=4.0"]), sizes)
+    encode = "prompt encoding (text encoder forward)"
+    assert with_cfg_eval[0].phases[encode] == 2 * rollouts_only[0].phases[encode] > 0
+    assert with_cfg_eval[1].phases == rollouts_only[1].phases
+
+
 def test_full_fine_tuning_plan_counts_whole_weight_copies_gradients_and_moments_per_shard(recipe_sizes):
     """learner.train_mode=full on the 8-GPU recipe's 20.43B transformer: the shard, its "base" copy (KL), gradients
     and two AdamW moments per learner rank; every weight in one sync version, and in each of the rollout ranks'

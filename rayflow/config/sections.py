@@ -14,6 +14,7 @@ from rayflow.algorithms.advantages import STAT_TRACKING
 from rayflow.algorithms.diffusion_nft import ADV_MODES
 from rayflow.errors import ConfigError
 from rayflow.paths import recipe
+from rayflow.types import SOLVERS
 
 DTYPES = ("float32", "bfloat16", "float16")
 PLACEMENT_STRATEGIES = ("PACK", "STRICT_PACK", "SPREAD", "STRICT_SPREAD")
@@ -515,6 +516,14 @@ class TrainerConfig:
     """Evaluate (ODE, fixed prompts and seeds, an image grid) every this many steps (0: never)."""
     eval_at_start: bool = False
     """Also evaluate the untrained policy, as step 0 of a new run: the baseline the eval curve starts from."""
+    eval_num_steps: int | None = None
+    """Denoising steps of the evaluation samples; null: sampling.num_steps (flow_grpo's and DiffusionNFT's
+    sample.eval_num_steps: 40 in their SD3 recipes, which roll out with 10)."""
+    eval_guidance_scale: float | None = None
+    """CFG scale of the evaluation samples; null: sampling.guidance_scale (flow_grpo's sample.eval_guidance_scale)."""
+    eval_solver: str | None = None
+    """Deterministic solver of the evaluation samples, "euler" or "dpm2"; null: sampling.solver (DiffusionNFT rolls
+    out with dpm2 and evaluates with Euler)."""
     time_limit_s: float | None = None
     """Stop after the step during which this run's training time (perf/train_s: its steps' wall time, evaluations
     excluded, counted from this start or resume) passes this many seconds, evaluating and checkpointing there as
@@ -552,6 +561,12 @@ class TrainerConfig:
         _need(self.keep_checkpoints >= 1, f"{prefix}.keep_checkpoints", self.keep_checkpoints, "an integer >= 1")
         _need(self.max_skipped_steps >= 0, f"{prefix}.max_skipped_steps", self.max_skipped_steps, "an integer >= 0 (0: never stop)")
         _need(self.eval_every >= 0, f"{prefix}.eval_every", self.eval_every, "an integer >= 0")
+        _need(self.eval_num_steps is None or self.eval_num_steps >= 1, f"{prefix}.eval_num_steps", self.eval_num_steps,
+              "null (sampling.num_steps) or an integer >= 1")
+        _need(self.eval_guidance_scale is None or self.eval_guidance_scale >= 1.0, f"{prefix}.eval_guidance_scale",
+              self.eval_guidance_scale, "null (sampling.guidance_scale) or a float >= 1.0 (1.0 disables CFG)")
+        _need(self.eval_solver is None or self.eval_solver in SOLVERS, f"{prefix}.eval_solver", self.eval_solver,
+              f"null (sampling.solver) or one of {list(SOLVERS)}")
         _need(self.time_limit_s is None or self.time_limit_s > 0, f"{prefix}.time_limit_s", self.time_limit_s,
               "null (no limit) or seconds > 0")
         _need(0 <= self.ema_decay < 1, f"{prefix}.ema_decay", self.ema_decay, "a float in [0, 1) (0: no EMA)")

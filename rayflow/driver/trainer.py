@@ -32,7 +32,7 @@ from rayflow.config import RayflowConfig, to_dict
 from rayflow.data.prompts import GroupSampler, PromptGroup, load_prompts
 from rayflow.distributed.colocated import ColocatedDevices
 from rayflow.distributed.tensor_pickle import install as install_tensor_pickling
-from rayflow.driver.evaluation import Evaluator
+from rayflow.driver.evaluation import Evaluator, evaluation_params
 from rayflow.driver.queue import QueueStats, StalenessQueue
 from rayflow.driver.timing import Phases, StepClock
 from rayflow.distributed.watchdog import Watchdog
@@ -126,7 +126,8 @@ class Trainer:
                 with phase("weight sync"):
                     self.sync.connect(self.rollout.replicas)
             self.rollout.sync_with(self.sync)
-            self.evaluator = Evaluator(cfg.data, cfg.sampling, prompts, self._generate, self.rewards)
+            self.evaluator = Evaluator(cfg.data, evaluation_params(cfg.sampling, cfg.trainer), prompts, self._generate,
+                                       self.rewards)
             with phase("resume"):
                 self._resume()
             wandb_run = {"name": cfg.trainer.run_name, "dir": cfg.trainer.run_dir, "config": to_dict(cfg)}

@@ -72,10 +72,18 @@ class RoleMemory:
         return max(((k, v) for k, v in items.items() if k in self.knobs), key=lambda kv: kv[1], default=("", 0))
 
 
-def branches(config: RayflowConfig) -> int:
-    """CFG branches per denoising step (conditionings the policy builds at the configured scale)."""
+def branches(config: RayflowConfig, scale: float | None = None) -> int:
+    """CFG branches per denoising step: conditionings the policy builds at `scale` (null: sampling.guidance_scale,
+    what rollouts and the learner's forwards use)."""
     policy = guidance_policy(config.cfg)
-    return len(policy.conditioning_prompts(["x"], config.sampling.negative_prompt, config.sampling.guidance_scale))
+    scale = config.sampling.guidance_scale if scale is None else scale
+    return len(policy.conditioning_prompts(["x"], config.sampling.negative_prompt, scale))
+
+
+def sampled_branches(config: RayflowConfig) -> int:
+    """The most CFG branches a rollout rank builds per step: at the rollouts' scale or evaluation's
+    (trainer.eval_guidance_scale, e.g. CFG evaluation of a CFG-free DiffusionNFT policy)."""
+    return max(branches(config), branches(config, config.trainer.eval_guidance_scale))
 
 
 def _gpus(value: float | None) -> float:
@@ -85,7 +93,7 @@ def _gpus(value: float | None) -> float:
 def rollout_rank(cfg: RayflowConfig, sizes: ModelSizes) -> RoleMemory:
     r, s = cfg.rollout, cfg.sampling
     wb = dtype_bytes(cfg.model.dtype)
-    n_branches = branches(cfg)
+    n_branches = sampled_branches(cfg)
     per_rank = math.ceil(n_branches / r.cfg_parallel_size)
     forward_batch = r.micro_batch_size * (per_rank if r.batch_branches else 1)
     payload = _sync_payload(cfg, sizes)
@@ -213,7 +221,7 @@ def roles(cfg: RayflowConfig, sizes: ModelSizes) -> list[RoleMemory]:
 def required_forwards(cfg: RayflowConfig) -> set[tuple[int, bool]]:
     """The (batch, checkpointing) forwards the plan measures."""
     r = cfg.rollout
-    per_rank = math.ceil(branches(cfg) / r.cfg_parallel_size)
+    per_rank = math.ceil(sampled_branches(cfg) / r.cfg_parallel_size)
     rollout_batch = r.micro_batch_size * (per_rank if r.batch_branches else 1)
     return {(rollout_batch, False), (cfg.learner.micro_batch_size, cfg.learner.activation_checkpointing)}
 
