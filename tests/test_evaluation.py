@@ -35,11 +35,11 @@ def test_evaluation_params_take_the_rollouts_settings_unless_the_eval_keys_are_s
     same = evaluation_params(s, cfg.trainer)
     assert (same.num_steps, same.guidance_scale, same.solver) == (s.num_steps, s.guidance_scale, s.solver)
     assert same.sde_type == "ode" and same.resolved_sde_steps() == [] and same.return_step_indices == [s.num_steps]
-    cfg.trainer.eval_num_steps, cfg.trainer.eval_guidance_scale, cfg.trainer.eval_solver = 40, 1.0, "dpm2"
+    cfg.trainer.eval_num_steps, cfg.trainer.eval_guidance_scale, cfg.trainer.eval_solver = 1, 1.0, "dpm2"
     other = evaluation_params(s, cfg.trainer)
-    assert (other.num_steps, other.guidance_scale, other.solver) == (40, 1.0, "dpm2")
-    assert other.return_step_indices == [40] and other.sde_window_size is None
-    other.validate()  # a rollout window wider than the evaluation's steps does not carry over
+    assert (other.num_steps, other.guidance_scale, other.solver) == (1, 1.0, "dpm2")
+    assert other.return_step_indices == [1] and other.sde_window_size is None and other.sde_window_range is None
+    other.validate()  # the rollouts' 2-step window, wider than the evaluation's 1 step, does not carry over
     assert (s.num_steps, s.sde_type, s.sde_window_size) == (6, "sde", 2)  # the rollouts' own are untouched
 
 
@@ -52,7 +52,7 @@ def test_a_bad_eval_key_is_named_with_what_it_allows(key, value, allowed):
 
 
 def test_replicas_evaluate_with_the_eval_keys_as_the_single_process_sampler(ray_session, tiny_model_dir, tmp_path):
-    """The DiffusionNFT recipe rolls out CFG-free with dpm2; evaluated with 3 Euler steps under CFG 2, the rollout
+    """The tiny DiffusionNFT recipe rolls out CFG-free with dpm2; evaluated with 3 Euler steps under CFG 2, the rollout
     replicas' evaluation samples are the single-process sampler's with those settings written out, bit for bit."""
     eval_keys = ("trainer.eval_num_steps=3", "trainer.eval_guidance_scale=2.0", "trainer.eval_solver=euler",
                  "data.eval_seeds=2", "logging.progress_bar=false")
