@@ -77,11 +77,13 @@ def wait_worker_zygotes() -> None:
 
 
 def stop_worker_zygotes() -> None:
-    """Stop this process's zygotes (after its Ray has stopped) and forget them (a later Ray may start without)."""
+    """Stop this process's zygotes (after its Ray has stopped) and forget them (a later Ray may start without);
+    then remove their sockets' directory."""
+    directories = {os.path.dirname(zygote.socket_path) for zygote in _started}
     while _started:
-        zygote = _started.pop()
-        zygote.stop()
-        shutil.rmtree(os.path.dirname(zygote.socket_path), ignore_errors=True)
+        _started.pop().stop()
+    for directory in directories:
+        shutil.rmtree(directory, ignore_errors=True)
 
 
 def light_actor_options() -> dict:
