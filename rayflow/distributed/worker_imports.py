@@ -44,9 +44,7 @@ def start_worker_zygotes(pipeline_class: str) -> dict:
     RAYFLOW_ZYGOTE=1): the runtime env whose worker command forks from them, and no workers started ahead of demand
     (those would be plain processes of another runtime env, which no actor of the run takes; a forked worker starts
     in a fraction of a second)."""
-    switch = os.environ.get(SWITCH_ENV)
-    large_or_gpu = (os.cpu_count() or 1) > MAX_CORES or has_gpus()
-    if sys.platform != "linux" or switch == "0" or (switch != "1" and large_or_gpu):
+    if not zygotes_wanted():
         return {}
     if _started:  # one local Ray per process: stopping them here would kill that Ray's workers
         raise RuntimeError("this process's zygotes already run (a local Ray started here is still up)")
@@ -60,6 +58,14 @@ def start_worker_zygotes(pipeline_class: str) -> dict:
         raise
     return {"runtime_env": {"py_executable": worker_command(*_started)},
             "_system_config": {"enable_worker_prestart": False}}
+
+
+def zygotes_wanted() -> bool:
+    """Whether a local Ray started here forks its workers from zygotes: on Linux, with RAYFLOW_ZYGOTE=1, or unless
+    RAYFLOW_ZYGOTE=0 on a machine of up to MAX_CORES cores without GPUs."""
+    switch = os.environ.get(SWITCH_ENV)
+    large_or_gpu = (os.cpu_count() or 1) > MAX_CORES or has_gpus()
+    return sys.platform == "linux" and switch != "0" and (switch == "1" or not large_or_gpu)
 
 
 def has_gpus() -> bool:
