@@ -51,3 +51,4 @@ def test_the_reference_projects_recipes_as_overrides_load():
     assert (flow_grpo.sampling.num_steps, flow_grpo.trainer.eval_num_steps, flow_grpo.algorithm.group_size) == (10, 40, 24)
     nft = load_config(recipe("diffusion_nft_qwen_image.yaml"), blocks[1].split())
     assert (nft.sampling.solver, nft.trainer.eval_solver, nft.trainer.eval_num_steps) == ("dpm2", "euler", 40)
+    assert (nft.trainer.ema_decay, nft.trainer.ema_every) == (0.9, 1)

@@ -13,8 +13,8 @@ classes, rayflow.models.shapes) on rendered scenes of the shapes world (rayflow.
    objects is what a small model learns last), its learning rate decayed to 0 along a cosine after warm-up.
    With --caption-noise p, a fraction p of the counting and position scenes carry a caption that misstates the
    count or the side (as web captions miscount and misplace): the base then draws what such prompts ask less
-   reliably. The shipped base has none; with it RL did not win the lost ground back (README, Learning on the
-   shapes world).
+   reliably. The shipped base has none; with it RL did not win the lost ground back (docs/shapes_history.md,
+   Nor does a base that misreads counts and sides).
 With --workers N, N processes (one torch thread each) split every batch's rows and sum their gradients over gloo
 on loopback: the same training as one process that accumulates the N parts' gradients, bit for bit, in about 1/N of
 the time; it differs from the one-process default (whole batches at once, which made the shipped weights) only in
