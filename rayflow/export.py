@@ -6,16 +6,25 @@ from __future__ import annotations
 import os
 
 from rayflow.checkpoint import SHARDED_DIR, load_adapter, read_meta
+from rayflow.models.lora import EVAL_EMA_ADAPTER, TRAINED_ADAPTER
 
 
-def export_lora(path: str, out: str, adapter: str = "default") -> str:
-    """Write one adapter of a checkpoint in diffusers' LoRA format (out/pytorch_lora_weights.safetensors,
-    "transformer."-prefixed peft keys, the LoRA config as metadata so alpha survives), with the pipeline
-    class's own save_lora_weights. Returns `out`."""
+def saved_adapter(adapters: list[str]) -> str:
+    """The weights flow_grpo and DiffusionNFT write as their checkpoint's LoRA: their train.ema EMA when they keep
+    one (save_ckpt copies it into the trained parameters first), else the trained ones. Here: "ema" (the EMA of
+    trainer.ema_decay) when the checkpoint holds it, else "default"; never DiffusionNFT's rollout adapter "old"."""
+    return EVAL_EMA_ADAPTER if EVAL_EMA_ADAPTER in adapters else TRAINED_ADAPTER
+
+
+def export_lora(path: str, out: str, adapter: str | None = None) -> str:
+    """Write one adapter of a checkpoint (None: `saved_adapter`'s) in diffusers' LoRA format
+    (out/pytorch_lora_weights.safetensors, "transformer."-prefixed peft keys, the LoRA config as metadata so alpha
+    survives), with the pipeline class's own save_lora_weights. Returns `out`."""
     import diffusers
     from peft import LoraConfig
 
     meta = read_meta(path)
+    adapter = adapter or saved_adapter(meta["adapters"])
     if meta.get("sharded"):
         raise ValueError(f"{path} is a full fine-tuning checkpoint (learner.train_mode=full), it has no LoRA: "
                          f"tools/export_lora.py exports its transformer (export_transformer)")
@@ -29,8 +38,8 @@ def export_lora(path: str, out: str, adapter: str = "default") -> str:
     return out
 
 
-def export_transformer(path: str, out: str, weights: str = "default") -> str:
-    """Write weight set `weights` of a full fine-tuning checkpoint as a diffusers transformer directory
+def export_transformer(path: str, out: str, weights: str | None = None) -> str:
+    """Write weight set `weights` (None: `saved_adapter`'s) of a full fine-tuning checkpoint as a diffusers transformer directory
     (`save_pretrained`: config.json and safetensors), which `<Transformer>.from_pretrained(out)` loads and
     `<Pipeline>.from_pretrained(BASE, transformer=...)` samples with. Built from the checkpoint alone (the
     transformer class and config its identity records), in the dtype it was trained in. Returns `out`."""
@@ -41,6 +50,7 @@ def export_transformer(path: str, out: str, weights: str = "default") -> str:
     meta = read_meta(path)
     if not meta.get("sharded"):
         raise ValueError(f"{path} is a LoRA checkpoint (learner.train_mode=lora): export its adapter (export_lora)")
+    weights = weights or saved_adapter(meta["adapters"])
     if weights not in meta["adapters"]:
         raise ValueError(f"weights {weights!r}: {path} holds {meta['adapters']}")
     model = meta["identity"]["model"]

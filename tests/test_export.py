@@ -131,6 +131,19 @@ def test_exported_full_transformer_loads_in_diffusers_and_samples_as_rayflow_doe
         load_generate_tool().main(["--model", tiny_model_dir, "--prompt", PROMPT, "--out", str(tmp_path / "x.png"), "--lora", ckpt])
 
 
+@pytest.mark.parametrize("recipe, overrides, expected", [
+    (GRPO, (), "default"), (NFT, (), "default"), (GRPO, ("trainer.ema_decay=0.9",), "ema"),
+], ids=["flow_grpo", "nft-without-ema", "flow_grpo-ema"])
+def test_export_without_adapter_writes_what_the_reference_projects_save(trained, tmp_path, recipe, overrides, expected):
+    """flow_grpo's and DiffusionNFT's save_ckpt write their train.ema weights when they keep them, else the trained
+    ones (never DiffusionNFT's "old"): so does an export that names no adapter."""
+    _, ckpt = trained(recipe, *overrides)
+    out = str(tmp_path / "lora")
+    export_main([ckpt, "--out", out])
+    saved = load_file(os.path.join(out, "pytorch_lora_weights.safetensors"))
+    assert all(torch.equal(saved[f"transformer.{k}"], v) for k, v in load_adapter(ckpt, expected).items())
+
+
 def test_export_refuses_an_adapter_the_checkpoint_lacks(trained, tmp_path, capsys):
     _, ckpt = trained(GRPO)
     with pytest.raises(SystemExit):

@@ -48,7 +48,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--cfg-policy", default=None, choices=sorted(POLICIES), help="default: the model family's own")
     parser.add_argument("--lora", default=None,
                         help="a LoRA to load first: a diffusers-format LoRA directory, a rayflow checkpoint, or a run's checkpoints directory (its newest)")
-    parser.add_argument("--adapter", default="default", help="with a checkpoint as --lora: which adapter (default; old, DiffusionNFT's EMA; ema, the EMA of trainer.ema_decay)")
+    parser.add_argument("--adapter", default=None, help="with a checkpoint as --lora: which adapter (default; old, DiffusionNFT's EMA; ema, the EMA of trainer.ema_decay). Unset: ema when the checkpoint holds it, else default, as tools/export_lora.py")
     parser.add_argument("--out", required=True, help="output image (.png)")
     parser.add_argument("--save-latents", default=None, help="also save the final latents [1, N, C] (torch.save)")
     parser.add_argument("--cfg-parallel-size", type=int, default=1, help="W CFG-parallel ranks on a local Ray (1: in process)")
@@ -62,7 +62,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def diffusers_lora_dir(path: str, adapter: str, scratch: str) -> str:
+def diffusers_lora_dir(path: str, adapter: str | None, scratch: str) -> str:
     """`path` if it is a diffusers-format LoRA; a checkpoint (or a run's checkpoints directory) is exported
     into `scratch` first. Anything else is refused, naming what was looked for."""
     if os.path.isfile(os.path.join(path, LORA_WEIGHTS)):

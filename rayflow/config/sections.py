@@ -533,10 +533,10 @@ class TrainerConfig:
     """"auto" continues the run named run_name from its newest checkpoint, if it has one; "never" starts over
     (and refuses a run directory that holds checkpoints); or the path of a checkpoint (or of a run's checkpoints)."""
     ema_decay: float = 0.0
-    """flow_grpo's train.ema: an EMA of the trained adapter ("ema"), updated after optimizer steps with decay
-    min((1 + n)/(10 + n), ema_decay) at step n, evaluated and exportable (--adapter ema); 0: none (flow_grpo: 0.9)."""
+    """flow_grpo's and DiffusionNFT's train.ema: an EMA of the trained adapter ("ema"), updated after optimizer steps
+    with decay min((1 + n)/(10 + n), ema_decay) at step n, evaluated and exported by default; 0: none (both: 0.9)."""
     ema_every: int = 1
-    """Update the EMA after every this many optimizer steps (flow_grpo's update_step_interval: 8)."""
+    """Update the EMA after every this many optimizer steps (update_step_interval: flow_grpo's 8, DiffusionNFT's 1)."""
     memory_check: bool = True
     """On GPU clusters, refuse at start a config whose memory plan (tools/plan.py) exceeds one GPU."""
     gpu_memory_gib: float | None = None
