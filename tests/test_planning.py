@@ -121,8 +121,8 @@ def test_cfg_evaluation_of_cfg_free_rollouts_is_planned_on_the_rollout_rank_only
 
 
 def test_full_fine_tuning_plan_counts_whole_weight_copies_gradients_and_moments_per_shard(recipe_sizes):
-    """learner.train_mode=full on the 8-GPU recipe's 20.43B transformer: the shard, its "base" copy (KL), gradients
-    and two AdamW moments per learner rank; every weight in one sync version, and in each of the rollout ranks'
+    """learner.train_mode=full on the 8-GPU recipe's 20.43B transformer: the shard, its "ema" (the recipe's
+    trainer.ema_decay) and "base" (KL) copies, gradients and two AdamW moments per learner rank; every weight in one sync version, and in each of the rollout ranks'
     three receive slots, which no 80 GB GPU holds beside the pipeline."""
     cfg = load_config(RECIPE_8GPU, ["learner.train_mode=full", "sync.mode=merged", "learner.lora_rank=8",
                                     "learner.lora_alpha=8", "algorithm.kl_beta=0.01"])
@@ -130,7 +130,7 @@ def test_full_fine_tuning_plan_counts_whole_weight_copies_gradients_and_moments_
     plan = roles(cfg, recipe_sizes[0])
     rollout, learner, sync, _ = plan
     transformer_bytes, shard = 20_430_401_088 * 2, 20_430_401_088 * 2 // 4
-    assert learner.resident == {"transformer weights (shard)": shard, 'whole-weight copies ("old", "ema", KL "base")': shard,
+    assert learner.resident == {"transformer weights (shard)": shard, 'whole-weight copies ("old", "ema", KL "base")': 2 * shard,
                                 "gradients + AdamW states": 3 * shard, "FSDP2 gathered blocks (2)": learner.resident["FSDP2 gathered blocks (2)"]}
     assert sync.resident["packed buckets of one version"] == transformer_bytes
     assert rollout.resident["weight-sync receive ring (3 versions)"] == 3 * transformer_bytes
