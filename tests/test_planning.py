@@ -122,8 +122,8 @@ def test_cfg_evaluation_of_cfg_free_rollouts_is_planned_on_the_rollout_rank_only
 
 def test_full_fine_tuning_plan_counts_whole_weight_copies_gradients_and_moments_per_shard(recipe_sizes):
     """learner.train_mode=full on the 8-GPU recipe's 20.43B transformer: the shard, its "ema" (the recipe's
-    trainer.ema_decay) and "base" (KL) copies, gradients and two AdamW moments per learner rank; every weight in one sync version, and in each of the rollout ranks'
-    three receive slots, which no 80 GB GPU holds beside the pipeline."""
+    trainer.ema_decay) and "base" (KL) copies, gradients and two AdamW moments per learner rank; every weight in one
+    sync version, and in each of the rollout ranks' three receive slots, which no 80 GB GPU holds beside the pipeline."""
     cfg = load_config(RECIPE_8GPU, ["learner.train_mode=full", "sync.mode=merged", "learner.lora_rank=8",
                                     "learner.lora_alpha=8", "algorithm.kl_beta=0.01"])
     assert required_forwards(cfg) == required_forwards(load_config(RECIPE_8GPU))  # the recipe's measured forwards serve
