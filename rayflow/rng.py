@@ -1,9 +1,11 @@
 """Random-number-generator states of a process as tensors (torch CPU and CUDA, numpy, python),
-so checkpoints hold them in safetensors rather than pickles."""
+so checkpoints hold them in safetensors rather than pickles; and generators keyed by the run's
+coordinates, the same in every process."""
 
 from __future__ import annotations
 
 import random
+import zlib
 
 import numpy as np
 import torch
@@ -40,3 +42,13 @@ def set_rng_state(state: dict[str, torch.Tensor]) -> None:
         for i in range(torch.cuda.device_count()):
             if f"cuda.{i}" in state:
                 torch.cuda.set_rng_state(state[f"cuda.{i}"], i)
+
+
+def keyed_generator(*key: int | str) -> torch.Generator:
+    """A CPU generator seeded by `key` (run seed, version, ...), the same in every process and run.
+
+    Python salts the hash of a str per process (PYTHONHASHSEED), so a string enters as its CRC-32;
+    integers, and tuples of them, hash the same everywhere, and enter as themselves (an all-integer
+    key seeds as `hash(key)` always has)."""
+    ints = tuple(zlib.crc32(part.encode()) if isinstance(part, str) else part for part in key)
+    return torch.Generator().manual_seed(hash(ints) & (2**63 - 1))

@@ -1,6 +1,10 @@
 """SDE windows (FlowGRPO-Fast, MixGRPO): where the stochastic steps of a version's rollouts lie."""
 
 import dataclasses
+import json
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -22,6 +26,33 @@ def test_random_windows_cover_every_start_in_range_and_are_a_function_of_seed_an
     assert starts != [window_params(params, 1, v).sde_step_indices[0] for v in range(200)]  # another run, other windows
     resolved = window_params(params, 0, 5)
     assert resolved.sde_window_size is None and resolved.resolved_sde_steps() == resolved.sde_step_indices
+
+
+DRAWS = """
+import json
+from rayflow.learner.minibatches import minibatch_plan, trained_subset
+from rayflow.sampling.window import window_params
+from rayflow.types import SamplingParams
+params = SamplingParams(num_steps=8, sde_window_size=3, sde_window_range=[1, 7])
+advantages = [0.0, 1.0, 0.0, -1.0, 0.0, 0.5, 0.0, 0.0, 0.0, 0.0]  # 3 kept, topped up to 4
+print(json.dumps({"windows": [window_params(params, 0, v).sde_step_indices[0] for v in range(50)],
+                  "subsets": [trained_subset(advantages, 4, 0, v) for v in range(50)],
+                  "plans": [minibatch_plan(8, 0, v, 2, 2) for v in range(5)]}))
+"""
+
+
+def test_draws_keyed_by_run_seed_and_version_are_the_same_in_every_process():
+    # Python salts str hashes per process: a key holding a string ("sde-window", "zero-advantage") once
+    # drew other windows and other zero-advantage samples in every run, so a run did not repeat, nor did
+    # a resumed one continue as it would have. Two processes with different salts must draw the same.
+    def draws(hash_seed: str) -> dict:
+        env = {**os.environ, "PYTHONHASHSEED": hash_seed}
+        out = subprocess.run([sys.executable, "-c", DRAWS], env=env, capture_output=True, text=True, check=True)
+        return json.loads(out.stdout)
+
+    first, second = draws("1"), draws("2")
+    assert first == second
+    assert len(set(first["windows"])) == 4 and len({tuple(s) for s in first["subsets"]}) > 1  # the draws vary by version
 
 
 def test_fixed_and_sliding_windows():

@@ -20,6 +20,7 @@ from rayflow.learner.objective import backward
 from rayflow.learner.optim import optimizer_step, update_eval_ema, update_rollout_ema
 from rayflow.distributed.parallelize import reshard
 from rayflow.models import DiffusionModel
+from rayflow.rng import keyed_generator
 from rayflow.types import Trajectory
 
 
@@ -37,7 +38,7 @@ def minibatch_plan(batch_size: int, run_seed: int, version: int, num_inner_epoch
         return [list(range(batch_size))]
     plan = []
     for epoch in range(num_inner_epochs):
-        g = torch.Generator().manual_seed(hash((run_seed, version, epoch)) & (2**63 - 1))
+        g = keyed_generator(run_seed, version, epoch)
         order = torch.randperm(batch_size, generator=g).tolist()
         plan += [order[i : i + size] for i in range(0, batch_size, size)]
     return plan
@@ -51,7 +52,7 @@ def trained_subset(advantages: list[float], unit: int, run_seed: int, version: i
     keep = [i for i, a in enumerate(advantages) if a != 0]
     zeros = [i for i, a in enumerate(advantages) if a == 0]
     short = (-len(keep)) % unit if keep else unit
-    g = torch.Generator().manual_seed(hash((run_seed, version, "zero-advantage")) & (2**63 - 1))
+    g = keyed_generator(run_seed, version, "zero-advantage")
     added = [zeros[i] for i in torch.randperm(len(zeros), generator=g)[:short].tolist()] if short else []
     return sorted(keep + added)
 

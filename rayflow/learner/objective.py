@@ -20,6 +20,7 @@ from rayflow.learner.spec import LearnerSpec
 from rayflow.models.lora import EMA_ADAPTER
 from rayflow.models.weight_sets import using_reference, using_weights
 from rayflow.models.base import DiffusionModel, PromptEmbeds
+from rayflow.rng import keyed_generator
 from rayflow.sampling.flow_sde import flow_step, sde_std_dev
 from rayflow.types import Trajectory
 
@@ -147,7 +148,7 @@ def nft_noise_and_steps(trajectory: Trajectory, run_seed: int, version: int, num
 
     Drawn from a generator keyed by (run seed, version, sample seed) alone, so every learner rank,
     any micro-batching and the reference trainer draw the same."""
-    g = torch.Generator().manual_seed(hash((run_seed, version, trajectory.seed)) & (2**63 - 1))
+    g = keyed_generator(run_seed, version, trajectory.seed)
     T = trajectory.params.num_steps
     steps = list(range(T)) if num_timesteps is None else sorted(torch.randperm(T, generator=g)[: min(num_timesteps, T)].tolist())
     final = trajectory.latent(T)

@@ -13,6 +13,7 @@ import dataclasses
 
 import torch
 
+from rayflow.rng import keyed_generator
 from rayflow.types import SamplingParams
 
 WINDOW_SCHEDULES = ("fixed", "random", "sliding")
@@ -35,7 +36,7 @@ def window_start(params: SamplingParams, run_seed: int, version: int) -> int:
         return lo
     if params.sde_window_schedule == "sliding":
         return lo + version % positions
-    g = torch.Generator().manual_seed(hash((run_seed, version, "sde-window")) & (2**63 - 1))
+    g = keyed_generator(run_seed, version, "sde-window")
     return lo + int(torch.randint(positions, (1,), generator=g))
 
 
