@@ -2,6 +2,7 @@
 as in one accumulating both halves of each batch), the shipped copy loads with diffusers, and a missing or corrupt
 one is named with the command that rebuilds it."""
 
+import copy
 import multiprocessing
 import os
 import shutil
@@ -11,12 +12,14 @@ import pytest
 import torch
 
 from rayflow.models.shapes import MANIFEST, REBUILD_COMMAND, SHAPES_MODEL_DIR, build_shapes_pipeline, check_shapes_base
-from rayflow.worlds.shapes import POSITIONS, parse_prompt, sample_scene
+from rayflow.rewards.shapes import detect, requirements_met
+from rayflow.worlds.shapes import POSITIONS, parse_prompt, render, sample_scene
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
 
 from pretrain_shapes import (  # noqa: E402
-    BatchShare, PretrainConfig, encode_pool, joined, miscaption, train_transformer, train_vae,
+    BatchShare, PretrainConfig, encode_pool, joined, layout_scenes, layout_targets, miscaption, train_transformer,
+    train_vae,
 )
 
 # The losses of the first two steps of each stage with the default PretrainConfig (seed 0). The VAE's are
@@ -116,6 +119,76 @@ def test_caption_noise_misstates_that_share_of_counts_and_sides_and_nothing_else
 def test_caption_noise_must_be_a_fraction():
     with pytest.raises(ValueError, match=r"caption_noise=1.5 must be in \[0, 1\]"):
         PretrainConfig(caption_noise=1.5)
+
+
+def test_layout_scenes_are_distinct_relation_prompts_each_with_scenes_that_it_describes():
+    cfg = PretrainConfig(layout_prompts=6, layout_scenes=5)
+    scenes = layout_scenes(cfg)
+    assert scenes == layout_scenes(cfg)  # a pure function of the seed
+    assert scenes != layout_scenes(PretrainConfig(seed=1, layout_prompts=6, layout_scenes=5))
+    assert len({prompt for prompt, _ in scenes}) == 6
+    for prompt, prompt_scenes in scenes:
+        req = parse_prompt(prompt)
+        assert req.relation is not None and len(prompt_scenes) == 5
+        for scene in prompt_scenes:  # as the reward reads the rendered scene: every requirement met
+            assert all(requirements_met(req, detect(render(scene)))), (prompt, scene)
+    # Several layouts per prompt: their mean is not one scene.
+    assert all(len({tuple(scene) for scene in prompt_scenes}) > 1 for _, prompt_scenes in scenes)
+
+
+def test_layout_rows_train_the_velocity_at_pure_noise_toward_the_prompts_mean_scene():
+    """--layout-rows: the targets are each prompt's scenes encoded and normalised one by one, then averaged; step 0's
+    loss is (B·plain + L·layout) / (B + L), plain the step without them (its rows draw the same), layout the mean
+    squared error of the velocity at σ = 1 against ε − that mean, row by row; split over two parts of each batch
+    (--workers 2) the rows train the same up to rounding."""
+    cfg = PretrainConfig(layout_rows=4, layout_prompts=3, layout_scenes=4)
+    pipe = build_shapes_pipeline(cfg.seed)
+    latents, prompts = encode_pool(pipe, cfg.batch, cfg.pool_categories)  # sets the VAE's latents_mean / std
+    scenes = layout_scenes(cfg)
+    layout = layout_targets(pipe, scenes)
+    assert layout.prompts == [prompt for prompt, _ in scenes]
+    vae = pipe.vae
+    mean, std = torch.tensor(vae.config.latents_mean), torch.tensor(vae.config.latents_std)
+    for (_, prompt_scenes), target in zip(scenes, layout.means):
+        packed = []
+        for scene in prompt_scenes:
+            pixels = torch.from_numpy(render(scene)).permute(2, 0, 1).float()[None, :, None] / 127.5 - 1.0
+            z = vae.encode(pixels).latent_dist.mode()[0, :, 0]  # [z, 16, 16]
+            z = (z - mean[:, None, None]) / std[:, None, None]
+            packed.append(z.reshape(4, 8, 2, 8, 2).permute(1, 3, 0, 2, 4).reshape(64, 16))  # 2x2 patches, Qwen-Image's
+        torch.testing.assert_close(target, torch.stack(packed).mean(dim=0), rtol=1e-5, atol=1e-5)
+
+    at_init = copy.deepcopy(pipe.transformer)
+    plain = train_transformer(copy.deepcopy(pipe), latents, prompts, cfg, steps=1)[0]
+    gen = torch.Generator().manual_seed(cfg.seed + 4)
+    index = torch.randint(3, (4,), generator=gen)
+    noise = torch.randn((4, 64, 16), generator=gen)
+    errors = []
+    with torch.no_grad():
+        for i, eps in zip(index.tolist(), noise):
+            embeds = pipe.encode_prompt(prompt=[layout.prompts[i]], device="cpu")[0]
+            velocity = at_init(hidden_states=eps[None], timestep=torch.ones(1), encoder_hidden_states=embeds,
+                               img_shapes=[[(1, 8, 8)]], return_dict=False)[0]
+            errors.append((velocity[0] - (eps - layout.means[i])).pow(2).mean())
+    expected = (cfg.batch * plain + 4 * torch.stack(errors).mean().item()) / (cfg.batch + 4)
+
+    halves = copy.deepcopy(pipe)
+    loss = train_transformer(pipe, latents, prompts, cfg, steps=1, layout=layout)[0]
+    assert loss == pytest.approx(expected, rel=1e-5)
+    assert loss != pytest.approx(plain, rel=1e-3)
+    split = train_transformer(halves, latents, prompts, cfg, 1, BatchShare(parts=(0, 1), of=2), layout)[0]
+    assert split == pytest.approx(loss, rel=1e-5)
+    for (name, a), b in zip(pipe.transformer.named_parameters(), halves.transformer.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_layout_settings_out_of_range_are_named():
+    with pytest.raises(ValueError, match=r"layout_prompts=529.*1 <= layout_prompts <= 528"):
+        PretrainConfig(layout_prompts=529)
+    with pytest.raises(ValueError, match=r"layout_rows=-1"):
+        PretrainConfig(layout_rows=-1)
+    with pytest.raises(ValueError, match=r"workers=2 must be >= 1 and divide layout_rows=3"):
+        PretrainConfig(layout_rows=3, workers=2)
 
 
 def test_workers_must_divide_both_batches():

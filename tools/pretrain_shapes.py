@@ -15,6 +15,11 @@ classes, rayflow.models.shapes) on rendered scenes of the shapes world (rayflow.
    count or the side (as web captions miscount and misplace): the base then draws what such prompts ask less
    reliably. The shipped base has none; with it RL did not win the lost ground back (docs/shapes_history.md,
    Nor does a base that misreads counts and sides).
+   With --layout-rows L, every batch gains L rows of relation prompts at σ = 1 whose target is the mean latent of
+   --layout-scenes scenes of the prompt: the conditional mean that the velocity at pure noise should predict
+   (the stable target field of Xu, Tong and Jaakkola, 2023, at σ = 1, its references scenes of the row's prompt).
+   One scene's layout is mostly noise about that mean, which is where a relation's word order gets lost; the shipped
+   base has none (docs/shapes_history.md, A layout target at the highest noise moves relations off chance).
 With --workers N, N processes (one torch thread each) split every batch's rows and sum their gradients over gloo
 on loopback: the same training as one process that accumulates the N parts' gradients, bit for bit, in about 1/N of
 the time; it differs from the one-process default (whole batches at once, which made the shipped weights) only in
@@ -47,12 +52,15 @@ from rayflow.distributed.process_group import bind_collectives_to  # noqa: E402
 from rayflow.models.base import PromptEmbeds  # noqa: E402
 from rayflow.models.shapes import MANIFEST, SHAPES_SPEC, build_shapes_pipeline  # noqa: E402
 from rayflow.worlds.shapes import (  # noqa: E402
-    BACKGROUND, CATEGORIES, POSITIONS, parse_prompt, prompt_of, render, sample_scene,
+    BACKGROUND, CATEGORIES, COLOURS, POSITIONS, RELATIONS, SHAPES, Placed, parse_prompt, prompt_of, render,
+    sample_requirements, sample_scene, scene_for,
 )
 
 BACKGROUND_PIXEL = (torch.tensor(BACKGROUND, dtype=torch.float32) / 127.5 - 1.0).view(1, 3, 1, 1, 1)
 UNCONDITIONAL = " "
 """The recipes' negative prompt: the prompt of the unconditional branch."""
+RELATION_PROMPTS = len(SHAPES) * len(COLOURS) * (len(SHAPES) * len(COLOURS) - 1) * len(RELATIONS)
+"""Distinct relation prompts of the world (two different coloured shapes, one relation): 528."""
 
 
 @dataclass(frozen=True)
@@ -77,13 +85,23 @@ class PretrainConfig:
     cfg_dropout: float = 0.1
     caption_noise: float = 0.0
     """Fraction of the pool's counting and position scenes captioned with another count or side (`miscaption`)."""
+    layout_rows: int = 0
+    """Rows added to every transformer batch at σ = 1 toward a relation prompt's mean scene (--layout-rows)."""
+    layout_prompts: int = 512
+    """Distinct relation prompts those rows draw from."""
+    layout_scenes: int = 16
+    """Scenes averaged into each of their targets (--layout-scenes)."""
     workers: int = 1
     """Processes that share every batch (--workers): 1 is how the shipped weights were made."""
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.caption_noise <= 1.0:
             raise ValueError(f"PretrainConfig: caption_noise={self.caption_noise} must be in [0, 1]")
-        for field, batch in (("batch", self.batch), ("vae_batch", self.vae_batch)):
+        if self.layout_rows < 0 or self.layout_scenes < 1 or not 1 <= self.layout_prompts <= RELATION_PROMPTS:
+            raise ValueError(f"PretrainConfig: layout_rows={self.layout_rows}, layout_scenes={self.layout_scenes}, "
+                             f"layout_prompts={self.layout_prompts}: allowed layout_rows >= 0, layout_scenes >= 1, "
+                             f"1 <= layout_prompts <= {RELATION_PROMPTS} (the world's relation prompts)")
+        for field, batch in (("batch", self.batch), ("vae_batch", self.vae_batch), ("layout_rows", self.layout_rows)):
             if self.workers < 1 or batch % self.workers:
                 raise ValueError(f"PretrainConfig: workers={self.workers} must be >= 1 and divide {field}={batch}")
 
@@ -179,6 +197,40 @@ def encode_pool(pipe, n: int, categories: tuple[str, ...]) -> tuple[torch.Tensor
     return pipe._pack_latents(z, n, z.shape[1], z.shape[2], z.shape[3]), prompts
 
 
+@dataclass(frozen=True)
+class LayoutTargets:
+    """The --layout-rows targets: relation prompts and, for each, the mean normalised packed latent of its scenes
+    [P, N, 4·z], which is what x_t − velocity should be at σ = 1 (pure noise) for that prompt."""
+
+    prompts: list[str]
+    means: torch.Tensor
+
+
+def layout_scenes(cfg: PretrainConfig) -> list[tuple[str, list[list[Placed]]]]:
+    """cfg.layout_prompts distinct relation prompts, each with cfg.layout_scenes scenes that it describes truly: a
+    pure function of cfg.seed."""
+    rng = random.Random(f"layout-{cfg.seed}")  # a str seed hashes by SHA-512: the same in every process
+    drawn: dict[str, list[list[Placed]]] = {}
+    while len(drawn) < cfg.layout_prompts:
+        req = sample_requirements(rng, "relation")
+        if prompt_of(req) not in drawn:
+            drawn[prompt_of(req)] = [scene_for(req, rng) for _ in range(cfg.layout_scenes)]
+    return list(drawn.items())
+
+
+@torch.no_grad()
+def layout_targets(pipe, scenes: list[tuple[str, list[list[Placed]]]]) -> LayoutTargets:
+    """Encode every prompt's scenes, normalise them as encode_pool did (the VAE's latents_mean/std) and average."""
+    mean = torch.tensor(pipe.vae.config.latents_mean)[:, None, None]
+    std = torch.tensor(pipe.vae.config.latents_std)[:, None, None]
+    means = []
+    for _, prompt_scenes in scenes:
+        pixels = torch.from_numpy(np.stack([render(scene) for scene in prompt_scenes])).permute(0, 3, 1, 2)
+        z = (pipe.vae.encode(pixels[:, :, None].float() / 127.5 - 1.0).latent_dist.mode()[:, :, 0] - mean) / std
+        means.append(pipe._pack_latents(z, *z.shape).mean(dim=0))  # [N, 4·z]
+    return LayoutTargets([prompt for prompt, _ in scenes], torch.stack(means))
+
+
 def miscaption(prompts: list[str], fraction: float, seed: int) -> list[str]:
     """The pool's captions with `fraction` of its counting and position prompts misstated: another count (of 1–3)
     or another side. Caption i's draws come from a generator of its own (seed·1_000_003 + i), so whether and how
@@ -206,9 +258,11 @@ def prompt_embeddings(pipe, prompts: list[str]) -> dict[str, torch.Tensor]:
 
 
 def train_transformer(pipe, latents: torch.Tensor, prompts: list[str], cfg: PretrainConfig, steps: int,
-                      share: BatchShare = ALL_ROWS) -> list[float]:
-    """Flow matching on the pool (batch k is pool items k·B .. (k+1)·B−1, cyclically); the loss of each step."""
-    embeds = prompt_embeddings(pipe, prompts)
+                      share: BatchShare = ALL_ROWS, layout: LayoutTargets | None = None) -> list[float]:
+    """Flow matching on the pool (batch k is pool items k·B .. (k+1)·B−1, cyclically); the loss of each step. With
+    `layout`, each batch also has cfg.layout_rows rows at σ = 1 toward a layout prompt's mean scene (drawn from a
+    generator of their own), and the step's loss is the mean over all B + L rows."""
+    embeds = prompt_embeddings(pipe, prompts + (layout.prompts if layout else []))
     transformer = pipe.transformer.train().requires_grad_(True)
     torch.manual_seed(cfg.seed + 1)
     params = list(transformer.parameters())
@@ -217,6 +271,8 @@ def train_transformer(pipe, latents: torch.Tensor, prompts: list[str], cfg: Pret
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / cfg.warmup) * 0.5 * (1 + math.cos(math.pi * min(s, cfg.steps) / cfg.steps)))
     gen = torch.Generator().manual_seed(cfg.seed + 2)
+    layout_gen = torch.Generator().manual_seed(cfg.seed + 4)
+    rows_in_all = cfg.batch + (cfg.layout_rows if layout else 0)
     n, tokens = latents.shape[0], latents.shape[1]
     side = int(tokens**0.5)
     losses = []
@@ -238,7 +294,11 @@ def train_transformer(pipe, latents: torch.Tensor, prompts: list[str], cfg: Pret
                 encoder_hidden_states_mask=cond.mask, img_shapes=[[(1, side, side)]] * len(s), return_dict=False,
             )[0]
             part_loss = (velocity - (eps - x0)).pow(2).mean()
+            if layout:
+                part_loss = part_loss * (cfg.batch / rows_in_all)
             loss = loss + share.backward(part_loss, cfg.batch)
+        if layout:
+            loss = loss + layout_loss(transformer, embeds, layout, cfg, layout_gen, share, rows_in_all)
         loss = share.sum_across_processes(params, loss)
         opt.step()
         sched.step()
@@ -247,6 +307,26 @@ def train_transformer(pipe, latents: torch.Tensor, prompts: list[str], cfg: Pret
             print(f"transformer step {step}: loss {loss.item():.5f}", flush=True)
     transformer.eval().requires_grad_(False)
     return losses
+
+
+def layout_loss(transformer, embeds: dict[str, torch.Tensor], layout: LayoutTargets, cfg: PretrainConfig,
+                gen: torch.Generator, share: BatchShare, rows_in_all: int) -> torch.Tensor:
+    """Backpropagate this process's share of the step's cfg.layout_rows rows: at σ = 1, x_t is the noise ε and the
+    target velocity ε − (the prompt's mean scene); their loss is weighted as L of the step's rows_in_all rows."""
+    index = torch.randint(len(layout.prompts), (cfg.layout_rows,), generator=gen)
+    noise = torch.randn((cfg.layout_rows, *layout.means.shape[1:]), generator=gen)  # [L, N, C]
+    side = int(layout.means.shape[1] ** 0.5)
+    loss = torch.zeros(())
+    for rows in share.rows(cfg.layout_rows):
+        eps, target_x0 = noise[rows], layout.means[index[rows]]
+        cond = PromptEmbeds.pad([embeds[layout.prompts[i]] for i in index[rows].tolist()])
+        velocity = transformer(
+            hidden_states=eps, timestep=torch.ones(len(eps)), encoder_hidden_states=cond.embeds,
+            encoder_hidden_states_mask=cond.mask, img_shapes=[[(1, side, side)]] * len(eps), return_dict=False,
+        )[0]
+        part_loss = (velocity - (eps - target_x0)).pow(2).mean() * (cfg.layout_rows / rows_in_all)
+        loss = loss + share.backward(part_loss, cfg.layout_rows)
+    return loss
 
 
 def save(pipe, out: str, cfg: PretrainConfig, seconds: float, cpu_seconds: float) -> None:
@@ -273,7 +353,8 @@ def pretrain(out: str, cfg: PretrainConfig, share: BatchShare = ALL_ROWS) -> Non
     train_vae(pipe.vae, cfg, cfg.vae_steps, share)
     latents, prompts = encode_pool(pipe, cfg.pool, cfg.pool_categories)
     prompts = miscaption(prompts, cfg.caption_noise, cfg.seed + 3)
-    train_transformer(pipe, latents, prompts, cfg, cfg.steps, share)
+    layout = layout_targets(pipe, layout_scenes(cfg)) if cfg.layout_rows else None
+    train_transformer(pipe, latents, prompts, cfg, cfg.steps, share, layout)
     seconds = time.perf_counter() - start
     cpu_seconds = torch.tensor(time.process_time() - cpu_start, dtype=torch.float64)
     if share.group is not None:
@@ -308,12 +389,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=PretrainConfig.steps, help="transformer steps")
     parser.add_argument("--caption-noise", type=float, default=PretrainConfig.caption_noise,
                         help="fraction of counting and position scenes captioned with another count or side")
+    parser.add_argument("--layout-rows", type=int, default=PretrainConfig.layout_rows,
+                        help="rows added to every batch at sigma=1 toward a relation prompt's mean scene")
+    parser.add_argument("--layout-scenes", type=int, default=PretrainConfig.layout_scenes,
+                        help="scenes averaged into each of those targets")
     parser.add_argument("--workers", type=int, default=PretrainConfig.workers,
                         help="processes sharing every batch (2 on 2 cores: about half the time; "
                              "1 is how the shipped weights were made)")
     args = parser.parse_args(argv)
     cfg = PretrainConfig(seed=args.seed, vae_steps=args.vae_steps, steps=args.steps,
-                         caption_noise=args.caption_noise, workers=args.workers)
+                         caption_noise=args.caption_noise, layout_rows=args.layout_rows,
+                         layout_scenes=args.layout_scenes, workers=args.workers)
     if cfg.workers == 1:
         pretrain(args.out, cfg)
         return

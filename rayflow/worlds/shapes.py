@@ -194,9 +194,14 @@ def sample_scene(seed: int, categories: tuple[str, ...] = CATEGORIES) -> tuple[s
     uniformly from `categories` (list one more than once to draw it more often)."""
     rng = random.Random(seed)
     req = sample_requirements(rng, rng.choice(categories))
+    return prompt_of(req), scene_for(req, rng)
+
+
+def scene_for(req: Requirements, rng: random.Random) -> list[Placed]:
+    """A scene that `req` describes truly: its cells, and any colour the prompt leaves open, drawn from `rng`."""
     cells = iter(_cells_for(req, rng))
     scene = []
     for obj in req.objects:
         colour = obj.colour or rng.choice(list(COLOURS))
         scene += [Placed(obj.shape, colour, *next(cells)) for _ in range(obj.count)]
-    return prompt_of(req), scene
+    return scene
