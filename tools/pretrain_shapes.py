@@ -18,8 +18,10 @@ classes, rayflow.models.shapes) on rendered scenes of the shapes world (rayflow.
    With --layout-rows L, every batch gains L rows of relation prompts at σ = 1 whose target is the mean latent of
    --layout-scenes scenes of the prompt: the conditional mean that the velocity at pure noise should predict
    (the stable target field of Xu, Tong and Jaakkola, 2023, at σ = 1, its references scenes of the row's prompt).
-   One scene's layout is mostly noise about that mean, which is where a relation's word order gets lost; the shipped
-   base has none (docs/shapes_history.md, A layout target at the highest noise moves relations off chance).
+   One scene's layout is mostly noise about that mean, which is where a relation's word order gets lost. Continuing
+   a base with these rows moved relations off chance; one base built from scratch with them came out broken, for a
+   reason not yet found (docs/shapes_history.md, A layout target at the highest noise moves relations off chance).
+   The shipped base has none.
 With --workers N, N processes (one torch thread each) split every batch's rows and sum their gradients over gloo
 on loopback: the same training as one process that accumulates the N parts' gradients, bit for bit, in about 1/N of
 the time; it differs from the one-process default (whole batches at once, which made the shipped weights) only in
