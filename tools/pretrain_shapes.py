@@ -147,13 +147,14 @@ ALL_ROWS = BatchShare()
 
 def scene_batch(first: int, n: int, categories: tuple[str, ...] = CATEGORIES) -> tuple[torch.Tensor, list[str]]:
     """Scenes first .. first+n−1 of `categories` -> (images [n, 3, 1, 64, 64] in [−1, 1], their prompts)."""
-    prompts, images = [], []
-    for seed in range(first, first + n):
-        prompt, scene = sample_scene(seed, categories)
-        prompts.append(prompt)
-        images.append(render(scene))
-    pixels = torch.from_numpy(np.stack(images)).permute(0, 3, 1, 2).float() / 127.5 - 1.0  # [n, 3, 64, 64]
-    return pixels[:, :, None], prompts
+    prompts, scenes = zip(*(sample_scene(seed, categories) for seed in range(first, first + n)))
+    return scene_pixels(scenes), list(prompts)
+
+
+def scene_pixels(scenes) -> torch.Tensor:
+    """Rendered scenes -> images [n, 3, 1, 64, 64] in [−1, 1], the VAE's input."""
+    pixels = torch.from_numpy(np.stack([render(scene) for scene in scenes])).permute(0, 3, 1, 2)  # [n, 3, 64, 64]
+    return pixels.float()[:, :, None] / 127.5 - 1.0
 
 
 def train_vae(vae, cfg: PretrainConfig, steps: int, share: BatchShare = ALL_ROWS) -> list[float]:
@@ -227,8 +228,7 @@ def layout_targets(pipe, scenes: list[tuple[str, list[list[Placed]]]]) -> Layout
     std = torch.tensor(pipe.vae.config.latents_std)[:, None, None]
     means = []
     for _, prompt_scenes in scenes:
-        pixels = torch.from_numpy(np.stack([render(scene) for scene in prompt_scenes])).permute(0, 3, 1, 2)
-        z = (pipe.vae.encode(pixels[:, :, None].float() / 127.5 - 1.0).latent_dist.mode()[:, :, 0] - mean) / std
+        z = (pipe.vae.encode(scene_pixels(prompt_scenes)).latent_dist.mode()[:, :, 0] - mean) / std
         means.append(pipe._pack_latents(z, *z.shape).mean(dim=0))  # [N, 4·z]
     return LayoutTargets([prompt for prompt, _ in scenes], torch.stack(means))
 
@@ -259,6 +259,15 @@ def prompt_embeddings(pipe, prompts: list[str]) -> dict[str, torch.Tensor]:
     return {p: pipe.encode_prompt(prompt=[p], device="cpu")[0][0] for p in distinct}
 
 
+def predict_velocity(transformer, xt: torch.Tensor, sigma: torch.Tensor, cond: PromptEmbeds) -> torch.Tensor:
+    """The transformer's velocity [B, N, C] at packed latents xt [B, N, C] (a square grid of N tokens), sigmas [B]."""
+    side = int(xt.shape[1] ** 0.5)
+    return transformer(
+        hidden_states=xt, timestep=sigma, encoder_hidden_states=cond.embeds, encoder_hidden_states_mask=cond.mask,
+        img_shapes=[[(1, side, side)]] * len(xt), return_dict=False,
+    )[0]
+
+
 def train_transformer(pipe, latents: torch.Tensor, prompts: list[str], cfg: PretrainConfig, steps: int,
                       share: BatchShare = ALL_ROWS, layout: LayoutTargets | None = None) -> list[float]:
     """Flow matching on the pool (batch k is pool items k·B .. (k+1)·B−1, cyclically); the loss of each step. With
@@ -275,8 +284,7 @@ def train_transformer(pipe, latents: torch.Tensor, prompts: list[str], cfg: Pret
     gen = torch.Generator().manual_seed(cfg.seed + 2)
     layout_gen = torch.Generator().manual_seed(cfg.seed + 4)
     rows_in_all = cfg.batch + (cfg.layout_rows if layout else 0)
-    n, tokens = latents.shape[0], latents.shape[1]
-    side = int(tokens**0.5)
+    n = latents.shape[0]
     losses = []
     for step in range(steps):
         # The whole batch's draws in every process (the generator's stream does not depend on the share).
@@ -291,10 +299,7 @@ def train_transformer(pipe, latents: torch.Tensor, prompts: list[str], cfg: Pret
             cond = PromptEmbeds.pad([embeds[UNCONDITIONAL if d else prompts[i]]
                                      for i, d in zip(index[rows].tolist(), dropped[rows])])
             xt = (1 - s[:, None, None]) * x0 + s[:, None, None] * eps
-            velocity = transformer(
-                hidden_states=xt, timestep=s, encoder_hidden_states=cond.embeds,
-                encoder_hidden_states_mask=cond.mask, img_shapes=[[(1, side, side)]] * len(s), return_dict=False,
-            )[0]
+            velocity = predict_velocity(transformer, xt, s, cond)
             part_loss = (velocity - (eps - x0)).pow(2).mean()
             if layout:
                 part_loss = part_loss * (cfg.batch / rows_in_all)
@@ -317,15 +322,11 @@ def layout_loss(transformer, embeds: dict[str, torch.Tensor], layout: LayoutTarg
     target velocity ε − (the prompt's mean scene); their loss is weighted as L of the step's rows_in_all rows."""
     index = torch.randint(len(layout.prompts), (cfg.layout_rows,), generator=gen)
     noise = torch.randn((cfg.layout_rows, *layout.means.shape[1:]), generator=gen)  # [L, N, C]
-    side = int(layout.means.shape[1] ** 0.5)
     loss = torch.zeros(())
     for rows in share.rows(cfg.layout_rows):
         eps, target_x0 = noise[rows], layout.means[index[rows]]
         cond = PromptEmbeds.pad([embeds[layout.prompts[i]] for i in index[rows].tolist()])
-        velocity = transformer(
-            hidden_states=eps, timestep=torch.ones(len(eps)), encoder_hidden_states=cond.embeds,
-            encoder_hidden_states_mask=cond.mask, img_shapes=[[(1, side, side)]] * len(eps), return_dict=False,
-        )[0]
+        velocity = predict_velocity(transformer, eps, torch.ones(len(eps)), cond)
         part_loss = (velocity - (eps - target_x0)).pow(2).mean() * (cfg.layout_rows / rows_in_all)
         loss = loss + share.backward(part_loss, cfg.layout_rows)
     return loss
