@@ -18,15 +18,17 @@ classes, rayflow.models.shapes) on rendered scenes of the shapes world (rayflow.
    With --layout-rows L, every batch gains L rows of relation prompts at σ = 1 whose target is the mean latent of
    --layout-scenes scenes of the prompt: the conditional mean that the velocity at pure noise should predict
    (the stable target field of Xu, Tong and Jaakkola, 2023, at σ = 1, its references scenes of the row's prompt).
-   One scene's layout is mostly noise about that mean, which is where a relation's word order gets lost. Continuing
-   a base with these rows moved relations off chance; one base built from scratch with them came out broken, for a
-   reason not yet found (docs/shapes_history.md, A layout target at the highest noise moves relations off chance).
-   The shipped base has none.
-With --workers N, N processes (one torch thread each) split every batch's rows and sum their gradients over gloo
-on loopback: the same training as one process that accumulates the N parts' gradients, bit for bit, in about 1/N of
-the time; it differs from the one-process default (whole batches at once, which made the shipped weights) only in
-rounding. The text encoder keeps its random weights (frozen). Weights are saved in float16 (a few MB) with a
-manifest of sha256 digests (rayflow_shapes.json) that rayflow checks before using the base.
+   One scene's layout is mostly noise about that mean, which is where a relation's word order gets lost. A base
+   built or continued with these rows draws relations off chance (docs/shapes_history.md, A layout target at the
+   highest noise moves relations off chance). The shipped base has none.
+Before the transformer trains, held-out scenes pass through the VAE and the shapes reward must find what their
+prompts ask in at least --vae-min-accuracy of the reconstructions, or the script stops there, naming the share.
+With --workers N, N processes (one torch thread each) split every transformer batch's rows and sum their gradients
+over gloo on loopback: the same training as one process that accumulates the N parts' gradients, bit for bit, in
+about 1/N of the time; it differs from the one-process default (whole batches at once, which made the shipped
+weights) only in rounding. Each of them trains the VAE whole, as one process does (see train_vae). The text encoder
+keeps its random weights (frozen). Weights are saved in float16 (a few MB) with a manifest of sha256 digests
+(rayflow_shapes.json) that rayflow checks before using the base.
 """
 
 import argparse
@@ -53,6 +55,7 @@ from rayflow.checkpoint_integrity import sha256_file  # noqa: E402
 from rayflow.distributed.process_group import bind_collectives_to  # noqa: E402
 from rayflow.models.base import PromptEmbeds  # noqa: E402
 from rayflow.models.shapes import MANIFEST, SHAPES_SPEC, build_shapes_pipeline  # noqa: E402
+from rayflow.rewards.shapes import ShapesReward  # noqa: E402
 from rayflow.worlds.shapes import (  # noqa: E402
     BACKGROUND, CATEGORIES, COLOURS, POSITIONS, RELATIONS, SHAPES, Placed, parse_prompt, prompt_of, render,
     sample_requirements, sample_scene, scene_for,
@@ -74,6 +77,8 @@ class PretrainConfig:
     vae_lr: float = 2e-3
     vae_shape_weight: float = 5.0
     """Weight of a shape's pixels in the reconstruction loss (the background's is 1)."""
+    vae_min_accuracy: float = 0.8
+    """Share of held-out scenes whose reconstruction the reward must score correct before the transformer trains."""
     steps: int = 7000
     """Transformer steps."""
     batch: int = 32
@@ -97,13 +102,14 @@ class PretrainConfig:
     """Processes that share every batch (--workers): 1 is how the shipped weights were made."""
 
     def __post_init__(self) -> None:
-        if not 0.0 <= self.caption_noise <= 1.0:
-            raise ValueError(f"PretrainConfig: caption_noise={self.caption_noise} must be in [0, 1]")
+        for field in ("caption_noise", "vae_min_accuracy"):
+            if not 0.0 <= getattr(self, field) <= 1.0:
+                raise ValueError(f"PretrainConfig: {field}={getattr(self, field)} must be in [0, 1]")
         if self.layout_rows < 0 or self.layout_scenes < 1 or not 1 <= self.layout_prompts <= RELATION_PROMPTS:
             raise ValueError(f"PretrainConfig: layout_rows={self.layout_rows}, layout_scenes={self.layout_scenes}, "
                              f"layout_prompts={self.layout_prompts}: allowed layout_rows >= 0, layout_scenes >= 1, "
                              f"1 <= layout_prompts <= {RELATION_PROMPTS} (the world's relation prompts)")
-        for field, batch in (("batch", self.batch), ("vae_batch", self.vae_batch), ("layout_rows", self.layout_rows)):
+        for field, batch in (("batch", self.batch), ("layout_rows", self.layout_rows)):
             if self.workers < 1 or batch % self.workers:
                 raise ValueError(f"PretrainConfig: workers={self.workers} must be >= 1 and divide {field}={batch}")
 
@@ -157,31 +163,54 @@ def scene_pixels(scenes) -> torch.Tensor:
     return pixels.float()[:, :, None] / 127.5 - 1.0
 
 
-def train_vae(vae, cfg: PretrainConfig, steps: int, share: BatchShare = ALL_ROWS) -> list[float]:
-    """Reconstruction training on fresh scenes (batch k is scenes k·B .. (k+1)·B−1); the loss of each step."""
+def train_vae(vae, cfg: PretrainConfig, steps: int, verbose: bool = True) -> list[float]:
+    """Reconstruction training on fresh scenes (batch k is scenes k·B .. (k+1)·B−1); the loss of each step.
+
+    Always whole batches in one process, also under --workers: this stage is on a knife's edge (Adam at a constant
+    rate), and summing two processes' half-batch gradients, which rounds differently, sent its loss from 0.004 to
+    0.2 at step 1445 on one machine, leaving a VAE that reconstructs 4% of scenes correctly. Each worker repeating
+    the whole stage costs its minutes again but gives every worker the one-process VAE, bit for bit."""
     torch.manual_seed(cfg.seed)
     vae.train().requires_grad_(True)
-    params = list(vae.parameters())
-    opt = torch.optim.Adam(params, lr=cfg.vae_lr)
+    opt = torch.optim.Adam(vae.parameters(), lr=cfg.vae_lr)
     losses = []
     for step in range(steps):
         opt.zero_grad()
-        loss = torch.zeros(())
-        for rows in share.rows(cfg.vae_batch):
-            pixels, _ = scene_batch(step * cfg.vae_batch + rows.start, rows.stop - rows.start)
-            recon = vae.decode(vae.encode(pixels).latent_dist.mode()).sample
-            # Shapes cover under a tenth of the pixels: unweighted, predicting the background is a deep minimum.
-            shape_pixels = (pixels - BACKGROUND_PIXEL).abs().amax(dim=1, keepdim=True).gt(0.1)
-            weight = 1.0 + (cfg.vae_shape_weight - 1.0) * shape_pixels
-            part_loss = (weight * (recon - pixels).pow(2)).mean()
-            loss = loss + share.backward(part_loss, cfg.vae_batch)
-        loss = share.sum_across_processes(params, loss)
+        pixels, _ = scene_batch(step * cfg.vae_batch, cfg.vae_batch)
+        recon = vae.decode(vae.encode(pixels).latent_dist.mode()).sample
+        # Shapes cover under a tenth of the pixels: unweighted, predicting the background is a deep minimum.
+        shape_pixels = (pixels - BACKGROUND_PIXEL).abs().amax(dim=1, keepdim=True).gt(0.1)
+        weight = 1.0 + (cfg.vae_shape_weight - 1.0) * shape_pixels
+        loss = (weight * (recon - pixels).pow(2)).mean()
+        loss.backward()
         opt.step()
         losses.append(loss.item())
-        if step % 100 == 0 and 0 in share.parts:  # one process prints
+        if step % 100 == 0 and verbose:
             print(f"vae step {step}: loss {loss.item():.5f}", flush=True)
     vae.eval().requires_grad_(False)
     return losses
+
+
+VAE_CHECK_SCENES = 64
+
+
+@torch.no_grad()
+def check_vae(vae, cfg: PretrainConfig) -> float:
+    """The share of VAE_CHECK_SCENES held-out scenes (the seeds after the VAE's training scenes) whose reconstruction
+    meets every requirement of its prompt as the shapes reward reads it; raises below cfg.vae_min_accuracy, before
+    the transformer trains on a broken VAE's latents."""
+    first = cfg.vae_steps * cfg.vae_batch
+    pixels, prompts = scene_batch(first, VAE_CHECK_SCENES)
+    recon = vae.decode(vae.encode(pixels).latent_dist.mode()).sample[:, :, 0]  # [n, 3, 64, 64] in [−1, 1]
+    images = ((recon.clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).permute(0, 2, 3, 1)
+    accuracy = ShapesReward()(images, prompts).metrics["shapes_accuracy"].mean().item()
+    if accuracy < cfg.vae_min_accuracy:
+        raise RuntimeError(
+            f"pretrain_shapes: the trained VAE reconstructs {accuracy:.0%} of {VAE_CHECK_SCENES} held-out scenes "
+            f"(seeds {first}..{first + VAE_CHECK_SCENES - 1}) correctly, below vae_min_accuracy="
+            f"{cfg.vae_min_accuracy}: its training diverged (a loss that fell, then jumped, in the 'vae step' "
+            f"lines). Try another --seed or --vae-steps; the transformer has not started.")
+    return accuracy
 
 
 @torch.no_grad()
@@ -353,7 +382,10 @@ def pretrain(out: str, cfg: PretrainConfig, share: BatchShare = ALL_ROWS) -> Non
     torch.set_num_threads(1)  # on a shared 2-core machine one thread each trains faster than two fighting
     start, cpu_start = time.perf_counter(), time.process_time()
     pipe = build_shapes_pipeline(cfg.seed)
-    train_vae(pipe.vae, cfg, cfg.vae_steps, share)
+    train_vae(pipe.vae, cfg, cfg.vae_steps, verbose=0 in share.parts)
+    accuracy = check_vae(pipe.vae, cfg)
+    if 0 in share.parts:
+        print(f"vae check: {accuracy:.0%} of {VAE_CHECK_SCENES} held-out scenes reconstructed correctly", flush=True)
     latents, prompts = encode_pool(pipe, cfg.pool, cfg.pool_categories)
     prompts = miscaption(prompts, cfg.caption_noise, cfg.seed + 3)
     layout = layout_targets(pipe, layout_scenes(cfg)) if cfg.layout_rows else None
@@ -390,6 +422,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=PretrainConfig.seed)
     parser.add_argument("--vae-steps", type=int, default=PretrainConfig.vae_steps)
     parser.add_argument("--steps", type=int, default=PretrainConfig.steps, help="transformer steps")
+    parser.add_argument("--vae-min-accuracy", type=float, default=PretrainConfig.vae_min_accuracy,
+                        help="share of held-out scenes the trained VAE must reconstruct correctly to go on")
     parser.add_argument("--caption-noise", type=float, default=PretrainConfig.caption_noise,
                         help="fraction of counting and position scenes captioned with another count or side")
     parser.add_argument("--layout-rows", type=int, default=PretrainConfig.layout_rows,
@@ -400,8 +434,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="processes sharing every batch (2 on 2 cores: about half the time; "
                              "1 is how the shipped weights were made)")
     args = parser.parse_args(argv)
-    cfg = PretrainConfig(seed=args.seed, vae_steps=args.vae_steps, steps=args.steps,
-                         caption_noise=args.caption_noise, layout_rows=args.layout_rows,
+    cfg = PretrainConfig(seed=args.seed, vae_steps=args.vae_steps, vae_min_accuracy=args.vae_min_accuracy,
+                         steps=args.steps, caption_noise=args.caption_noise, layout_rows=args.layout_rows,
                          layout_scenes=args.layout_scenes, workers=args.workers)
     if cfg.workers == 1:
         pretrain(args.out, cfg)
