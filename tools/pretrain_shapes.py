@@ -24,8 +24,8 @@ classes, rayflow.models.shapes) on rendered scenes of the shapes world (rayflow.
 Before the transformer trains, held-out scenes pass through the VAE and the shapes reward must find what their
 prompts ask in at least --vae-min-accuracy of the reconstructions, or the script stops there, naming the share.
 With --workers N, N processes (one torch thread each) split every transformer batch's rows and sum their gradients
-over gloo on loopback: the same training as one process that accumulates the N parts' gradients, bit for bit, in
-about 1/N of the time; it differs from the one-process default (whole batches at once, which made the shipped
+over gloo on loopback: the same training as one process that accumulates the N parts' gradients, bit for bit, that
+stage in about 1/N of the time; it differs from the one-process default (whole batches at once, which made the shipped
 weights) only in rounding. Each of them trains the VAE whole, as one process does (see train_vae). The text encoder
 keeps its random weights (frozen). Weights are saved in float16 (a few MB) with a manifest of sha256 digests
 (rayflow_shapes.json) that rayflow checks before using the base.
@@ -99,7 +99,7 @@ class PretrainConfig:
     layout_scenes: int = 16
     """Scenes averaged into each of their targets (--layout-scenes)."""
     workers: int = 1
-    """Processes that share every batch (--workers): 1 is how the shipped weights were made."""
+    """Processes that share every transformer batch (--workers): 1 is how the shipped weights were made."""
 
     def __post_init__(self) -> None:
         for field in ("caption_noise", "vae_min_accuracy"):
@@ -431,7 +431,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--layout-scenes", type=int, default=PretrainConfig.layout_scenes,
                         help="scenes averaged into each of those targets")
     parser.add_argument("--workers", type=int, default=PretrainConfig.workers,
-                        help="processes sharing every batch (2 on 2 cores: about half the time; "
+                        help="processes sharing every transformer batch (2 on 2 cores: about 0.7 of the time; "
                              "1 is how the shipped weights were made)")
     args = parser.parse_args(argv)
     cfg = PretrainConfig(seed=args.seed, vae_steps=args.vae_steps, vae_min_accuracy=args.vae_min_accuracy,
