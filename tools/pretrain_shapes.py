@@ -163,6 +163,11 @@ def scene_pixels(scenes) -> torch.Tensor:
     return pixels.float()[:, :, None] / 127.5 - 1.0
 
 
+def reconstruct(vae, pixels: torch.Tensor) -> torch.Tensor:
+    """Images [n, 3, 1, H, W] in [−1, 1] through the VAE as a plain autoencoder (the posterior's mode)."""
+    return vae.decode(vae.encode(pixels).latent_dist.mode()).sample
+
+
 def train_vae(vae, cfg: PretrainConfig, steps: int, verbose: bool = True) -> list[float]:
     """Reconstruction training on fresh scenes (batch k is scenes k·B .. (k+1)·B−1); the loss of each step.
 
@@ -177,7 +182,7 @@ def train_vae(vae, cfg: PretrainConfig, steps: int, verbose: bool = True) -> lis
     for step in range(steps):
         opt.zero_grad()
         pixels, _ = scene_batch(step * cfg.vae_batch, cfg.vae_batch)
-        recon = vae.decode(vae.encode(pixels).latent_dist.mode()).sample
+        recon = reconstruct(vae, pixels)
         # Shapes cover under a tenth of the pixels: unweighted, predicting the background is a deep minimum.
         shape_pixels = (pixels - BACKGROUND_PIXEL).abs().amax(dim=1, keepdim=True).gt(0.1)
         weight = 1.0 + (cfg.vae_shape_weight - 1.0) * shape_pixels
@@ -201,7 +206,7 @@ def check_vae(vae, cfg: PretrainConfig) -> float:
     the transformer trains on a broken VAE's latents."""
     first = cfg.vae_steps * cfg.vae_batch
     pixels, prompts = scene_batch(first, VAE_CHECK_SCENES)
-    recon = vae.decode(vae.encode(pixels).latent_dist.mode()).sample[:, :, 0]  # [n, 3, 64, 64] in [−1, 1]
+    recon = reconstruct(vae, pixels)[:, :, 0]  # [n, 3, 64, 64] in [−1, 1]
     images = ((recon.clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).permute(0, 2, 3, 1)
     accuracy = ShapesReward()(images, prompts).metrics["shapes_accuracy"].mean().item()
     if accuracy < cfg.vae_min_accuracy:
@@ -383,7 +388,7 @@ def pretrain(out: str, cfg: PretrainConfig, share: BatchShare = ALL_ROWS) -> Non
     start, cpu_start = time.perf_counter(), time.process_time()
     pipe = build_shapes_pipeline(cfg.seed)
     train_vae(pipe.vae, cfg, cfg.vae_steps, verbose=0 in share.parts)
-    accuracy = check_vae(pipe.vae, cfg)
+    accuracy = check_vae(pipe.vae, cfg)  # in every worker, so that all stop together, none left waiting on gloo
     if 0 in share.parts:
         print(f"vae check: {accuracy:.0%} of {VAE_CHECK_SCENES} held-out scenes reconstructed correctly", flush=True)
     latents, prompts = encode_pool(pipe, cfg.pool, cfg.pool_categories)
