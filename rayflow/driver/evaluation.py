@@ -34,31 +34,44 @@ def evaluation_params(sampling: SamplingParams, trainer: TrainerConfig) -> Sampl
     )
 
 
+def evaluation_prompts(data: DataConfig, train_prompts: list[str], num_prompts: int = 4) -> list[str]:
+    """data.eval_prompts' prompts, or the first `num_prompts` training prompts when it is null."""
+    return load_prompts(data.eval_prompts, data.max_prompt_chars) if data.eval_prompts else train_prompts[:num_prompts]
+
+
+def evaluation_requests(prompts: list[str], seeds: int, params: SamplingParams) -> list[RolloutRequest]:
+    """One request per prompt: prompt i gets seeds i·n .. i·n + n − 1 (n = `seeds`), the same images every evaluation
+    but for the weights. Re-evaluated with the run's n, they are the run's images; with another n, other seeds."""
+    return [RolloutRequest(f"eval-{i}", [p] * seeds, [i] * seeds, [EVAL_GROUP_ID] * seeds,
+                           list(range(i * seeds, (i + 1) * seeds)), params)
+            for i, p in enumerate(prompts)]
+
+
+def evaluation_scalars(trajectories: list[Trajectory]) -> dict[str, float]:
+    """eval/reward_mean and eval/<name> for every reward component and metric: means over the scored trajectories."""
+    return {
+        "eval/reward_mean": float(torch.tensor([t.reward for t in trajectories]).mean()),
+        **{f"eval/{name}": float(torch.tensor([t.rewards[name] for t in trajectories]).mean())
+           for name in trajectories[0].rewards},
+    }
+
+
 class Evaluator:
     def __init__(self, data: DataConfig, params: SamplingParams, train_prompts: list[str],
                  generate: Callable[[list[RolloutRequest], ray.ObjectRef | None], list[Trajectory]], rewards: RewardPool,
                  num_prompts: int = 4):
         """`data`: its eval_* keys; `params`: how to sample (`evaluation_params`); `generate(requests, weights)`:
         their trajectories in request order (the trainer's, under its deadlines)."""
-        prompts = load_prompts(data.eval_prompts, data.max_prompt_chars) if data.eval_prompts else train_prompts[:num_prompts]
-        # One request per prompt, seeds i·n .. i·n + n − 1 for prompt i (n = data.eval_seeds): the same images
-        # every evaluation but for the weights.
+        prompts = evaluation_prompts(data, train_prompts, num_prompts)
         n = data.eval_seeds
-        self.requests = [
-            RolloutRequest(f"eval-{i}", [p] * n, [i] * n, [EVAL_GROUP_ID] * n, list(range(i * n, (i + 1) * n)), params)
-            for i, p in enumerate(prompts)
-        ]
+        self.requests = evaluation_requests(prompts, n, params)
         self.generate, self.rewards, self.seeds = generate, rewards, n
 
     def run(self, step: int, monitor: Monitor, weights: ray.ObjectRef | None = None) -> dict[str, float]:
         """`weights`: synced-slot tensors to sample under instead of the rollout weights (the EMA adapter)."""
         trajectories = self.generate(self.requests, weights)
         self.rewards.score(trajectories)
-        scalars = {
-            "eval/reward_mean": float(torch.tensor([t.reward for t in trajectories]).mean()),
-            **{f"eval/{name}": float(torch.tensor([t.rewards[name] for t in trajectories]).mean())
-               for name in trajectories[0].rewards},
-        }
+        scalars = evaluation_scalars(trajectories)
         monitor.log(step, scalars, advance=False)
         # With several seeds, one row per prompt and one column per seed (plot_run.py --grids labels the rows).
         columns = self.seeds if self.seeds > 1 else 4

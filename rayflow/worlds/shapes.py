@@ -150,6 +150,20 @@ def parse_prompt(prompt: str) -> Requirements:
     return Requirements((_parse_object(text, prompt),))
 
 
+def category_of(req: Requirements) -> str:
+    """The one of CATEGORIES a prompt belongs to, as sample_requirements draws them ("one red square" is counting)."""
+    if req.relation is not None:
+        return "relation"
+    if req.position is not None:
+        return "position"
+    if len(req.objects) == 2:
+        return "two_objects"
+    (spec,) = req.objects
+    if spec.exact:
+        return "counting"
+    return "colour" if spec.colour is not None else "single"
+
+
 def sample_requirements(rng: random.Random, category: str) -> Requirements:
     """A random prompt of one of CATEGORIES, as its requirements."""
     def spec(count: int = 1, exact: bool = False, colour: bool = True) -> ObjectSpec:

@@ -1,0 +1,100 @@
+"""tools/evaluate.py re-evaluates a run's checkpoint (or its base) in one process: at the run's seeds it gives the
+run's own logged eval/* exactly; its standard error and shapes categories follow their written-out rules."""
+
+import json
+import math
+import os
+import random
+import subprocess
+import sys
+
+import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from rayflow.data.prompts import load_prompts
+from rayflow.driver.trainer import Trainer
+from rayflow.paths import recipe
+from rayflow.runs import write_run_config
+from rayflow.worlds.shapes import CATEGORIES, category_of, parse_prompt, sample_requirements
+from tiny_run import NFT, small_cfg
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(REPO, "tools"))
+from evaluate import evaluate, main, run_config, seed_standard_error  # noqa: E402
+
+
+def evaluate_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "tools/evaluate.py", *args], cwd=REPO, capture_output=True, text=True)
+
+
+def test_a_checkpoint_re_evaluated_at_the_runs_seeds_gives_the_runs_logged_eval_scalars(ray_session, tiny_model_dir,
+                                                                                         tmp_path):
+    """DiffusionNFT rolls out under "old" and, with trainer.ema_decay, evaluates "ema" on the rollout replicas; the
+    tool samples the same prompts and seeds under the checkpoint's "ema" in-process: the same means, bit for bit. At
+    step 0 (trainer.eval_at_start) the run evaluated its base, which --base re-evaluates."""
+    cfg = small_cfg(NFT, tiny_model_dir, tmp_path / "run", "trainer.total_steps=2", "trainer.eval_every=2",
+                    "trainer.eval_at_start=true", "trainer.save_every=2", "trainer.ema_decay=0.5", "trainer.ema_every=1",
+                    "data.eval_seeds=2", "logging.progress_bar=false")
+    write_run_config(cfg)  # as the launcher does: what the tool reads the run from
+    trainer = Trainer(cfg)
+    try:
+        trainer.run()
+    finally:
+        trainer.shutdown()
+    events = EventAccumulator(cfg.trainer.logdir, size_guidance={"scalars": 0})
+    events.Reload()
+    logged = {tag: {e.step: e.value for e in events.Scalars(tag)} for tag in events.Tags()["scalars"]
+              if tag.startswith("eval/")}
+    assert "eval/reward_mean" in logged and set(logged["eval/reward_mean"]) == {0, 2}
+
+    run_cfg, checkpoint = run_config(cfg.trainer.run_dir, [], base=False)
+    assert checkpoint.endswith("step_00000002")
+    trained = evaluate(run_cfg, checkpoint, seeds=2)
+    prompts = load_prompts(cfg.data.prompts)[:4]  # no data.eval_prompts: the first 4 training prompts, as the run's
+    assert (trained["step"], trained["adapter"], trained["images"]) == (2, "ema", len(prompts) * 2)
+    assert {tag: m["mean"] for tag, m in trained["metrics"].items()} == {tag: v[2] for tag, v in logged.items()}
+    base = evaluate(*run_config(cfg.trainer.run_dir, [], base=True), seeds=2)
+    assert {tag: m["mean"] for tag, m in base["metrics"].items()} == {tag: v[0] for tag, v in logged.items()}
+    # The weights matter: the trained ones ("default") evaluate otherwise than their EMA.
+    assert evaluate(run_cfg, checkpoint, seeds=2, adapter="default")["metrics"] != trained["metrics"]
+
+    done = evaluate_cli(cfg.trainer.run_dir, "--seeds", "3", "--json", str(tmp_path / "report.json"))
+    assert done.returncode == 0, done.stderr
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert (report["seeds"], report["images"]) == (3, len(prompts) * 3)
+    assert [row["prompt"] for row in report["per_prompt"]] == prompts
+    assert all(m["stderr"] is not None and m["stderr"] >= 0 for m in report["metrics"].values())
+    assert report["categories"] == {}  # the tiny model's colour prompts are not shapes prompts
+    done = evaluate_cli(cfg.trainer.run_dir, "--adapter", "old2")
+    assert done.returncode != 0 and "--adapter: got 'old2'; allowed: one of ['default', 'old', 'ema']" in done.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    (["no/such/run"], "'no/such/run': no such run directory, checkpoint directory or recipe YAML"),
+    ([os.path.join(REPO, "README.md")], "README.md': a run directory, a checkpoint directory or a recipe YAML was expected"),
+    ([os.path.join(REPO, "tests")], "tests': no config.yaml in it or two levels up"),
+    ([recipe("diffusion_nft_qwen_image.yaml"), "--seeds", "0"], "--seeds: got 0; allowed: an integer >= 1"),
+    ([recipe("diffusion_nft_qwen_image.yaml"), "--base", "--checkpoint", "x"], "--checkpoint and --base: give one"),
+])
+def test_what_cannot_be_evaluated_is_named(args, message):
+    with pytest.raises(SystemExit) as stopped:
+        main(args)
+    assert message in str(stopped.value.code)
+
+
+def test_the_standard_error_is_the_seeds_spread_about_each_prompts_mean():
+    """P = 3 prompts, n = 2 seeds: sample variances 0.5, 0 and 0.02; SE = sqrt((0.5 + 0 + 0.02) / 2) / 3."""
+    assert seed_standard_error([[1.0, 0.0], [1.0, 1.0], [0.3, 0.5]]) == pytest.approx(math.sqrt(0.52 / 2) / 3)
+    assert seed_standard_error([[1.0], [0.0]]) is None  # one seed: no spread to measure
+    # Binary values with p = 1/2 at every prompt: the binomial SE of P·n images, sqrt(p(1 − p) / (P n)), up to the
+    # sample variance's n / (n − 1).
+    values = [[1.0, 0.0] * 4 for _ in range(5)]
+    assert seed_standard_error(values) == pytest.approx(math.sqrt(0.25 / 40 * 8 / 7))
+
+
+def test_every_shapes_prompt_has_the_category_it_was_drawn_from():
+    rng = random.Random(0)
+    for category in CATEGORIES:
+        assert all(category_of(sample_requirements(rng, category)) == category for _ in range(50))
+    held_out = [category_of(parse_prompt(p)) for p in load_prompts(recipe("prompts/shapes_eval.txt"))]
+    assert held_out == [c for c in ("colour", "counting", "two_objects", "position", "relation") for _ in range(4)]

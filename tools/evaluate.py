@@ -1,0 +1,175 @@
+"""Evaluate a run's checkpoint, or its base, on the run's evaluation prompts with as many seeds as asked: the eval/*
+means the run logs, each with the standard error its seeds leave on it, per prompt and per shapes category.
+
+    python tools/evaluate.py RUN_DIR [--seeds 32] [--checkpoint PATH] [--base] [--adapter NAME] [--json OUT]
+    python tools/evaluate.py RECIPE.yaml [KEY=VALUE ...] [--seeds 32] [--json OUT]      # a recipe's base, untrained
+
+One process, no Ray: the reference trainer's model and sampler (`rayflow.reference`), the run's evaluation
+sampling (`evaluation_params`) and its reward. RUN_DIR's config.yaml says what the run was; the checkpoint is its
+newest intact one unless --checkpoint names another; --base evaluates the run's model before training. The weights
+are those the run evaluates (`evaluated_adapter`: the "ema" EMA with trainer.ema_decay > 0, else the rollout
+adapter) unless --adapter names another. With --seeds at the run's data.eval_seeds (the default) the figures are the
+run's own eval/* at the checkpoint's step, image for image (tests/test_evaluate.py); more seeds, a smaller error.
+
+The standard error is the one of a fixed prompt set's mean over random seeds: with P prompts, n seeds each and s_p²
+the sample variance of prompt p's n values, SE = sqrt(Σ_p s_p² / n) / P. It leaves out which prompts were chosen.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+
+import torch
+
+from rayflow import reference
+from rayflow.checkpoint import checkpoint_root, find_checkpoint
+from rayflow.config import RayflowConfig, load_config
+from rayflow.driver.evaluation import evaluation_params, evaluation_prompts, evaluation_requests, evaluation_scalars
+from rayflow.learner.model import ema_copies
+from rayflow.models.lora import EVAL_EMA_ADAPTER, TRAINED_ADAPTER, rollout_adapter_name
+from rayflow.models.weight_sets import using_weights
+from rayflow.runs import CONFIG_FILE, USER_ERRORS
+from rayflow.sampling.denoise import generate
+from rayflow.worlds.shapes import CATEGORIES, category_of, parse_prompt
+
+
+def evaluated_adapter(cfg: RayflowConfig) -> str:
+    """The weights a run evaluates: the "ema" EMA with trainer.ema_decay > 0, else those its rollouts sample under
+    (DiffusionNFT's "old", FlowGRPO's "default"), as the Trainer's evaluation does."""
+    if cfg.trainer.ema_decay > 0:
+        return EVAL_EMA_ADAPTER
+    return rollout_adapter_name(cfg.algorithm.needs_ema_rollout)
+
+
+def seed_standard_error(values: list[list[float]]) -> float | None:
+    """SE of the mean over prompts of per-prompt means, from the seeds' spread alone: values[p] holds prompt p's n
+    values (n the same for all, ≥ 2; None below). SE = sqrt(Σ_p s_p² / n) / P, s_p² the sample variance."""
+    n = len(values[0])
+    if n < 2:
+        return None
+    variances = [torch.tensor(v, dtype=torch.float64).var(correction=1).item() for v in values]
+    return math.sqrt(sum(variances) / n) / len(values)
+
+
+def shapes_category(prompt: str) -> str | None:
+    """The prompt's category in the shapes world, or None when it is not a shapes prompt."""
+    try:
+        return category_of(parse_prompt(prompt))
+    except ValueError:
+        return None
+
+
+def evaluate(cfg: RayflowConfig, checkpoint: str | None, seeds: int, adapter: str | None = None) -> dict:
+    """The run's evaluation prompts × `seeds` seeds sampled under `adapter` (None: `evaluated_adapter`) of
+    `checkpoint` (None: the base), scored. Returns the report `main` prints and writes."""
+    run = reference.build_run(cfg)
+    if checkpoint is not None:
+        reference.resume(run, checkpoint)
+    adapter = adapter or evaluated_adapter(cfg)
+    allowed = (TRAINED_ADAPTER, *ema_copies(run.spec))
+    if adapter not in allowed:
+        raise ValueError(f"--adapter: got {adapter!r}; allowed: one of {list(allowed)} (the weight sets this run keeps)")
+    prompts = evaluation_prompts(cfg.data, run.sampler.prompts)
+    requests = evaluation_requests(prompts, seeds, evaluation_params(cfg.sampling, cfg.trainer))
+    per_prompt = []
+    with using_weights(run.model.transformer, adapter):
+        for request in requests:
+            sampled = generate(run.model, request, run.spec.policy, version=run.step)
+            run.reward.score(sampled)
+            per_prompt.append(sampled)
+    trajectories = [t for group in per_prompt for t in group]
+    scalars = evaluation_scalars(trajectories)
+
+    def values(group, tag: str) -> list[float]:
+        name = tag.removeprefix("eval/")
+        return [t.reward if name == "reward_mean" else t.rewards[name] for t in group]
+
+    rows = [{"prompt": prompt, "category": shapes_category(prompt), **evaluation_scalars(group)}
+            for prompt, group in zip(prompts, per_prompt)]
+    categories = {}
+    if all(row["category"] is not None for row in rows):
+        for category in CATEGORIES:
+            members = [row for row in rows if row["category"] == category]
+            if members:
+                categories[category] = {"prompts": len(members),
+                                        **{tag: sum(m[tag] for m in members) / len(members) for tag in scalars}}
+    return {
+        "checkpoint": checkpoint, "step": run.step, "adapter": adapter, "seeds": seeds, "prompts": len(prompts),
+        "images": len(trajectories),
+        "metrics": {tag: {"mean": mean, "stderr": seed_standard_error([values(g, tag) for g in per_prompt])}
+                    for tag, mean in scalars.items()},
+        "categories": categories, "per_prompt": rows,
+    }
+
+
+def run_config(target: str, overrides: list[str], base: bool) -> tuple[RayflowConfig, str | None]:
+    """The config and checkpoint `target` names: a recipe YAML (its base, with `overrides`), a run directory (its
+    newest intact checkpoint, or none with `base`) or a checkpoint directory (inside a run's checkpoints/)."""
+    if os.path.isfile(target):
+        if not target.endswith((".yaml", ".yml")):
+            raise ValueError(f"{target!r}: a run directory, a checkpoint directory or a recipe YAML was expected")
+        return load_config(target, overrides), None
+    if not os.path.isdir(target):
+        raise FileNotFoundError(f"{target!r}: no such run directory, checkpoint directory or recipe YAML")
+    is_run_dir = os.path.isfile(os.path.join(target, CONFIG_FILE))
+    run_dir = target if is_run_dir else os.path.dirname(os.path.dirname(os.path.abspath(target)))  # <run>/checkpoints/step_N
+    config = os.path.join(run_dir, CONFIG_FILE)
+    if not os.path.isfile(config):
+        raise FileNotFoundError(f"{target!r}: no {CONFIG_FILE} in it or two levels up: not a run's directory or a "
+                                f"checkpoint of one (tools/evaluate.py RECIPE.yaml evaluates a recipe's base)")
+    cfg = load_config(config, overrides)
+    if base:
+        return cfg, None
+    return cfg, find_checkpoint(checkpoint_root(target) if is_run_dir else target)
+
+
+def print_report(report: dict) -> None:
+    where = f"step {report['step']} ({report['checkpoint']})" if report["checkpoint"] else "the base (step 0)"
+    print(f"{where}, weights {report['adapter']!r}: {report['prompts']} prompts x {report['seeds']} seeds = "
+          f"{report['images']} images")
+    for tag, m in report["metrics"].items():
+        error = "" if m["stderr"] is None else f" ± {m['stderr']:.4f}"
+        print(f"  {tag:<28} {m['mean']:.4f}{error}")
+    accuracy = "eval/shapes_accuracy"
+    if report["categories"] and accuracy in report["metrics"]:
+        print("  " + "  ".join(f"{c} {100 * v[accuracy]:.1f}%" for c, v in report["categories"].items()))
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("target", help="a run directory, one of its checkpoints, or a recipe YAML (its base)")
+    parser.add_argument("overrides", nargs="*", help="KEY=VALUE config overrides (e.g. data.eval_prompts=FILE)")
+    parser.add_argument("--seeds", type=int, default=None, help="seeds per prompt (default: the run's data.eval_seeds)")
+    parser.add_argument("--checkpoint", default=None, help="a checkpoint directory (default: the run's newest)")
+    parser.add_argument("--base", action="store_true", help="evaluate the run's model before training")
+    parser.add_argument("--adapter", default=None, help="the weight set to evaluate (default: the one the run evaluates)")
+    parser.add_argument("--json", default=None, help="also write the report (with every prompt's means) here")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    args = parser.parse_args(argv)
+    try:
+        cfg, checkpoint = run_config(args.target, args.overrides, args.base)
+        if args.checkpoint is not None:
+            if args.base:
+                raise ValueError("--checkpoint and --base: give one of them")
+            checkpoint = find_checkpoint(args.checkpoint)
+        seeds = cfg.data.eval_seeds if args.seeds is None else args.seeds
+        if seeds < 1:
+            raise ValueError(f"--seeds: got {seeds}; allowed: an integer >= 1")
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        report = evaluate(cfg, checkpoint, seeds, args.adapter)
+    except USER_ERRORS as e:
+        sys.exit(f"error: {e}")
+    print_report(report)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+        print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
