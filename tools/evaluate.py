@@ -30,6 +30,7 @@ from rayflow.checkpoint import checkpoint_root, find_checkpoint
 from rayflow.config import RayflowConfig, load_config
 from rayflow.driver.evaluation import evaluation_params, evaluation_prompts, evaluation_requests, evaluation_scalars
 from rayflow.learner.model import ema_copies
+from rayflow.learner.spec import LearnerSpec
 from rayflow.models.lora import EVAL_EMA_ADAPTER, TRAINED_ADAPTER, rollout_adapter_name
 from rayflow.models.weight_sets import using_weights
 from rayflow.runs import CONFIG_FILE, USER_ERRORS
@@ -66,13 +67,13 @@ def shapes_category(prompt: str) -> str | None:
 def evaluate(cfg: RayflowConfig, checkpoint: str | None, seeds: int, adapter: str | None = None) -> dict:
     """The run's evaluation prompts × `seeds` seeds sampled under `adapter` (None: `evaluated_adapter`) of
     `checkpoint` (None: the base), scored. Returns the report `main` prints and writes."""
+    adapter = adapter or evaluated_adapter(cfg)
+    allowed = (TRAINED_ADAPTER, *ema_copies(LearnerSpec.from_config(cfg)))
+    if adapter not in allowed:  # before the model loads
+        raise ValueError(f"--adapter: got {adapter!r}; allowed: one of {list(allowed)} (the weight sets this run keeps)")
     run = reference.build_run(cfg)
     if checkpoint is not None:
         reference.resume(run, checkpoint)
-    adapter = adapter or evaluated_adapter(cfg)
-    allowed = (TRAINED_ADAPTER, *ema_copies(run.spec))
-    if adapter not in allowed:
-        raise ValueError(f"--adapter: got {adapter!r}; allowed: one of {list(allowed)} (the weight sets this run keeps)")
     prompts = evaluation_prompts(cfg.data, run.sampler.prompts)
     requests = evaluation_requests(prompts, seeds, evaluation_params(cfg.sampling, cfg.trainer))
     per_prompt = []
@@ -83,11 +84,7 @@ def evaluate(cfg: RayflowConfig, checkpoint: str | None, seeds: int, adapter: st
             per_prompt.append(sampled)
     trajectories = [t for group in per_prompt for t in group]
     scalars = evaluation_scalars(trajectories)
-
-    def values(group, tag: str) -> list[float]:
-        name = tag.removeprefix("eval/")
-        return [t.reward if name == "reward_mean" else t.rewards[name] for t in group]
-
+    per_image = [[evaluation_scalars([t]) for t in group] for group in per_prompt]  # each image's eval/* values
     rows = [{"prompt": prompt, "category": shapes_category(prompt), **evaluation_scalars(group)}
             for prompt, group in zip(prompts, per_prompt)]
     categories = {}
@@ -100,19 +97,23 @@ def evaluate(cfg: RayflowConfig, checkpoint: str | None, seeds: int, adapter: st
     return {
         "checkpoint": checkpoint, "step": run.step, "adapter": adapter, "seeds": seeds, "prompts": len(prompts),
         "images": len(trajectories),
-        "metrics": {tag: {"mean": mean, "stderr": seed_standard_error([values(g, tag) for g in per_prompt])}
+        "metrics": {tag: {"mean": mean, "stderr": seed_standard_error([[v[tag] for v in images] for images in per_image])}
                     for tag, mean in scalars.items()},
         "categories": categories, "per_prompt": rows,
     }
 
 
-def run_config(target: str, overrides: list[str], base: bool) -> tuple[RayflowConfig, str | None]:
+def run_config(target: str, overrides: list[str], base: bool = False,
+               checkpoint: str | None = None) -> tuple[RayflowConfig, str | None]:
     """The config and checkpoint `target` names: a recipe YAML (its base, with `overrides`), a run directory (its
-    newest intact checkpoint, or none with `base`) or a checkpoint directory (inside a run's checkpoints/)."""
+    newest intact checkpoint) or a checkpoint directory (inside a run's checkpoints/). `checkpoint` names another
+    checkpoint instead; `base`: none (the model before training)."""
+    if base and checkpoint is not None:
+        raise ValueError("--checkpoint and --base: give one of them")
     if os.path.isfile(target):
         if not target.endswith((".yaml", ".yml")):
             raise ValueError(f"{target!r}: a run directory, a checkpoint directory or a recipe YAML was expected")
-        return load_config(target, overrides), None
+        return load_config(target, overrides), None if checkpoint is None else find_checkpoint(checkpoint)
     if not os.path.isdir(target):
         raise FileNotFoundError(f"{target!r}: no such run directory, checkpoint directory or recipe YAML")
     is_run_dir = os.path.isfile(os.path.join(target, CONFIG_FILE))
@@ -124,7 +125,9 @@ def run_config(target: str, overrides: list[str], base: bool) -> tuple[RayflowCo
     cfg = load_config(config, overrides)
     if base:
         return cfg, None
-    return cfg, find_checkpoint(checkpoint_root(target) if is_run_dir else target)
+    if checkpoint is None:
+        checkpoint = checkpoint_root(target) if is_run_dir else target
+    return cfg, find_checkpoint(checkpoint)
 
 
 def print_report(report: dict) -> None:
@@ -151,11 +154,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     args = parser.parse_args(argv)
     try:
-        cfg, checkpoint = run_config(args.target, args.overrides, args.base)
-        if args.checkpoint is not None:
-            if args.base:
-                raise ValueError("--checkpoint and --base: give one of them")
-            checkpoint = find_checkpoint(args.checkpoint)
+        cfg, checkpoint = run_config(args.target, args.overrides, args.base, args.checkpoint)
         seeds = cfg.data.eval_seeds if args.seeds is None else args.seeds
         if seeds < 1:
             raise ValueError(f"--seeds: got {seeds}; allowed: an integer >= 1")
