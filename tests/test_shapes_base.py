@@ -3,9 +3,12 @@ as in one accumulating both halves of each batch), checks its VAE before the tra
 loads with diffusers, and a missing or corrupt one is named with the command that rebuilds it."""
 
 import copy
+import json
 import multiprocessing
 import os
+import platform
 import shutil
+import subprocess
 import sys
 from dataclasses import replace
 from types import SimpleNamespace
@@ -20,24 +23,60 @@ from rayflow.worlds.shapes import POSITIONS, parse_prompt, render, sample_scene
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
 
 from pretrain_shapes import (  # noqa: E402
-    VAE_CHECK_SCENES, BatchShare, PretrainConfig, check_vae, encode_pool, joined, layout_scenes, layout_targets,
-    miscaption, pretrain, train_transformer, train_vae,
+    PINNED_KERNELS, VAE_CHECK_SCENES, BatchShare, PretrainConfig, check_vae, encode_pool, joined, layout_scenes,
+    layout_targets, miscaption, pretrain, save, train_transformer, train_vae,
 )
 
-# The losses of the first two steps of each stage with the default PretrainConfig (seed 0). The VAE's are
-# those of the shipped run (its log printed step 0 as 1.29740); the transformer's are on a pool of the
-# first 64 scenes of its categories (the shipped run normalises latents over 8192). Float32 sums over ~10^5 terms in a
-# different thread order move the fifth digit at most: rel 1e-4.
-VAE_LOSSES = [1.2973955869674683, 0.555517315864563]
+# The losses of the first two steps of each stage with the default PretrainConfig (seed 0), under the AVX2 kernels that
+# the script pins: those of the shipped run (its log printed step 0 as 1.29740; its VAE rebuilds bit for bit under
+# them). The transformer's are on a pool of the first 64 scenes of its categories (the shipped run normalises latents
+# over 8192). In this process, under whatever kernels torch picked, float32 sums over ~10^5 terms rounded another way
+# move the fifth digit at most: rel 1e-4.
+VAE_LOSSES = [1.2973957061767578, 0.555517315864563]
 TRANSFORMER_LOSSES = [2.1959452629089355, 2.191871404647827]
+SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools", "pretrain_shapes.py")
+
+
+def first_steps() -> tuple[list[float], list[float]]:
+    """Two steps of the VAE, then two of the transformer, with the default config: the losses of each."""
+    cfg = PretrainConfig()
+    pipe = build_shapes_pipeline(cfg.seed)
+    vae_losses = train_vae(pipe.vae, cfg, steps=2)
+    latents, prompts = encode_pool(pipe, 2 * cfg.batch, cfg.pool_categories)
+    return vae_losses, train_transformer(pipe, latents, prompts, cfg, steps=2)
 
 
 def test_first_steps_of_the_pretraining_reproduce():
-    cfg = PretrainConfig()
-    pipe = build_shapes_pipeline(cfg.seed)
-    assert train_vae(pipe.vae, cfg, steps=2) == pytest.approx(VAE_LOSSES, rel=1e-4)
-    latents, prompts = encode_pool(pipe, 2 * cfg.batch, cfg.pool_categories)
-    assert train_transformer(pipe, latents, prompts, cfg, steps=2) == pytest.approx(TRANSFORMER_LOSSES, rel=1e-4)
+    vae_losses, transformer_losses = first_steps()
+    assert vae_losses == pytest.approx(VAE_LOSSES, rel=1e-4)
+    assert transformer_losses == pytest.approx(TRANSFORMER_LOSSES, rel=1e-4)
+
+
+# In a fresh interpreter: the script's own start (as `python tools/pretrain_shapes.py --help`, which pins the kernels
+# before torch loads), then first_steps() from this file.
+PINNED_FIRST_STEPS = f"""
+import json, runpy, sys
+sys.argv = [{SCRIPT!r}, "--help"]
+try:
+    runpy.run_path(sys.argv[0], run_name="__main__")
+except SystemExit:
+    pass
+import torch
+torch.set_num_threads(1)
+sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r})
+from test_shapes_base import first_steps
+print(json.dumps([torch.backends.cpu.get_cpu_capability(), *first_steps()]))
+"""
+
+
+@pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"), reason="the script pins x86 AVX2 kernels")
+def test_the_script_pins_avx2_kernels_under_which_its_first_steps_are_the_shipped_runs_to_the_bit():
+    env = {k: v for k, v in os.environ.items() if k not in PINNED_KERNELS}  # the script, not this test, sets them
+    run = subprocess.run([sys.executable, "-c", PINNED_FIRST_STEPS], env=env, capture_output=True, text=True,
+                         timeout=300, check=True)
+    kernels, vae_losses, transformer_losses = json.loads(run.stdout.strip().splitlines()[-1])
+    assert kernels == "AVX2"
+    assert vae_losses == VAE_LOSSES and transformer_losses == TRANSFORMER_LOSSES
 
 
 def trained_weights(pipe) -> dict[str, torch.Tensor]:
@@ -233,6 +272,18 @@ def test_the_vae_check_scores_reconstructions_with_the_reward_and_stops_on_a_bro
     assert not out.exists()
     with pytest.raises(ValueError, match=r"vae_min_accuracy=1.5 must be in \[0, 1\]"):
         PretrainConfig(vae_min_accuracy=1.5)
+
+
+def test_the_saved_base_carries_a_manifest_that_checks_and_names_the_kernels_it_was_trained_with(tmp_path):
+    cfg = PretrainConfig()
+    out = tmp_path / "base"
+    save(build_shapes_pipeline(cfg.seed), str(out), cfg, seconds=1.0, cpu_seconds=1.0)
+    check_shapes_base(str(out))  # every file against its sha256
+    with open(out / MANIFEST) as f:
+        manifest = json.load(f)
+    assert manifest["cpu_kernels"] == torch.backends.cpu.get_cpu_capability()
+    with open(os.path.join(SHAPES_MODEL_DIR, MANIFEST)) as f:
+        assert json.load(f)["cpu_kernels"] == PINNED_KERNELS["ATEN_CPU_CAPABILITY"].upper()
 
 
 def test_the_shipped_base_passes_its_manifest_and_loads_with_diffusers():

@@ -26,11 +26,13 @@ prompts ask in at least --vae-min-accuracy of the reconstructions, or the script
 With --workers N, N processes (one torch thread each) split every transformer batch's rows and sum their gradients
 over gloo on loopback: the same training as one process that accumulates the N parts' gradients, bit for bit, that
 stage in about 1/N of the time; it differs from the one-process default (whole batches at once, which made the shipped
-weights) only in rounding. Each of them trains the VAE whole, as one process does (see train_vae). Another CPU rounds
-differently, and the VAE stage turns that into other weights: on the machines of 2026-11-28 this script, with one
-process or two, builds a base that scores 40.6% held-out, not the shipped 48.1% (README, Learning on the shapes
+weights) only in rounding. Each of them trains the VAE whole, as one process does (see train_vae). Run as a program,
+the script holds torch, oneDNN and MKL to their AVX2 kernels (PINNED_KERNELS): the VAE stage turns a CPU's rounding
+into other weights (unpinned, the AVX-512 machines of 2026-11-28 built a 40.6% base, not the shipped 48.1%), and
+pinned, one process rebuilds the shipped weights bit for bit on any x86 CPU with AVX2 (README, Learning on the shapes
 world: Base). The text encoder keeps its random weights (frozen). Weights are saved in float16 (a few MB) with a
-manifest of sha256 digests (rayflow_shapes.json) that rayflow checks before using the base.
+manifest of sha256 digests (rayflow_shapes.json, which also names the kernels) that rayflow checks before using the
+base.
 """
 
 import argparse
@@ -45,6 +47,15 @@ import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, replace
+
+PINNED_KERNELS = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_CBWR": "AVX2"}
+"""Each CPU library that picks its kernels by the instruction set, held to AVX2 (torch's own ops, oneDNN's
+convolutions, MKL's BLAS): a kernel for another instruction set rounds differently, and the VAE stage turns a last
+bit into other weights. The shipped weights were trained with AVX2 kernels, so any x86 CPU with AVX2 rebuilds them
+bit for bit; with AVX-512 kernels the VAE differs in 36% of its values, and the base scores 40.6%, not 48.1%."""
+if __name__ == "__main__":
+    os.environ.update(PINNED_KERNELS)  # before torch loads: each library reads its variable once
+    # (torch.multiprocessing's workers inherit it)
 
 import numpy as np
 import torch
@@ -375,7 +386,8 @@ def save(pipe, out: str, cfg: PretrainConfig, seconds: float, cpu_seconds: float
     pipe.to(torch.float16).save_pretrained(tmp)
     files = [os.path.relpath(os.path.join(d, f), tmp) for d, _, fs in os.walk(tmp) for f in fs]
     manifest = {
-        "config": asdict(cfg), "spec": asdict(SHAPES_SPEC), "pretrain_seconds": round(seconds), "pretrain_cpu_seconds": round(cpu_seconds),
+        "config": asdict(cfg), "spec": asdict(SHAPES_SPEC), "cpu_kernels": torch.backends.cpu.get_cpu_capability(),
+        "pretrain_seconds": round(seconds), "pretrain_cpu_seconds": round(cpu_seconds),
         "files": {name: sha256_file(os.path.join(tmp, name)) for name in sorted(files)},
     }
     with open(os.path.join(tmp, MANIFEST), "w") as f:
@@ -388,6 +400,11 @@ def pretrain(out: str, cfg: PretrainConfig, share: BatchShare = ALL_ROWS) -> Non
     """Both stages, then (in the process holding part 0) the save."""
     torch.set_num_threads(1)  # on a shared 2-core machine one thread each trains faster than two fighting
     start, cpu_start = time.perf_counter(), time.process_time()
+    kernels = torch.backends.cpu.get_cpu_capability()
+    if 0 in share.parts and kernels != "AVX2":
+        print(f"pretrain_shapes: torch runs {kernels} kernels, not the AVX2 of {PINNED_KERNELS} that the shipped "
+              f"weights were trained with: this base will differ from them (run the script as a program, on an x86 "
+              f"CPU with AVX2, to rebuild them bit for bit)", flush=True)
     pipe = build_shapes_pipeline(cfg.seed)
     train_vae(pipe.vae, cfg, cfg.vae_steps, verbose=0 in share.parts)
     accuracy = check_vae(pipe.vae, cfg)  # in every worker, so that all stop together, none left waiting on gloo
