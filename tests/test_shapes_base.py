@@ -70,7 +70,7 @@ print(json.dumps([torch.backends.cpu.get_cpu_capability(), *first_steps()]))
 
 
 @pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"), reason="the script pins x86 AVX2 kernels")
-def test_the_script_pins_avx2_kernels_under_which_its_first_steps_are_the_shipped_runs_to_the_bit():
+def test_the_script_pins_avx2_kernels_under_which_its_first_steps_reproduce_to_the_bit():
     env = {k: v for k, v in os.environ.items() if k not in PINNED_KERNELS}  # the script, not this test, sets them
     run = subprocess.run([sys.executable, "-c", PINNED_FIRST_STEPS], env=env, capture_output=True, text=True,
                          timeout=300, check=True)
