@@ -23,8 +23,8 @@ from rayflow.worlds.shapes import POSITIONS, parse_prompt, render, sample_scene
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
 
 from pretrain_shapes import (  # noqa: E402
-    PINNED_KERNELS, VAE_CHECK_SCENES, BatchShare, PretrainConfig, check_vae, encode_pool, joined, layout_scenes,
-    layout_targets, miscaption, pretrain, save, train_transformer, train_vae,
+    PINNED_CAPABILITY, PINNED_KERNELS, VAE_CHECK_SCENES, BatchShare, PretrainConfig, check_vae, encode_pool, joined,
+    layout_scenes, layout_targets, miscaption, pretrain, save, train_transformer, train_vae,
 )
 
 # The losses of the first two steps of each stage with the default PretrainConfig (seed 0), under the AVX2 kernels that
@@ -75,7 +75,7 @@ def test_the_script_pins_avx2_kernels_under_which_its_first_steps_reproduce_to_t
     run = subprocess.run([sys.executable, "-c", PINNED_FIRST_STEPS], env=env, capture_output=True, text=True,
                          timeout=300, check=True)
     kernels, vae_losses, transformer_losses = json.loads(run.stdout.strip().splitlines()[-1])
-    assert kernels == "AVX2"
+    assert kernels == PINNED_CAPABILITY
     assert vae_losses == VAE_LOSSES and transformer_losses == TRANSFORMER_LOSSES
 
 
@@ -283,7 +283,7 @@ def test_the_saved_base_carries_a_manifest_that_checks_and_names_the_kernels_it_
         manifest = json.load(f)
     assert manifest["cpu_kernels"] == torch.backends.cpu.get_cpu_capability()
     with open(os.path.join(SHAPES_MODEL_DIR, MANIFEST)) as f:
-        assert json.load(f)["cpu_kernels"] == PINNED_KERNELS["ATEN_CPU_CAPABILITY"].upper()
+        assert json.load(f)["cpu_kernels"] == PINNED_CAPABILITY
 
 
 def test_the_shipped_base_passes_its_manifest_and_loads_with_diffusers():

@@ -53,6 +53,8 @@ PINNED_KERNELS = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "
 convolutions, MKL's BLAS): a kernel for another instruction set rounds differently, and the VAE stage turns a last
 bit into other weights. The shipped weights were trained with AVX2 kernels, so any x86 CPU with AVX2 rebuilds them
 bit for bit; with AVX-512 kernels the VAE differs in 36% of its values, and the base scores 40.6%, not 48.1%."""
+PINNED_CAPABILITY = PINNED_KERNELS["ATEN_CPU_CAPABILITY"].upper()
+"""What torch.backends.cpu.get_cpu_capability() reports under the pins (and the shipped manifest's cpu_kernels)."""
 if __name__ == "__main__":
     os.environ.update(PINNED_KERNELS)  # before torch loads: each library reads its variable once
     # (torch.multiprocessing's workers inherit it)
@@ -401,10 +403,10 @@ def pretrain(out: str, cfg: PretrainConfig, share: BatchShare = ALL_ROWS) -> Non
     torch.set_num_threads(1)  # on a shared 2-core machine one thread each trains faster than two fighting
     start, cpu_start = time.perf_counter(), time.process_time()
     kernels = torch.backends.cpu.get_cpu_capability()
-    if 0 in share.parts and kernels != "AVX2":
-        print(f"pretrain_shapes: torch runs {kernels} kernels, not the AVX2 of {PINNED_KERNELS} that the shipped "
-              f"weights were trained with: this base will differ from them (run the script as a program, on an x86 "
-              f"CPU with AVX2, to rebuild them bit for bit)", flush=True)
+    if 0 in share.parts and kernels != PINNED_CAPABILITY:
+        print(f"pretrain_shapes: torch runs {kernels} kernels, not the {PINNED_CAPABILITY} of {PINNED_KERNELS} that "
+              f"the shipped weights were trained with: this base will differ from them (run the script as a program, "
+              f"on an x86 CPU with AVX2, to rebuild them bit for bit)", flush=True)
     pipe = build_shapes_pipeline(cfg.seed)
     train_vae(pipe.vae, cfg, cfg.vae_steps, verbose=0 in share.parts)
     accuracy = check_vae(pipe.vae, cfg)  # in every worker, so that all stop together, none left waiting on gloo
