@@ -381,8 +381,9 @@ def layout_loss(transformer, embeds: dict[str, torch.Tensor], layout: LayoutTarg
     return loss
 
 
-def save(pipe, out: str, cfg: PretrainConfig, seconds: float, cpu_seconds: float) -> None:
-    """Save in float16 to a temporary directory beside `out`, write the manifest, then rename into place."""
+def save(pipe, out: str, cfg: object, seconds: float, cpu_seconds: float) -> None:
+    """Save in float16 to a temporary directory beside `out`, write the manifest (with `cfg`, the dataclass of the
+    stage that made the weights: PretrainConfig, or tools/order_stage.py's OrderStageConfig), then rename into place."""
     tmp = out.rstrip("/") + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     pipe.to(torch.float16).save_pretrained(tmp)

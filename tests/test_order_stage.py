@@ -1,0 +1,85 @@
+"""tools/order_stage.py: its target (the base's velocity plus half the difference between a relation prompt's stable
+target field and its swap's) against the formula written out, its first steps on the shipped base (deterministic, the
+anchor rows free while the policy is the base), and its bad input."""
+
+import os
+import sys
+from dataclasses import replace
+
+import pytest
+import torch
+
+from rayflow.models.shapes import MANIFEST, SHAPES_MODEL_DIR
+from rayflow.worlds.shapes import parse_prompt, prompt_of
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
+
+from order_stage import OrderStageConfig, main, order_stage, order_target, swapped, target_field  # noqa: E402
+
+
+def test_swapped_exchanges_the_two_objects_and_keeps_the_relation():
+    req = parse_prompt("a red triangle above a blue circle")
+    assert prompt_of(swapped(req)) == "a blue circle above a red triangle"
+    assert prompt_of(swapped(swapped(req))) == "a red triangle above a blue circle"
+
+
+def test_target_field_weighs_each_scene_by_how_likely_it_makes_x_t():
+    g = torch.Generator().manual_seed(0)
+    scenes = torch.randn(3, 4, 5, 2, generator=g)  # [B, S, N, C]
+    xt = torch.randn(3, 5, 2, generator=g)
+    sigma = torch.tensor([0.7, 0.9, 1.0])
+    expected = torch.zeros(3, 5, 2)
+    for b in range(3):
+        s = float(sigma[b])
+        logits = [-((xt[b] - (1 - s) * scenes[b, j]) ** 2).sum() / (2 * s * s) for j in range(4)]
+        w = torch.softmax(torch.stack(logits), dim=0)
+        expected[b] = sum(w[j] * scenes[b, j] for j in range(4))
+    assert torch.allclose(target_field(xt, sigma, scenes), expected, atol=1e-6)
+    # At σ = 1, x_t carries nothing of x₀: every scene weighs the same, and the field is their mean.
+    assert torch.allclose(target_field(xt, torch.ones(3), scenes), scenes.mean(dim=1), atol=1e-6)
+
+
+def test_order_target_is_the_base_velocity_plus_half_the_two_orders_difference():
+    g = torch.Generator().manual_seed(1)
+    own, other = torch.randn(2, 1, 5, 2, generator=g), torch.randn(2, 1, 5, 2, generator=g)  # one scene each
+    v_base, xt = torch.randn(2, 5, 2, generator=g), torch.randn(2, 5, 2, generator=g)
+    sigma = torch.tensor([0.75, 1.0])
+    # One scene per prompt: each field is that scene, so v* = v_base + (x₀_swap − x₀_own) / 2σ; written as velocities,
+    # v_base + ((x_t − x₀_own)/σ − (x_t − x₀_swap)/σ) / 2.
+    v_own, v_other = (xt - own[:, 0]) / sigma[:, None, None], (xt - other[:, 0]) / sigma[:, None, None]
+    assert torch.allclose(order_target(v_base, xt, sigma, own, other), v_base + (v_own - v_other) / 2, atol=1e-6)
+    # A prompt whose swap draws the same scenes has nothing to tell apart: the target is the base's velocity.
+    assert torch.equal(order_target(v_base, xt, sigma, own, own), v_base)
+
+
+SMALL = OrderStageConfig(base=SHAPES_MODEL_DIR, steps=2, order_rows=2, anchor_rows=2, scenes=2, anchor_pool=8,
+                         exclude=("a red triangle above a blue circle",))
+
+
+def stage(cfg: OrderStageConfig) -> tuple[list[float], dict[str, torch.Tensor]]:
+    from diffusers import QwenImagePipeline
+
+    pipe = QwenImagePipeline.from_pretrained(SHAPES_MODEL_DIR, torch_dtype=torch.float32)
+    losses = order_stage(pipe, cfg, log=lambda _: None)
+    return losses, {k: v.clone() for k, v in pipe.transformer.state_dict().items()}
+
+
+def test_the_first_steps_are_deterministic_and_the_anchor_is_free_while_the_policy_is_the_base():
+    torch.set_num_threads(1)
+    losses, weights = stage(SMALL)
+    again, weights_again = stage(SMALL)
+    assert losses == again and all(torch.equal(weights[k], weights_again[k]) for k in weights)
+    # Step 0 trains the base itself: the anchor rows' target is the policy's own velocity, their loss exactly 0, and
+    # the step's loss the order rows' alone (drawn before the anchor rows, so the same rows without them).
+    unanchored, _ = stage(replace(SMALL, anchor_rows=0))
+    assert losses[0] == unanchored[0] > 0
+    assert losses[1] != unanchored[1]  # from step 1 the policy has moved and the anchor costs something
+
+
+def test_bad_input_is_named(tmp_path):
+    with pytest.raises(ValueError, match="sigma_min=1.0"):
+        OrderStageConfig(base="x", sigma_min=1.0)
+    with pytest.raises(ValueError, match="order_rows=0"):
+        OrderStageConfig(base="x", order_rows=0)
+    with pytest.raises(SystemExit, match=MANIFEST):
+        main(["--base", str(tmp_path), "--out", str(tmp_path / "out")])
