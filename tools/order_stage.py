@@ -42,6 +42,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import pretrain_shapes as ps  # noqa: E402
+from rayflow.algorithms.diffusion_nft import noised  # noqa: E402
 from rayflow.checkpoint_integrity import sha256_file  # noqa: E402
 from rayflow.data.prompts import load_prompts  # noqa: E402
 from rayflow.models.base import PromptEmbeds  # noqa: E402
@@ -84,22 +85,12 @@ def swapped(req: Requirements) -> Requirements:
     return replace(req, objects=(req.objects[1], req.objects[0]))
 
 
-@torch.no_grad()
-def encode(pipe, pixels: torch.Tensor) -> torch.Tensor:
-    """Rendered scenes [n, 3, 1, H, W] -> packed latents [n, N, C], normalised with the base VAE's latents_mean and
-    latents_std (the pretraining pool's, which the pipeline undoes before decoding)."""
-    mean = torch.tensor(pipe.vae.config.latents_mean)[:, None, None]
-    std = torch.tensor(pipe.vae.config.latents_std)[:, None, None]
-    z = (pipe.vae.encode(pixels).latent_dist.mode()[:, :, 0] - mean) / std
-    return pipe._pack_latents(z, *z.shape)
-
-
 def anchor_pool(pipe, n: int, chunk: int = 256) -> tuple[torch.Tensor, list[str]]:
     """Pretraining pool scenes 0 .. n−1 (tools/pretrain_shapes.py's) -> (latents [n, N, C], prompts)."""
     latents, prompts = [], []
     for first in range(0, n, chunk):
         pixels, batch_prompts = ps.scene_batch(first, min(chunk, n - first), ps.PretrainConfig.pool_categories)
-        latents.append(encode(pipe, pixels))
+        latents.append(ps.encode_scenes(pipe, pixels))
         prompts += batch_prompts
     return torch.cat(latents), prompts
 
@@ -108,11 +99,12 @@ def order_scene_latents(pipe, cfg: OrderStageConfig) -> tuple[list[str], torch.T
     """The order rows' prompts and the latents of `cfg.scenes` scenes of each [P, S, N, C] and of its swap."""
     layout = ps.layout_scenes(ps.PretrainConfig(seed=cfg.seed, layout_prompts=ps.RELATION_PROMPTS,
                                                 layout_scenes=cfg.scenes))
-    kept = [(p, scenes) for p, scenes in layout if p not in set(cfg.exclude)]
+    exclude = set(cfg.exclude)
+    kept = [(p, scenes) for p, scenes in layout if p not in exclude]
     rng = random.Random(f"order-swapped-{cfg.seed}")
-    own = torch.stack([encode(pipe, ps.scene_pixels(scenes)) for _, scenes in kept])
-    other = torch.stack([encode(pipe, ps.scene_pixels([scene_for(swapped(parse_prompt(p)), rng)
-                                                         for _ in range(cfg.scenes)]))
+    own = torch.stack([ps.encode_scenes(pipe, ps.scene_pixels(scenes)) for _, scenes in kept])
+    other = torch.stack([ps.encode_scenes(pipe, ps.scene_pixels([scene_for(swapped(parse_prompt(p)), rng)
+                                                                 for _ in range(cfg.scenes)]))
                          for p, _ in kept])
     return [p for p, _ in kept], own, other
 
@@ -152,7 +144,7 @@ def order_stage(pipe, cfg: OrderStageConfig, log=print) -> list[float]:
         sigma = torch.where(torch.rand(R, generator=gen) < 0.25, torch.ones(R), sigma)
         pick = torch.randint(cfg.scenes, (R,), generator=gen)
         x0 = own[index, pick]
-        xt = (1 - sigma[:, None, None]) * x0 + sigma[:, None, None] * eps
+        xt = noised(x0, eps, sigma)
         cond = PromptEmbeds.pad([embeds[prompts[i]] for i in index.tolist()])
         with torch.no_grad():
             target = order_target(ps.predict_velocity(base, xt, sigma, cond), xt, sigma, own[index], other[index])
@@ -163,7 +155,7 @@ def order_stage(pipe, cfg: OrderStageConfig, log=print) -> list[float]:
             a_eps = torch.randn((A, *pool.shape[1:]), generator=gen)
             a_sigma = torch.rand(A, generator=gen)
             a_sigma = torch.where(torch.rand(A, generator=gen) < 0.5, torch.ones(A), a_sigma)
-            a_xt = (1 - a_sigma[:, None, None]) * pool[a_index] + a_sigma[:, None, None] * a_eps
+            a_xt = noised(pool[a_index], a_eps, a_sigma)
             a_cond = PromptEmbeds.pad([embeds[pool_prompts[i]] for i in a_index.tolist()])
             with torch.no_grad():
                 a_target = ps.predict_velocity(base, a_xt, a_sigma, a_cond)

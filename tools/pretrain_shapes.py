@@ -271,14 +271,18 @@ def layout_scenes(cfg: PretrainConfig) -> list[tuple[str, list[list[Placed]]]]:
 
 
 @torch.no_grad()
-def layout_targets(pipe, scenes: list[tuple[str, list[list[Placed]]]]) -> LayoutTargets:
-    """Encode every prompt's scenes, normalise them as encode_pool did (the VAE's latents_mean/std) and average."""
+def encode_scenes(pipe, pixels: torch.Tensor) -> torch.Tensor:
+    """Images [n, 3, 1, 64, 64] -> packed latents [n, N, 4·z], normalised as encode_pool did (the VAE's
+    latents_mean/std)."""
     mean = torch.tensor(pipe.vae.config.latents_mean)[:, None, None]
     std = torch.tensor(pipe.vae.config.latents_std)[:, None, None]
-    means = []
-    for _, prompt_scenes in scenes:
-        z = (pipe.vae.encode(scene_pixels(prompt_scenes)).latent_dist.mode()[:, :, 0] - mean) / std
-        means.append(pipe._pack_latents(z, *z.shape).mean(dim=0))  # [N, 4·z]
+    z = (pipe.vae.encode(pixels).latent_dist.mode()[:, :, 0] - mean) / std
+    return pipe._pack_latents(z, *z.shape)
+
+
+def layout_targets(pipe, scenes: list[tuple[str, list[list[Placed]]]]) -> LayoutTargets:
+    """Encode every prompt's scenes (encode_scenes) and average them."""
+    means = [encode_scenes(pipe, scene_pixels(prompt_scenes)).mean(dim=0) for _, prompt_scenes in scenes]  # [N, 4·z]
     return LayoutTargets([prompt for prompt, _ in scenes], torch.stack(means))
 
 
