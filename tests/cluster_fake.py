@@ -37,10 +37,23 @@ CONFIG = REPO / "cluster" / "fake_multinode.yaml"
 ACTOR_CLASSES = ("RolloutWorker", "LearnerWorker", "WeightSyncActor", "RewardWorker")
 
 
+def free_ports(count: int) -> list[int]:
+    """`count` distinct free loopback ports. Every socket stays bound until all are chosen: ports picked one at a
+    time may repeat (the OS can hand a just-released port out again), and Ray refuses a head whose components share
+    one (a CI run failed on "dashboard_agent_http is trying to use a port number 44937 that is used by other
+    components")."""
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
 
 
 class FakeAutoscalingCluster:
@@ -48,7 +61,7 @@ class FakeAutoscalingCluster:
 
     def __init__(self, head_cpus: int = 0, timeout_s: float = 60.0):
         self.head_cpus, self.timeout_s = head_cpus, timeout_s
-        self.port, self.dashboard_port = free_port(), free_port()
+        self.port, self.dashboard_port, self.client_port, self.agent_port = free_ports(4)
         self.gcs_address = f"127.0.0.1:{self.port}"
         self.dashboard_url = f"http://127.0.0.1:{self.dashboard_port}"
         # Unix socket paths live under the temp dir and must stay short: not under pytest's tmp_path.
@@ -73,8 +86,8 @@ class FakeAutoscalingCluster:
             sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block",
             f"--port={self.port}", f"--num-cpus={self.head_cpus}", f"--temp-dir={self.temp_dir}",
             f"--autoscaling-config={config_path}", "--dashboard-host=127.0.0.1",
-            f"--dashboard-port={self.dashboard_port}", f"--ray-client-server-port={free_port()}",
-            f"--dashboard-agent-listen-port={free_port()}",
+            f"--dashboard-port={self.dashboard_port}", f"--ray-client-server-port={self.client_port}",
+            f"--dashboard-agent-listen-port={self.agent_port}",
         ]
         env = {**self.env, "RAY_FAKE_CLUSTER": "1", "AUTOSCALER_UPDATE_INTERVAL_S": "1"}
         with open(self.log_path, "w") as log:
