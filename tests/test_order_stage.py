@@ -1,20 +1,26 @@
 """tools/order_stage.py: its target (the base's velocity plus half the difference between a relation prompt's stable
-target field and its swap's) against the formula written out, its first steps on the shipped base (deterministic, the
-anchor rows free while the policy is the base), and its bad input."""
+target field and its swap's) against the formula written out, its first steps on the shipped pretrained base
+(deterministic, the anchor rows free while the policy is the base), that the shipped base's manifest is the rebuild
+command's config, and its bad input."""
 
+import json
 import os
+import shlex
 import sys
-from dataclasses import replace
+from dataclasses import asdict, replace
 
 import pytest
 import torch
 
-from rayflow.models.shapes import MANIFEST, SHAPES_MODEL_DIR
+from rayflow.models.shapes import MANIFEST, PRETRAINED_MODEL_DIR, REBUILD_COMMAND, SHAPES_MODEL_DIR
+from rayflow.paths import REPO_ROOT
 from rayflow.worlds.shapes import parse_prompt, prompt_of
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
 
-from order_stage import OrderStageConfig, main, order_stage, order_target, swapped, target_field  # noqa: E402
+from order_stage import (  # noqa: E402
+    OrderStageConfig, main, order_stage, order_target, parse_args, swapped, target_field,
+)
 
 
 def test_swapped_exchanges_the_two_objects_and_keeps_the_relation():
@@ -52,14 +58,14 @@ def test_order_target_is_the_base_velocity_plus_half_the_two_orders_difference()
     assert torch.equal(order_target(v_base, xt, sigma, own, own), v_base)
 
 
-SMALL = OrderStageConfig(base=SHAPES_MODEL_DIR, steps=2, order_rows=2, anchor_rows=2, scenes=2, anchor_pool=8,
+SMALL = OrderStageConfig(base=PRETRAINED_MODEL_DIR, steps=2, order_rows=2, anchor_rows=2, scenes=2, anchor_pool=8,
                          exclude=("a red triangle above a blue circle",))
 
 
 def stage(cfg: OrderStageConfig) -> tuple[list[float], dict[str, torch.Tensor]]:
     from diffusers import QwenImagePipeline
 
-    pipe = QwenImagePipeline.from_pretrained(SHAPES_MODEL_DIR, torch_dtype=torch.float32)
+    pipe = QwenImagePipeline.from_pretrained(PRETRAINED_MODEL_DIR, torch_dtype=torch.float32)
     losses = order_stage(pipe, cfg, log=lambda _: None)
     return losses, {k: v.clone() for k, v in pipe.transformer.state_dict().items()}
 
@@ -76,10 +82,30 @@ def test_the_first_steps_are_deterministic_and_the_anchor_is_free_while_the_poli
     assert losses[1] != unanchored[1]  # from step 1 the policy has moved and the anchor costs something
 
 
-def test_bad_input_is_named(tmp_path):
+def test_the_shipped_base_is_the_rebuild_commands_stage_of_the_shipped_pretrained_base(monkeypatch):
+    """The shipped base's manifest holds exactly the config that REBUILD_COMMAND makes (the pretrained base's manifest
+    digest, the held-out relation prompts excluded, the default steps and seed), and the pinned kernels."""
+    monkeypatch.chdir(REPO_ROOT)  # the command's paths are the repository's
+    argv = shlex.split(REBUILD_COMMAND)
+    assert argv[:2] == ["python", "tools/order_stage.py"]
+    cfg, args = parse_args(argv[2:])
+    assert os.path.abspath(args.out) == SHAPES_MODEL_DIR
+    with open(os.path.join(SHAPES_MODEL_DIR, MANIFEST)) as f:
+        manifest = json.load(f)
+    assert manifest["config"] == json.loads(json.dumps(asdict(cfg)))  # tuples as the manifest's lists
+    assert len(cfg.exclude) == 4 and all(parse_prompt(p).relation for p in cfg.exclude)
+    assert manifest["cpu_kernels"] == "AVX2" and args.threads == 2
+
+
+def test_bad_input_is_named(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="sigma_min=1.0"):
         OrderStageConfig(base="x", sigma_min=1.0)
     with pytest.raises(ValueError, match="order_rows=0"):
         OrderStageConfig(base="x", order_rows=0)
     with pytest.raises(SystemExit, match=MANIFEST):
         main(["--base", str(tmp_path), "--out", str(tmp_path / "out")])
+    gone = tmp_path / "pretrained"  # the shipped pretrained base, missing: named with the command that rebuilds it
+    monkeypatch.setattr("rayflow.models.shapes.PRETRAINED_MODEL_DIR", str(gone))
+    with pytest.raises(FileNotFoundError, match=r"rebuild it with `python tools/pretrain_shapes.py --out "
+                                                r"models/shapes-qwen-image-pretrained`"):
+        main(["--base", str(gone), "--out", str(tmp_path / "out")])

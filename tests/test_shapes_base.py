@@ -1,6 +1,7 @@
-"""The shipped shapes base: tools/pretrain_shapes.py reproduces its first steps (and trains the same in two processes
-as in one accumulating both halves of each batch), checks its VAE before the transformer trains, the shipped copy
-loads with diffusers, and a missing or corrupt one is named with the command that rebuilds it."""
+"""The shipped shapes bases: tools/pretrain_shapes.py reproduces the pretrained base's first steps (and trains the
+same in two processes as in one accumulating both halves of each batch), checks its VAE before the transformer
+trains, both shipped bases load with diffusers, and a missing or corrupt one is named with the command that rebuilds
+it."""
 
 import copy
 import json
@@ -16,14 +17,17 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from rayflow.models.shapes import MANIFEST, REBUILD_COMMAND, SHAPES_MODEL_DIR, build_shapes_pipeline, check_shapes_base
+from rayflow.models.shapes import (
+    MANIFEST, PRETRAINED_MODEL_DIR, REBUILD_COMMAND, SHAPES_MODEL_DIR, build_shapes_pipeline, check_shapes_base,
+)
 from rayflow.rewards.shapes import detect, requirements_met
 from rayflow.worlds.shapes import POSITIONS, parse_prompt, render, sample_scene
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
 
+from cpu_kernels import PINNED_CAPABILITY, PINNED_KERNELS  # noqa: E402
 from pretrain_shapes import (  # noqa: E402
-    PINNED_CAPABILITY, PINNED_KERNELS, VAE_CHECK_SCENES, BatchShare, PretrainConfig, check_vae, encode_pool, joined,
+    VAE_CHECK_SCENES, BatchShare, PretrainConfig, check_vae, encode_pool, joined,
     layout_scenes, layout_targets, miscaption, pretrain, save, train_transformer, train_vae,
 )
 
@@ -258,7 +262,7 @@ def test_the_vae_check_scores_reconstructions_with_the_reward_and_stops_on_a_bro
     assert check_vae(IdentityVAE(), cfg) == 1.0
     from diffusers import AutoencoderKLQwenImage
 
-    shipped = AutoencoderKLQwenImage.from_pretrained(SHAPES_MODEL_DIR, subfolder="vae", torch_dtype=torch.float32)
+    shipped = AutoencoderKLQwenImage.from_pretrained(PRETRAINED_MODEL_DIR, subfolder="vae", torch_dtype=torch.float32)
     assert check_vae(shipped, cfg) == pytest.approx(61 / VAE_CHECK_SCENES, abs=2 / VAE_CHECK_SCENES)
     with pytest.raises(RuntimeError, match=r"reconstructs \d+% of 64 held-out scenes \(seeds 14400\.\.14463\) "
                                            r"correctly, below vae_min_accuracy=0.8"):
@@ -282,16 +286,18 @@ def test_the_saved_base_carries_a_manifest_that_checks_and_names_the_kernels_it_
     with open(out / MANIFEST) as f:
         manifest = json.load(f)
     assert manifest["cpu_kernels"] == torch.backends.cpu.get_cpu_capability()
-    with open(os.path.join(SHAPES_MODEL_DIR, MANIFEST)) as f:
-        assert json.load(f)["cpu_kernels"] == PINNED_CAPABILITY
+    for shipped in (PRETRAINED_MODEL_DIR, SHAPES_MODEL_DIR):  # both stages ran pinned
+        with open(os.path.join(shipped, MANIFEST)) as f:
+            assert json.load(f)["cpu_kernels"] == PINNED_CAPABILITY
 
 
-def test_the_shipped_base_passes_its_manifest_and_loads_with_diffusers():
+def test_the_shipped_bases_pass_their_manifests_and_load_with_diffusers():
     from diffusers import QwenImagePipeline
 
-    check_shapes_base(SHAPES_MODEL_DIR)
-    pipe = QwenImagePipeline.from_pretrained(SHAPES_MODEL_DIR)
-    assert pipe.vae_scale_factor == 4 and pipe.transformer.config.num_layers == 4
+    for shipped in (PRETRAINED_MODEL_DIR, SHAPES_MODEL_DIR):
+        check_shapes_base(shipped)
+        pipe = QwenImagePipeline.from_pretrained(shipped)
+        assert pipe.vae_scale_factor == 4 and pipe.transformer.config.num_layers == 4
 
 
 def test_a_missing_or_corrupt_base_names_the_rebuild_command(tmp_path, monkeypatch):

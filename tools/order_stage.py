@@ -1,13 +1,13 @@
 """Continue a shapes base with an order stage: teach it which object a relation prompt names first, and as little
 else as it can.
 
-    python tools/order_stage.py --base models/shapes-qwen-image --out DIR \
-        [--exclude recipes/prompts/shapes_eval.txt] [--steps 2000]
+    python tools/order_stage.py --base models/shapes-qwen-image-pretrained --out models/shapes-qwen-image \
+        --exclude recipes/prompts/shapes_eval.txt [--steps 2000] [--seed 0] [--threads 2]
 
-The shipped base is blind to a relation prompt's order: "a red triangle above a blue circle" and "a blue circle above
-a red triangle" sample alike, and RL does not teach the difference in its budget (README, Learning on the shapes
-world). This stage does, with supervised rows, and leaves the rest to RL. Each step has `order_rows` order rows and
-`anchor_rows` anchor rows, AdamW at a constant learning rate:
+The pretrained base (tools/pretrain_shapes.py) is blind to a relation prompt's order: "a red triangle above a blue
+circle" and "a blue circle above a red triangle" sample alike, and RL does not teach the difference in its budget
+(README, Learning on the shapes world). This stage does, with supervised rows, and leaves the rest to RL. Each step
+has `order_rows` order rows and `anchor_rows` anchor rows, AdamW at a constant learning rate:
 
 - an order row: a relation prompt p of the world (those in --exclude left out), x₀ one of `scenes` scenes of p,
   σ ~ U(sigma_min, 1) (a quarter of the rows at σ = 1 exactly), x_t = (1 − σ)·x₀ + σ·ε, and the target velocity
@@ -23,8 +23,10 @@ world). This stage does, with supervised rows, and leaves the rest to RL. Each s
   velocity, so that prompts the stage does not teach keep what they had.
 
 The loss is the order rows' mean squared error plus anchor_rows / order_rows times the anchor rows'. Every draw follows
-from --seed; on one machine with the same --threads the result is the same bit for bit. The base is read in float32
-and the result saved in float16 with a manifest (tools/pretrain_shapes.py's save), which records this stage's
+from --seed. Run as a program, the script pins AVX2 kernels before torch loads (tools/cpu_kernels.py, as
+tools/pretrain_shapes.py does); with the same --threads the result is then the same bit for bit (the shipped base is
+this command's output from the shipped pretrained base, README: Learning on the shapes world). The base is read in
+float32 and the result saved in float16 with a manifest (tools/pretrain_shapes.py's save), which records this stage's
 config and the base's manifest digest.
 """
 
@@ -36,9 +38,14 @@ import sys
 import time
 from dataclasses import dataclass, replace
 
-import torch
-
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from cpu_kernels import pin_kernels, unpinned_warning  # noqa: E402
+
+if __name__ == "__main__":
+    pin_kernels()  # before torch loads, as tools/pretrain_shapes.py: the shipped base rebuilds bit for bit under them
+
+import torch  # noqa: E402
+
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import pretrain_shapes as ps  # noqa: E402
@@ -46,7 +53,7 @@ from rayflow.algorithms.diffusion_nft import noised  # noqa: E402
 from rayflow.checkpoint_integrity import sha256_file  # noqa: E402
 from rayflow.data.prompts import load_prompts  # noqa: E402
 from rayflow.models.base import PromptEmbeds  # noqa: E402
-from rayflow.models.shapes import MANIFEST  # noqa: E402
+from rayflow.models.shapes import MANIFEST, check_shapes_base  # noqa: E402
 from rayflow.worlds.shapes import Requirements, parse_prompt, scene_for  # noqa: E402
 
 
@@ -169,7 +176,8 @@ def order_stage(pipe, cfg: OrderStageConfig, log=print) -> list[float]:
     return losses
 
 
-def main(argv: list[str] | None = None) -> None:
+def parse_args(argv: list[str] | None = None) -> tuple[OrderStageConfig, argparse.Namespace]:
+    """The stage's config from the command line (the base's manifest read and digested, --exclude parsed)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--base", required=True, help="the shapes base to continue (a diffusers directory)")
     parser.add_argument("--out", required=True, help="directory to write (replaced if it exists)")
@@ -178,15 +186,24 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=OrderStageConfig.seed)
     parser.add_argument("--threads", type=int, default=2, help="torch threads (the result depends on it in rounding)")
     args = parser.parse_args(argv)
-    from diffusers import QwenImagePipeline
-
+    check_shapes_base(args.base)  # a shipped base that is missing or corrupt: named, with the command that rebuilds it
     manifest = os.path.join(args.base, MANIFEST)
     if not os.path.isfile(manifest):
         raise SystemExit(f"--base: {manifest} is missing; a shapes base from tools/pretrain_shapes.py has one")
     exclude = tuple(p for p in load_prompts(args.exclude) if parse_prompt(p).relation) if args.exclude else ()
     cfg = OrderStageConfig(base=args.base, base_manifest_sha256=sha256_file(manifest), exclude=exclude,
                            seed=args.seed, steps=args.steps)
+    return cfg, args
+
+
+def main(argv: list[str] | None = None) -> None:
+    cfg, args = parse_args(argv)
+    from diffusers import QwenImagePipeline
+
     torch.set_num_threads(args.threads)
+    warning = unpinned_warning("order_stage")
+    if warning:
+        print(warning, flush=True)
     start, cpu_start = time.perf_counter(), time.process_time()
     pipe = QwenImagePipeline.from_pretrained(args.base, torch_dtype=torch.float32)
     order_stage(pipe, cfg, log=lambda line: print(line, flush=True))

@@ -1,7 +1,8 @@
 """Pretrain the shapes base from scratch, deterministically, on CPU: a small Qwen-Image (the real diffusers
-classes, rayflow.models.shapes) on rendered scenes of the shapes world (rayflow.worlds.shapes).
+classes, rayflow.models.shapes) on rendered scenes of the shapes world (rayflow.worlds.shapes). The result is the
+shipped pretrained base; tools/order_stage.py continues it into the base the default recipes train.
 
-    python tools/pretrain_shapes.py --out models/shapes-qwen-image [--seed 0] [--workers 2]
+    python tools/pretrain_shapes.py --out models/shapes-qwen-image-pretrained [--seed 0] [--workers 2]
 
 1. The VAE learns to reconstruct rendered scenes as a plain autoencoder (the posterior's mode: sampled
    latents drown a young decoder in noise), shape pixels weighted above the background.
@@ -13,26 +14,26 @@ classes, rayflow.models.shapes) on rendered scenes of the shapes world (rayflow.
    objects is what a small model learns last), its learning rate decayed to 0 along a cosine after warm-up.
    With --caption-noise p, a fraction p of the counting and position scenes carry a caption that misstates the
    count or the side (as web captions miscount and misplace): the base then draws what such prompts ask less
-   reliably. The shipped base has none; with it RL did not win the lost ground back (docs/shapes_history.md,
+   reliably. The shipped pretrained base has none; with it RL did not win the lost ground back (docs/shapes_history.md,
    Nor does a base that misreads counts and sides).
    With --layout-rows L, every batch gains L rows of relation prompts at σ = 1 whose target is the mean latent of
    --layout-scenes scenes of the prompt: the conditional mean that the velocity at pure noise should predict
    (the stable target field of Xu, Tong and Jaakkola, 2023, at σ = 1, its references scenes of the row's prompt).
    One scene's layout is mostly noise about that mean, which is where a relation's word order gets lost. A base
    built or continued with these rows draws relations off chance (docs/shapes_history.md, A layout target at the
-   highest noise moves relations off chance). The shipped base has none.
+   highest noise moves relations off chance). The shipped pretrained base has none.
 Before the transformer trains, held-out scenes pass through the VAE and the shapes reward must find what their
 prompts ask in at least --vae-min-accuracy of the reconstructions, or the script stops there, naming the share.
 With --workers N, N processes (one torch thread each) split every transformer batch's rows and sum their gradients
 over gloo on loopback: the same training as one process that accumulates the N parts' gradients, bit for bit, that
 stage in about 1/N of the time; it differs from the one-process default (whole batches at once, which made the shipped
-weights) only in rounding. Each of them trains the VAE whole, as one process does (see train_vae). Run as a program,
-the script holds torch, oneDNN and MKL to their AVX2 kernels (PINNED_KERNELS): the VAE stage turns a CPU's rounding
-into other weights (unpinned, the AVX-512 machines of 2026-11-28 built a 40.6% base, not the shipped 48.1%), and
-pinned, one process rebuilds the shipped weights bit for bit on any x86 CPU with AVX2 (README, Learning on the shapes
-world: Base). The text encoder keeps its random weights (frozen). Weights are saved in float16 (a few MB) with a
-manifest of sha256 digests (rayflow_shapes.json, which also names the kernels) that rayflow checks before using the
-base.
+pretrained weights) only in rounding. Each of them trains the VAE whole, as one process does (see train_vae). Run as a
+program, the script holds torch, oneDNN and MKL to their AVX2 kernels (tools/cpu_kernels.py): the VAE stage turns a
+CPU's rounding into other weights (unpinned, the AVX-512 machines of 2026-11-28 built a 40.6% base, not the shipped
+48.1%), and pinned, one process rebuilds the shipped pretrained weights bit for bit on any x86 CPU with AVX2 (README,
+Learning on the shapes world: Base). The text encoder keeps its random weights (frozen). Weights are saved in float16
+(a few MB) with a manifest of sha256 digests (rayflow_shapes.json, which also names the kernels) that rayflow checks
+before using the base.
 """
 
 import argparse
@@ -48,16 +49,11 @@ import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, replace
 
-PINNED_KERNELS = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_CBWR": "AVX2"}
-"""Each CPU library that picks its kernels by the instruction set, held to AVX2 (torch's own ops, oneDNN's
-convolutions, MKL's BLAS): a kernel for another instruction set rounds differently, and the VAE stage turns a last
-bit into other weights. The shipped weights were trained with AVX2 kernels, so any x86 CPU with AVX2 rebuilds them
-bit for bit; with AVX-512 kernels the VAE differs in 36% of its values, and the base scores 40.6%, not 48.1%."""
-PINNED_CAPABILITY = PINNED_KERNELS["ATEN_CPU_CAPABILITY"].upper()
-"""What torch.backends.cpu.get_cpu_capability() reports under the pins (and the shipped manifest's cpu_kernels)."""
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from cpu_kernels import pin_kernels, unpinned_warning  # noqa: E402
+
 if __name__ == "__main__":
-    os.environ.update(PINNED_KERNELS)  # before torch loads: each library reads its variable once
-    # (torch.multiprocessing's workers inherit it)
+    pin_kernels()  # before torch loads (torch.multiprocessing's workers inherit it)
 
 import numpy as np
 import torch
@@ -407,11 +403,9 @@ def pretrain(out: str, cfg: PretrainConfig, share: BatchShare = ALL_ROWS) -> Non
     """Both stages, then (in the process holding part 0) the save."""
     torch.set_num_threads(1)  # on a shared 2-core machine one thread each trains faster than two fighting
     start, cpu_start = time.perf_counter(), time.process_time()
-    kernels = torch.backends.cpu.get_cpu_capability()
-    if 0 in share.parts and kernels != PINNED_CAPABILITY:
-        print(f"pretrain_shapes: torch runs {kernels} kernels, not the {PINNED_CAPABILITY} of {PINNED_KERNELS} that "
-              f"the shipped weights were trained with: this base will differ from them (run the script as a program, "
-              f"on an x86 CPU with AVX2, to rebuild them bit for bit)", flush=True)
+    warning = unpinned_warning("pretrain_shapes")
+    if 0 in share.parts and warning:
+        print(warning, flush=True)
     pipe = build_shapes_pipeline(cfg.seed)
     train_vae(pipe.vae, cfg, cfg.vae_steps, verbose=0 in share.parts)
     accuracy = check_vae(pipe.vae, cfg)  # in every worker, so that all stop together, none left waiting on gloo

@@ -1,11 +1,14 @@
-"""The shapes base: a small Qwen-Image (the real diffusers classes) pretrained on the shapes world
-(rayflow.worlds.shapes) by tools/pretrain_shapes.py and shipped in the repository.
+"""The shapes bases: a small Qwen-Image (the real diffusers classes) trained on the shapes world
+(rayflow.worlds.shapes) in two stages, both shipped in the repository.
 
-    models/shapes-qwen-image/   a diffusers directory (QwenImagePipeline.from_pretrained loads it)
-        rayflow_shapes.json     how it was made: spec, seed, steps, and the sha256 of every weight file
+    models/shapes-qwen-image-pretrained/   tools/pretrain_shapes.py: flow matching on rendered scenes
+    models/shapes-qwen-image/              the default recipes' base: the pretrained one continued by
+                                           tools/order_stage.py, which teaches a relation prompt's order alone
+        rayflow_shapes.json                how each was made: its stage's config, the kernels, and the sha256 of
+                                           every weight file
 
-`check_shapes_base` (run by the preflight) checks the shipped copy against its manifest and names the
-command that rebuilds it when it is missing or corrupt.
+Each is a diffusers directory (QwenImagePipeline.from_pretrained loads it). `check_shapes_base` (run by the
+preflight) checks a base against its manifest and names the command that rebuilds it when it is missing or corrupt.
 """
 
 from __future__ import annotations
@@ -19,8 +22,18 @@ from rayflow.paths import REPO_ROOT
 from rayflow.worlds.shapes import COLOURS, NUMBERS, POSITIONS, RELATIONS, SHAPES
 
 SHAPES_MODEL_DIR = os.path.join(REPO_ROOT, "models", "shapes-qwen-image")
+PRETRAINED_MODEL_DIR = os.path.join(REPO_ROOT, "models", "shapes-qwen-image-pretrained")
 MANIFEST = "rayflow_shapes.json"
-REBUILD_COMMAND = "python tools/pretrain_shapes.py --out models/shapes-qwen-image"
+PRETRAIN_COMMAND = "python tools/pretrain_shapes.py --out models/shapes-qwen-image-pretrained"
+REBUILD_COMMAND = ("python tools/order_stage.py --base models/shapes-qwen-image-pretrained "
+                   "--out models/shapes-qwen-image --exclude recipes/prompts/shapes_eval.txt")
+"""The shipped base from the pretrained one (which PRETRAIN_COMMAND rebuilds first, if it is gone too)."""
+
+
+def rebuild_command(path: str) -> str:
+    """The command that rebuilds the shipped base at `path` (the default recipes' unless it is the pretrained one)."""
+    return PRETRAIN_COMMAND if os.path.abspath(path) == PRETRAINED_MODEL_DIR else REBUILD_COMMAND
+
 
 SHAPES_SPEC = TinyQwenImageSpec(
     transformer_layers=4, transformer_heads=4, transformer_head_dim=32, vae_base_dim=8, vae_z_dim=4, vae_downsamples=2
@@ -41,19 +54,21 @@ def build_shapes_pipeline(seed: int):
 
 
 def check_shapes_base(path: str) -> None:
-    """If `path` is where the shipped base lives, or holds its manifest, check every weight file against the
+    """If `path` is where a shipped base lives, or holds a manifest, check every weight file against the
     manifest: FileNotFoundError or ValueError naming the command that rebuilds it. Other paths pass."""
     manifest = os.path.join(path, MANIFEST)
-    if os.path.abspath(path) != SHAPES_MODEL_DIR and not os.path.isfile(manifest):
+    shipped = os.path.abspath(path) in (SHAPES_MODEL_DIR, PRETRAINED_MODEL_DIR)
+    if not shipped and not os.path.isfile(manifest):
         return
+    command = rebuild_command(path)
     if not os.path.isfile(manifest):
-        raise FileNotFoundError(f"shapes base: {manifest} is missing; rebuild it with `{REBUILD_COMMAND}`")
+        raise FileNotFoundError(f"shapes base: {manifest} is missing; rebuild it with `{command}`")
     with open(manifest) as f:
         files = json.load(f)["files"]
     for name, digest in sorted(files.items()):
         file = os.path.join(path, name)
         if not os.path.isfile(file):
-            raise FileNotFoundError(f"shapes base: {file} is missing; rebuild it with `{REBUILD_COMMAND}`")
+            raise FileNotFoundError(f"shapes base: {file} is missing; rebuild it with `{command}`")
         if sha256_file(file) != digest:
             raise ValueError(f"shapes base: {file} is corrupt (its sha256 differs from {MANIFEST}); "
-                             f"rebuild it with `{REBUILD_COMMAND}`")
+                             f"rebuild it with `{command}`")
