@@ -84,7 +84,8 @@ def test_the_first_steps_are_deterministic_and_the_anchor_is_free_while_the_poli
 
 def test_the_shipped_base_is_the_rebuild_commands_stage_of_the_shipped_pretrained_base(monkeypatch):
     """The shipped base's manifest holds exactly the config that REBUILD_COMMAND makes (the pretrained base's manifest
-    digest, the held-out relation prompts excluded, the default steps and seed), and the pinned kernels."""
+    digest, the held-out relation prompts excluded, the default steps and seed), on the threads it was built with (its
+    pinned kernels: test_shapes_base.py checks both shipped manifests' cpu_kernels)."""
     monkeypatch.chdir(REPO_ROOT)  # the command's paths are the repository's
     argv = shlex.split(REBUILD_COMMAND)
     assert argv[:2] == ["python", "tools/order_stage.py"]
@@ -94,7 +95,7 @@ def test_the_shipped_base_is_the_rebuild_commands_stage_of_the_shipped_pretraine
         manifest = json.load(f)
     assert manifest["config"] == json.loads(json.dumps(asdict(cfg)))  # tuples as the manifest's lists
     assert len(cfg.exclude) == 4 and all(parse_prompt(p).relation for p in cfg.exclude)
-    assert manifest["cpu_kernels"] == "AVX2" and args.threads == 2
+    assert args.threads == 2
 
 
 def test_bad_input_is_named(tmp_path, monkeypatch):
