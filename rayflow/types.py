@@ -53,6 +53,9 @@ class SamplingParams:
     """Images per VAE decode: 0 decodes a request's whole batch at once; n > 0 decodes it n at a time, and CFG-parallel
     ranks share those decodes round robin instead of rank 0 decoding alone. The images depend on n (a decode of fewer
     images may round differently), never on the number of ranks."""
+    same_initial_noise: bool = False
+    """Every sample of a prompt group starts from one initial noise (its first seed's), so the group's samples differ only
+    by their stochastic steps' noise (DanceGRPO's and UniRL's init_same_noise). Needs a stochastic step."""
 
     def validate(self, prefix: str = "sampling") -> None:
         def need(ok: bool, key: str, allowed: str) -> None:
@@ -93,6 +96,11 @@ class SamplingParams:
                 f"null or [lo, hi] with 0 <= lo, hi <= num_steps={T} and hi - lo >= sde_window_size={self.sde_window_size}",
             )
         need(self.sde_window_schedule in ("fixed", "random", "sliding"), "sde_window_schedule", "one of ['fixed', 'random', 'sliding']")
+        if self.same_initial_noise:
+            # With no stochastic step every sample of a group would be the same image: no advantage left.
+            need(self.sde_type != "ode" and (self.sde_window_size is not None or len(self._listed_sde_steps()) > 0),
+                 "same_initial_noise", "false unless some step samples stochastically (sde_type sde or cps, and "
+                 "sde_step_indices not [], or an SDE window)")
         if self.return_step_indices is not None:
             need(
                 all(0 <= i <= T for i in self.return_step_indices) and _unique(self.return_step_indices),
@@ -106,6 +114,10 @@ class SamplingParams:
             return []
         if self.sde_window_size is not None:
             raise ValueError("sampling parameters with an SDE window: resolve it first (rayflow.sampling.window.window_params)")
+        return self._listed_sde_steps()
+
+    def _listed_sde_steps(self) -> list[int]:
+        """sde_step_indices sorted, or every step but the last when it is None (the window and sde_type aside)."""
         if self.sde_step_indices is None:
             return list(range(self.num_steps - 1))
         return sorted(self.sde_step_indices)
@@ -139,10 +151,13 @@ class RolloutRequest:
     """The oldest policy version the request may start under: a rollout rank holding only older weights waits for
     this one to be staged (the driver submits requests under its newest version while that version is still being
     broadcast). None: whatever the rank holds."""
+    noise_seeds: list[int] | None = None
+    """The seed of each sample's initial noise (sampling.same_initial_noise: its group's first seed); None: its own
+    seed. The stochastic steps' noise always continues the sample's own seed's stream."""
 
     def validate(self) -> None:
         n = len(self.prompts)
-        for key in ("prompt_ids", "group_ids", "seeds"):
+        for key in ("prompt_ids", "group_ids", "seeds") + (("noise_seeds",) if self.noise_seeds is not None else ()):
             got = len(getattr(self, key))
             if got != n:
                 raise ConfigError(f"request.{key}", f"{got} entries", f"one per prompt ({n})")

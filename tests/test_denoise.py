@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from rayflow.cfg.policy import TrueCFG
+from rayflow.data.prompts import PromptGroup
 from rayflow.errors import ConfigError
 from rayflow.models.base import PromptEmbeds
 from rayflow.sampling.denoise import advance, finish_rollout, generate, local_guided_velocity, start_rollout
@@ -106,6 +107,34 @@ def test_group_seeds_give_distinct_trajectories(tiny_model):
     request([1, 1], group_ids=[0, 1]).validate()  # one seed in two groups is fine
     with pytest.raises(ConfigError, match="seed 1 twice in group 0"):
         run(tiny_model, [1, 2, 1])
+
+
+def test_same_initial_noise_starts_a_group_from_its_first_seeds_noise_and_keeps_each_samples_sde_noise(tiny_model):
+    group = PromptGroup(group_id=3, prompt_id=0, prompt=PROMPT, seeds=(10, 11, 12))
+    params = SamplingParams(num_steps=T, same_initial_noise=True)
+    requests = group.requests(params, micro_batch_size=2)  # the group split over two requests
+    assert [r.noise_seeds for r in requests] == [[10, 10], [10]]
+    shared = [t for r in requests for t in generate(tiny_model, r, POLICY)]
+    start, _ = tiny_model.prepare_latents([10], 64, 64)
+    assert all(torch.equal(t.latent(0), start[0]) for t in shared)
+    assert [t.seed for t in shared] == [10, 11, 12]
+    assert not torch.equal(shared[1].latent(T), shared[0].latent(T)) and not torch.equal(shared[2].latent(T), shared[0].latent(T))
+    # Seed 10 starts from its own noise: its sample is the one it would be unshared, bit for bit.
+    own = generate(tiny_model, request([10, 11]), POLICY)
+    assert torch.equal(shared[0].latents, own[0].latents) and torch.equal(shared[0].log_probs, own[0].log_probs)
+    # Seed 11's stochastic steps draw seed 11's noise, as unshared: x_1 − μ_0 is the same std·ε.
+    torch.testing.assert_close(shared[1].latent(1) - shared[1].step_mean(0), own[1].latent(1) - own[1].step_mean(0),
+                               rtol=0, atol=1e-5)
+    assert not torch.equal(shared[1].latent(0), own[1].latent(0))
+    assert group.requests(SamplingParams(num_steps=T), micro_batch_size=2)[0].noise_seeds is None  # off by default
+
+
+@pytest.mark.parametrize("params", [dict(sde_type="ode"), dict(sde_step_indices=[]), dict(num_steps=1)])
+def test_same_initial_noise_without_a_stochastic_step_is_refused(params):
+    with pytest.raises(ConfigError, match=r"sampling\.same_initial_noise.*some step samples stochastically"):
+        SamplingParams(**{"num_steps": T, **params, "same_initial_noise": True}).validate()
+    SamplingParams(num_steps=T, sde_type="ode", sde_step_indices=[], same_initial_noise=False).validate()
+    SamplingParams(num_steps=T, sde_window_size=2, same_initial_noise=True).validate()  # a window is stochastic
 
 
 @pytest.mark.parametrize("sde_type", ["sde", "cps", "ode"])

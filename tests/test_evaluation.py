@@ -30,11 +30,14 @@ def test_each_eval_prompt_gets_eval_seeds_distinct_fixed_seeds():
 
 
 def test_evaluation_params_take_the_rollouts_settings_unless_the_eval_keys_are_set():
-    cfg = load_config(recipe("flowgrpo_tiny.yaml"), ["sampling.sde_window_size=2", "sampling.sde_window_range=[0,4]"])
+    cfg = load_config(recipe("flowgrpo_tiny.yaml"), ["sampling.sde_window_size=2", "sampling.sde_window_range=[0,4]",
+                                                      "sampling.same_initial_noise=true"])
     s = cfg.sampling
     same = evaluation_params(s, cfg.trainer)
     assert (same.num_steps, same.guidance_scale, same.solver) == (s.num_steps, s.guidance_scale, s.solver)
     assert same.sde_type == "ode" and same.resolved_sde_steps() == [] and same.return_step_indices == [s.num_steps]
+    assert not same.same_initial_noise  # each fixed seed its own start (an ODE group would be one image)
+    same.validate()
     cfg.trainer.eval_num_steps, cfg.trainer.eval_guidance_scale, cfg.trainer.eval_solver = 1, 1.0, "dpm2"
     other = evaluation_params(s, cfg.trainer)
     assert (other.num_steps, other.guidance_scale, other.solver) == (1, 1.0, "dpm2")

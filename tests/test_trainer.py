@@ -26,7 +26,8 @@ def run_trainer(cfg):
 
 
 MINIBATCHES = ("algorithm.num_inner_epochs=2", "algorithm.num_minibatches=2")
-WINDOW = ("sampling.sde_window_size=2", "sampling.sde_window_range=[0,3]")  # a random 2-step window per version
+# A random 2-step window per version; every group's samples start from one initial noise.
+WINDOW = ("sampling.sde_window_size=2", "sampling.sde_window_range=[0,3]", "sampling.same_initial_noise=true")
 EMA = ("trainer.ema_decay=0.9", "trainer.ema_every=2")  # the "ema" adapter is compared and resumed with the others
 EVAL = (f"trainer.eval_every={STEPS}",)  # the last step evaluates (under the "ema" adapter, on the rollout ranks)
 # Every transformer weight trained and synced; "old", "ema" and the KL's frozen base are whole-weight copies, and the

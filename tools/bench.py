@@ -9,6 +9,7 @@
     python tools/bench.py simulator --json bench_sim.json [--steps 16]         the simulator against real runs
     python tools/bench.py learning --json bench_learning.json [--budget-s 180]  algorithms on the shapes world; see tools/learning_bench.py
     python tools/bench.py trajectories --json bench_traj.json [--shape qwen-image-1024]  a request's trajectories pickled; see tools/trajectory_bench.py
+    python tools/bench.py gradients --json bench_gradients.json [--batches 16]  gradient noise scale per algorithm; see tools/gradient_bench.py
 
 sync: a learner's rollout adapter (the "small" tiny model, LoRA rank 128) pushed through the
 WeightSyncActor to two W = 1 rollout replicas, in lora and in merged mode, against one raw
@@ -65,6 +66,7 @@ from rayflow.types import RolloutRequest, SamplingParams
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the sibling gpu_bench.py, however bench.py is run
 import gpu_bench  # noqa: E402
+import gradient_bench  # noqa: E402
 import learning_bench  # noqa: E402
 import process_cpu  # noqa: E402
 import sim_bench  # noqa: E402
@@ -574,6 +576,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     startup.add_argument("overrides", nargs="*", help="extra dotlist overrides for the recipe")
     learning_bench.add_arguments(_subcommand(sub, "learning", "FlowGRPO, its 2-step window, DiffusionNFT x staleness 0, 1 on the shapes world",
                                              model=False))
+    gradient_bench.add_arguments(_subcommand(sub, "gradients", "gradient noise scale of FlowGRPO, its variants and DiffusionNFT on the shapes world",
+                                             model=False))
     trajectory_bench.add_arguments(_subcommand(sub, "trajectories", "one request's trajectories through Ray's pickling: bytes, seconds",
                                                model=False))
     gpu_bench.add_arguments(_subcommand(sub, "gpu", "one GPU: rollout vs diffusers, learner vs bare, bf16 log-prob drift, memory vs plan",
@@ -583,7 +587,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 BENCHMARKS = {"rollout": bench_rollout, "sync": bench_sync, "pipeline": bench_pipeline, "gpu": gpu_bench.run,
               "startup": bench_startup, "costs": sim_bench.bench_costs, "simulator": lambda args: sim_bench.bench_simulator(args, start_local_ray),
-              "learning": lambda args: learning_bench.bench_learning(args, start_local_ray), "trajectories": trajectory_bench.run}
+              "learning": lambda args: learning_bench.bench_learning(args, start_local_ray), "trajectories": trajectory_bench.run,
+              "gradients": gradient_bench.run}
 
 
 def main(argv: list[str] | None = None) -> None:

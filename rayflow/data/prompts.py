@@ -84,6 +84,7 @@ class PromptGroup:
                     seeds=seeds,
                     params=params,
                     min_version=min_version,
+                    noise_seeds=[self.seeds[0]] * len(seeds) if params.same_initial_noise else None,
                 )
             )
         return out

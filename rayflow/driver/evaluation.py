@@ -30,7 +30,7 @@ def evaluation_params(sampling: SamplingParams, trainer: TrainerConfig) -> Sampl
         sampling, sde_type="ode", sde_step_indices=None, sde_window_size=None, sde_window_range=None,
         num_steps=T, return_step_indices=[T],
         guidance_scale=sampling.guidance_scale if trainer.eval_guidance_scale is None else trainer.eval_guidance_scale,
-        solver=trainer.eval_solver or sampling.solver,
+        solver=trainer.eval_solver or sampling.solver, same_initial_noise=False,
     )
 
 

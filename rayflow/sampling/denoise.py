@@ -91,6 +91,8 @@ def start_rollout(model: DiffusionModel, request: RolloutRequest, policy: CFGPol
     texts = policy.conditioning_prompts(request.prompts, params.negative_prompt, params.guidance_scale)
     conds = {name: encode_texts(model, t) for name, t in texts.items()}
     latents, generators = model.prepare_latents(request.seeds, params.height, params.width)
+    if request.noise_seeds is not None:  # sampling.same_initial_noise: the group's start; the SDE streams stay per sample
+        latents, _ = model.prepare_latents(request.noise_seeds, params.height, params.width)
     return RolloutState(
         request=request,
         schedule=model.schedule(params.num_steps, params.height, params.width, params.shift),
