@@ -11,6 +11,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 import bench  # noqa: E402
 from gradient_bench import noise_scale  # noqa: E402
 
+from rayflow.paths import recipe  # noqa: E402
+
 P = 4000  # weights
 
 
@@ -45,14 +47,20 @@ def test_fewer_than_three_batches_are_refused():
         noise_scale(torch.ones(2, 5), batch_size=4)
     with pytest.raises(SystemExit, match="--batches: got 2; allowed: integers >= 3"):
         bench.main(["gradients", "--batches", "2"])
+    with pytest.raises(SystemExit, match=r"--recipe: got \['nowhere.yaml'\]; allowed: recipe YAML files"):
+        bench.main(["gradients", "--recipe", "nowhere.yaml"])
 
 
-def test_a_configuration_measured_on_the_shapes_base(capsys):
-    bench.main(["gradients", "--configs", "flow_grpo", "--batches", "3", "--threads", "1",
-                "sampling.num_steps=4", "algorithm.prompts_per_step=2", "algorithm.group_size=4", "learner.micro_batch_size=4",
-                "rollout.micro_batch_size=4"])
+SMALL = ["sampling.num_steps=4", "algorithm.prompts_per_step=2", "algorithm.group_size=4", "learner.micro_batch_size=4",
+         "rollout.micro_batch_size=4"]
+
+
+@pytest.mark.parametrize("chosen, name", [(["--configs", "flow_grpo_same_noise"], "flow_grpo_same_noise"),
+                                          (["--recipe", recipe("flowgrpo_qwen_image.yaml")], recipe("flowgrpo_qwen_image.yaml"))])
+def test_a_configuration_measured_on_the_shapes_base(capsys, chosen, name):
+    bench.main(["gradients", *chosen, "--batches", "3", "--threads", "1", *SMALL])
     out = capsys.readouterr().out
-    result = bench.json.loads(out[out.index("{"):])["configs"]["flow_grpo"]
+    result = bench.json.loads(out[out.index("{"):])["configs"][name]
     assert result["samples_per_batch"] == 8
     assert result["weights"] > 0 and result["trace_sigma"] > 0 and result["batch_s"] > 0
     assert -1 <= result["mean_cosine"] <= 1

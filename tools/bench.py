@@ -9,7 +9,7 @@
     python tools/bench.py simulator --json bench_sim.json [--steps 16]         the simulator against real runs
     python tools/bench.py learning --json bench_learning.json [--budget-s 180]  algorithms on the shapes world; see tools/learning_bench.py
     python tools/bench.py trajectories --json bench_traj.json [--shape qwen-image-1024]  a request's trajectories pickled; see tools/trajectory_bench.py
-    python tools/bench.py gradients --json bench_gradients.json [--batches 16]  gradient noise scale per algorithm; see tools/gradient_bench.py
+    python tools/bench.py gradients --json bench_gradients.json [--batches 16] [--recipe FILE]  gradient noise scale; see tools/gradient_bench.py
 
 sync: a learner's rollout adapter (the "small" tiny model, LoRA rank 128) pushed through the
 WeightSyncActor to two W = 1 rollout replicas, in lora and in merged mode, against one raw

@@ -8,17 +8,19 @@ with G the expected gradient of the loss and Σ the covariance of one sample's g
 
 is the batch size at which a step's noise equals its signal. A step on a batch of n samples makes n / (n + B_noise) of
 the progress of a noise-free step (at its best learning rate), so n / ((n + B_noise) · seconds per batch) compares
-configurations that differ in batch size and cost per batch (`progress_per_s`). It is SGD's theory; Adam rescales each weight, so read the
-figures as a ranking, not a forecast of steps.
+configurations that differ in batch size and cost per batch (`progress_per_s`). It is SGD's theory; Adam rescales
+each weight, so read the figures as a ranking, not a forecast of steps.
 
 Each configuration builds the reference trainer (rayflow.reference) from a recipe and, at the base weights, draws
 --batches batches the way training does (rollout, rewards, advantages; each batch at its own policy version, so an
 SDE window moves as in training), and takes each batch's gradient of the algorithm's loss without an optimizer step.
+--recipe measures any recipe instead (B_noise is the batch beyond which more samples a step stop paying).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
@@ -40,6 +42,8 @@ recipe does (B_noise depends on which weights are trained: this pair compares th
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    parser.add_argument("--recipe", nargs="+", default=None,
+                        help="measure these recipe YAMLs instead of --configs (e.g. your own, to size its batch)")
     parser.add_argument("--batches", type=int, default=16, help="batches per configuration (K >= 3)")
     parser.add_argument("--threads", type=int, default=2, help="torch threads")
     parser.add_argument("overrides", nargs="*", help="extra dotlist overrides for every configuration")
@@ -89,7 +93,7 @@ def batch_gradients(recipe_file: str, overrides: list[str], batches: int) -> tup
     from rayflow.config import load_config
     from rayflow.learner.minibatches import backward, pass_index
 
-    cfg = load_config(recipe_file, ["trainer.output_dir=/tmp/rayflow-bench-gradients", *overrides])
+    cfg = load_config(recipe_file, overrides)  # nothing is written: no checkpoint, no log
     run = reference.build_run(cfg)
     params = [p for p in run.model.transformer.parameters() if p.requires_grad]
     grads, seconds, samples = [], [], 0
@@ -114,14 +118,19 @@ def run(args: argparse.Namespace) -> dict:
         raise SystemExit(f"error: --threads: got {args.threads}; allowed: integers >= 1")
     torch.set_num_threads(args.threads)
     results = {}
-    for name in args.configs:
-        recipe_name, overrides = CONFIGS[name]
-        grads, n, seconds = batch_gradients(recipe(recipe_name), [*overrides, *args.overrides], args.batches)
+    configs = {name: (recipe(file), overrides) for name, (file, overrides) in CONFIGS.items() if name in args.configs}
+    if args.recipe:
+        missing = [path for path in args.recipe if not os.path.isfile(path)]
+        if missing:
+            raise SystemExit(f"error: --recipe: got {missing}; allowed: recipe YAML files")
+        configs = {path: (path, ()) for path in args.recipe}
+    for name, (recipe_file, overrides) in configs.items():
+        grads, n, seconds = batch_gradients(recipe_file, [*overrides, *args.overrides], args.batches)
         scale = noise_scale(grads, n)
         resolved = scale["signal_sigmas"] >= 2
         batch_s = statistics.median(seconds)
         results[name] = {
-            "recipe": recipe_name, "overrides": list(overrides), "samples_per_batch": n, "weights": grads.shape[1],
+            "recipe": recipe_file, "overrides": list(overrides), "samples_per_batch": n, "weights": grads.shape[1],
             "batch_s": batch_s, **scale,
             # The share of a noise-free step each batch makes, per second; with no signal resolved, at most this.
             "progress_per_s": n / (n + (scale["b_noise"] if resolved else scale["b_noise_lower"])) / batch_s,
