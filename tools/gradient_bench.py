@@ -95,7 +95,7 @@ def batch_gradients(recipe_file: str, overrides: list[str], batches: int) -> tup
 
     cfg = load_config(recipe_file, overrides)  # nothing is written: no checkpoint, no log
     run = reference.build_run(cfg)
-    params = [p for p in run.model.transformer.parameters() if p.requires_grad]
+    params = [p for group in run.optimizer.param_groups for p in group["params"]]  # the weights training steps
     grads, seconds, samples = [], [], 0
     for k in range(batches):
         run.step = k  # the version the batch is sampled at (an SDE window's place); the weights stay the base's
@@ -105,7 +105,7 @@ def batch_gradients(recipe_file: str, overrides: list[str], batches: int) -> tup
             p.grad = None
         backward(run.spec, run.model, run.spec.policy, trajectories, pass_index(k, 0, 1))
         seconds.append(time.perf_counter() - start)
-        # Weights the loss does not reach (the EMA copies) have no gradient: zeros keep every row the same length.
+        # The last block's text-stream layers do not reach the image and get no gradient: zeros keep the rows aligned.
         grads.append(torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).flatten().float() for p in params]))
         samples = len(trajectories)
     return torch.stack(grads), samples, seconds
