@@ -94,3 +94,16 @@ def test_a_benchmark_runs_from_outside_the_repository(tiny_model_dir, tmp_path):
     report = json.loads(out.read_text())
     assert report["setup"]["recipe"] == os.path.join(REPO, "recipes", "flowgrpo_tiny.yaml")
     assert report["rollout_request_s"] > 0 and report["train_batch_s"] > 0
+
+
+def test_the_startup_benchmark_says_why_its_run_failed(tmp_path):
+    """bench.py startup reads the recipe's output for its timings; when the run fails, its last lines are the error
+    (a GPU machine's failure once showed only "failed (exit 1)"). A bad value fails at config checks, before Ray."""
+    result = subprocess.run(
+        [sys.executable, os.path.join(REPO, "tools", "bench.py"), "startup", "--repeats", "1", "trainer.total_steps=0"],
+        cwd=tmp_path, env={k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}, capture_output=True, text=True,
+        timeout=120,
+    )
+    assert result.returncode == 1
+    error = result.stderr[result.stderr.index("RuntimeError: "):]
+    assert "failed (exit 1); its last lines:" in error and "trainer.total_steps: got 0" in error, error

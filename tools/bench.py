@@ -487,6 +487,7 @@ def bench_startup(args: argparse.Namespace) -> dict:
     """Seconds from the command to the end of its first step, the recipe run as a user runs it (a fresh
     process, a local Ray, the tiny model already cached by a first run), with the launcher's per-phase
     breakdown (its "startup:" line)."""
+    import collections
     import re
     import subprocess
     import tempfile
@@ -500,14 +501,17 @@ def bench_startup(args: argparse.Namespace) -> dict:
             proc = subprocess.Popen([*command, f"trainer.output_dir={out}"], stdout=subprocess.PIPE,
                                     stderr=subprocess.STDOUT, text=True)
             phases, first_step_s = None, None
+            tail = collections.deque(maxlen=20)  # the run's last lines, to say why it failed
             for line in proc.stdout:
+                tail.append(line)
                 if "startup: " in line:
                     phases = {name: float(s) for name, s in re.findall(r"([a-z ]+) ([0-9.]+)s", line.split("startup: ")[1])}
                     phases = {name.strip(): s for name, s in phases.items()}
                 elif first_step_s is None and re.search(r"rayflow INFO step 1 ", line):
                     first_step_s = time.perf_counter() - start
             if proc.wait() != 0 or first_step_s is None:
-                raise RuntimeError(f"{' '.join(command)} failed (exit {proc.returncode})")
+                raise RuntimeError(f"{' '.join(command)} failed (exit {proc.returncode}); its last lines:\n"
+                                   + "".join(tail))
         if attempt:
             runs.append({"first_step_s": first_step_s, "phases": phases})
     best = min(runs, key=lambda r: r["first_step_s"])

@@ -97,8 +97,14 @@ def _peak(device: str) -> int | None:
     return torch.cuda.max_memory_allocated() if device == "cuda" else None
 
 
-def _median_time(fn, repeats: int, device: str) -> float:
-    fn()  # warm-up: kernels chosen, allocator grown
+def _timed(fn, repeats: int, device: str) -> tuple[float, float]:
+    """(median seconds of `repeats` calls, seconds of the warm-up call before them). The warm-up is where kernels are
+    chosen, the allocator grows and, with model.compile, the blocks compile: what a run pays once."""
+    _sync(device)
+    start = time.perf_counter()
+    fn()
+    _sync(device)
+    first = time.perf_counter() - start
     times = []
     for _ in range(repeats):
         _sync(device)
@@ -106,7 +112,7 @@ def _median_time(fn, repeats: int, device: str) -> float:
         fn()
         _sync(device)
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return statistics.median(times), first
 
 
 def bench_pipeline(args, path: str) -> dict:
@@ -121,9 +127,9 @@ def bench_pipeline(args, path: str) -> dict:
              width=args.size, num_inference_steps=args.steps, generator=torch.Generator("cpu").manual_seed(0),
              output_type="pt")
 
-    seconds = _median_time(call, args.repeats, args.device)
+    seconds, first = _timed(call, args.repeats, args.device)
     peak = _peak(args.device)
-    return {"images_per_s": args.batch / seconds, "seconds_per_call": seconds, "peak_bytes": peak,
+    return {"images_per_s": args.batch / seconds, "seconds_per_call": seconds, "first_call_s": first, "peak_bytes": peak,
             "planned_bytes": _planned(cfg, "rollout rank")}
 
 
@@ -145,9 +151,9 @@ def bench_rank(args, path: str) -> dict:
     rank = RolloutRank(RolloutRankSpec.from_config(cfg), 0, 1)
     rank.join(_OneRank())
     seeds = iter(range(0, 10**6, args.batch))
-    seconds = _median_time(lambda: rank.generate(_request(cfg, args.batch, next(seeds))), args.repeats, args.device)
+    seconds, first = _timed(lambda: rank.generate(_request(cfg, args.batch, next(seeds))), args.repeats, args.device)
     del rank
-    return {"images_per_s": args.batch / seconds, "seconds_per_request": seconds}
+    return {"images_per_s": args.batch / seconds, "seconds_per_request": seconds, "first_request_s": first}
 
 
 def bench_replica(args, path: str) -> dict:
@@ -165,11 +171,11 @@ def bench_replica(args, path: str) -> dict:
         spec = RolloutRankSpec.from_config(cfg)
         replica = RolloutReplica(spec, RolloutConfig(cfg_parallel_size=1, gpus_per_rank=gpus), name="gpu-bench").wait_ready()
         seeds = iter(range(0, 10**6, args.batch))
-        seconds = _median_time(lambda: replica.generate(_request(cfg, args.batch, next(seeds))), args.repeats, "cpu")
+        seconds, first = _timed(lambda: replica.generate(_request(cfg, args.batch, next(seeds))), args.repeats, "cpu")
         replica.shutdown()
     finally:
         ray.shutdown()
-    return {"images_per_s": args.batch / seconds, "seconds_per_request": seconds}
+    return {"images_per_s": args.batch / seconds, "seconds_per_request": seconds, "first_request_s": first}
 
 
 def _learner(cfg, device: str):
@@ -208,7 +214,7 @@ def bench_learner(args, path: str) -> dict:
     cfg = _config(args, path, 4.0, args.learner_batch)
     trajs = _rollouts(args, path, cfg)
     backend = _learner(cfg, args.device)
-    step_s = _median_time(lambda: backend.train_step(trajs), args.repeats, args.device)
+    step_s, first_step_s = _timed(lambda: backend.train_step(trajs), args.repeats, args.device)
     peak = _peak(args.device)
     model, policy, params = backend.model, backend.policy, trajs[0].params
     optimizer = torch.optim.AdamW(list(adapter_parameters(model.transformer, "default").values()), lr=1e-6)
@@ -223,8 +229,8 @@ def bench_learner(args, path: str) -> dict:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    bare_s = _median_time(bare, args.repeats, args.device)
-    result = {"train_step_s": step_s, "bare_forward_backward_s": bare_s, "ratio": step_s / bare_s,
+    bare_s, _ = _timed(bare, args.repeats, args.device)
+    result = {"train_step_s": step_s, "first_train_step_s": first_step_s, "bare_forward_backward_s": bare_s, "ratio": step_s / bare_s,
               "goal": LEARNER_GOAL, "goal_met": step_s / bare_s <= LEARNER_GOAL, "peak_bytes": peak,
               "planned_bytes": _planned(cfg, "learner rank")}
     return result
@@ -332,6 +338,7 @@ def run(args: argparse.Namespace) -> dict:
                       "gpus_per_replica": 1},
             "rollout_request_s": replica["seconds_per_request"], "train_batch_s": learner["train_step_s"],
         } if replica and learner else None,
-        "note": "medians after one warm-up; peak_bytes is torch.cuda.max_memory_allocated (null on CPU); "
+        "note": "medians after one warm-up (its time: first_call_s, first_request_s, first_train_step_s); "
+                "peak_bytes is torch.cuda.max_memory_allocated (null on CPU); "
                 "planned_bytes is the planner's estimate of the same process without the CUDA-context allowance",
     }
