@@ -512,6 +512,9 @@ def bench_startup(args: argparse.Namespace) -> dict:
             if proc.wait() != 0 or first_step_s is None:
                 raise RuntimeError(f"{' '.join(command)} failed (exit {proc.returncode}); its last lines:\n"
                                    + "".join(tail))
+        # Each run as it ends (as bench.py gpu prints each phase): a bench stopped part-way keeps what it measured.
+        print(f"startup run {attempt}{' (builds the model cache, not counted)' if not attempt else ''}: "
+              f"first step {first_step_s:.1f}s, phases {phases}", file=sys.stderr, flush=True)
         if attempt:
             runs.append({"first_step_s": first_step_s, "phases": phases})
     best = min(runs, key=lambda r: r["first_step_s"])
