@@ -15,6 +15,7 @@ from rayflow.errors import ConfigError
 
 SDE_TYPES = ("sde", "cps", "ode")
 SOLVERS = ("euler", "dpm2")
+WINDOW_SCHEDULES = ("fixed", "random", "sliding")
 
 
 @dataclass
@@ -95,7 +96,7 @@ class SamplingParams:
                 "sde_window_range",
                 f"null or [lo, hi] with 0 <= lo, hi <= num_steps={T} and hi - lo >= sde_window_size={self.sde_window_size}",
             )
-        need(self.sde_window_schedule in ("fixed", "random", "sliding"), "sde_window_schedule", "one of ['fixed', 'random', 'sliding']")
+        need(self.sde_window_schedule in WINDOW_SCHEDULES, "sde_window_schedule", f"one of {list(WINDOW_SCHEDULES)}")
         if self.same_initial_noise:
             # With no stochastic step every sample of a group would be the same image: no advantage left.
             need(self.sde_type != "ode" and (self.sde_window_size is not None or len(self._listed_sde_steps()) > 0),

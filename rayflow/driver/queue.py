@@ -26,7 +26,6 @@ from rayflow.types import Trajectory, TrajectoryRef
 class GroupInFlight:
     group: PromptGroup
     trajectories: list[Trajectory | TrajectoryRef] = field(default_factory=list)
-    attempts: int = 1
 
     @property
     def complete(self) -> bool:
@@ -110,7 +109,6 @@ class StalenessQueue:
                 self.accepted -= n
                 if self.over_stale == "regenerate":
                     entry.trajectories = []
-                    entry.attempts += 1
                     self.running += n
                     self.stats.regenerated += 1
                     resubmit.append(entry.group)

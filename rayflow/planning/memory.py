@@ -66,11 +66,6 @@ class RoleMemory:
             return 0
         return sum(self.resident.values()) + self.peak_phase[1] + PROCESS_OVERHEAD
 
-    def largest_item(self) -> tuple[str, int]:
-        items = dict(self.resident)
-        items[self.peak_phase[0]] = self.peak_phase[1]
-        return max(((k, v) for k, v in items.items() if k in self.knobs), key=lambda kv: kv[1], default=("", 0))
-
 
 def branches(config: RayflowConfig, scale: float | None = None) -> int:
     """CFG branches per denoising step: conditionings the policy builds at `scale` (null: sampling.guidance_scale,

@@ -108,10 +108,6 @@ class Shape:
         if self.cores is not None and not self.cores > 0:
             raise SimulationInputError(f"cores: got {self.cores!r}; allowed: a number > 0, or None for a device per actor")
 
-    @property
-    def requests_per_group(self) -> int:
-        return math.ceil(self.group_size / self.micro_batch_size)
-
 
 @dataclass
 class Prediction:
@@ -124,7 +120,6 @@ class Prediction:
     """Share of the time the learner group is neither training nor pushing."""
     staleness_mean: float
     regenerated: int
-    step_times: list[float] = field(repr=False, default_factory=list)
 
 
 @dataclass
@@ -311,7 +306,6 @@ def simulate(costs: Costs, shape: Shape, steps: int = 40, warmup: int = 5) -> Pr
         learner_idle=1 - sim.learner_busy_s / total,
         staleness_mean=sum(sim.staleness) / len(sim.staleness),
         regenerated=sim.regenerated,
-        step_times=deltas,
     )
 
 

@@ -16,8 +16,6 @@ import torch
 from rayflow.rng import keyed_generator
 from rayflow.types import SamplingParams
 
-WINDOW_SCHEDULES = ("fixed", "random", "sliding")
-
 
 def window_bounds(params: SamplingParams) -> tuple[int, int]:
     """[lo, hi] the window lies in: sde_window_range, or the whole schedule [0, num_steps]."""
