@@ -9,6 +9,7 @@ from rayflow.models import load_model
 from rayflow.models.base import PromptEmbeds
 from rayflow.models.speed import apply_attention_backend, compile_blocks
 from rayflow.planning.device_check import DeviceFacts, check_device, device_facts
+from rayflow.sync.receiver import load_weights
 
 
 def _velocity(model):
@@ -76,3 +77,38 @@ def test_device_check_passes_what_the_device_runs():
 def test_unknown_attention_backend_fails_at_load():
     with pytest.raises(ConfigError, match=r"model.attention_backend: got 'xformers'; allowed: one of \['auto'"):
         load_config(None, ["model.attention_backend=xformers"])
+
+
+def test_compiled_blocks_do_not_recompile_for_each_new_prompt_length(tiny_model_dir):
+    """Prompts differ in token count, so a request's text sequence length is often new. Compiled for static shapes,
+    each new length recompiled the block (and after dynamo's limit of 8 ran it eager): a run's varied prompts would
+    take back model.compile's speed-up, which the GPU bench, one prompt throughout, could not show. With automatic
+    dynamic shapes the second length compiles graphs for any length: later lengths add none, and compute as eager
+    does (to fp32 rounding of O(1) velocities, as the GPU test). A weight-sync version adds none either."""
+    from torch._dynamo.utils import counters
+
+    model = load_model(tiny_model_dir)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 16, 16, generator=g)
+    conds = {n: PromptEmbeds(torch.randn(2, n, 32, generator=g), None) for n in (5, 9, 14, 3, 21)}
+    with torch.no_grad():
+        eager = {n: model.predict_velocity(x, torch.tensor(500.0), c, 64, 64) for n, c in conds.items()}
+        torch._dynamo.reset()
+        counters.clear()
+        try:
+            compile_blocks(model.transformer)
+            compiled, graphs = {}, {}
+            for n, c in conds.items():
+                compiled[n] = model.predict_velocity(x, torch.tensor(500.0), c, 64, 64)
+                graphs[n] = counters["stats"]["unique_graphs"]
+            # A new weight-sync version: the receiver copies values into the same tensors (load_weights).
+            params = dict(model.transformer.named_parameters())
+            load_weights(params, {name: p * 1.01 for name, p in params.items()})
+            after_sync = model.predict_velocity(x, torch.tensor(500.0), conds[9], 64, 64)
+            graphs["after sync"] = counters["stats"]["unique_graphs"]
+        finally:
+            torch._dynamo.reset()
+    assert graphs[14] == graphs[3] == graphs[21] == graphs["after sync"] == graphs[9] > graphs[5], graphs
+    for n in conds:
+        torch.testing.assert_close(compiled[n], eager[n], rtol=0, atol=1e-4)
+    assert not torch.allclose(after_sync, compiled[9], rtol=0, atol=1e-4)  # the compiled code reads the new weights

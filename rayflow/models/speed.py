@@ -31,8 +31,12 @@ def apply_attention_backend(transformer: nn.Module, name: str) -> None:
 
 def compile_blocks(transformer: nn.Module) -> None:
     """Regional torch.compile: each repeated transformer block compiles in place (parameter names and
-    with them LoRA, checkpoints and weight sync unchanged); blocks of one shape share the compiled code."""
-    transformer.compile_repeated_blocks(dynamic=False)
+    with them LoRA, checkpoints and weight sync unchanged); blocks of one shape share the compiled code.
+
+    Shapes are automatically dynamic (`dynamic=None`): the prompt's token count changes from request to request, and
+    static shapes recompiled the block for each new count until dynamo's recompile limit, then ran it eager. Now the
+    second count compiles a graph for any count. Weight-sync versions change values in place: no recompile."""
+    transformer.compile_repeated_blocks(dynamic=None)
 
 
 def apply_speed_options(transformer: nn.Module, attention_backend: str, compile: bool) -> None:
