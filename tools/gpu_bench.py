@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
+import itertools
 import json
 import os
 import platform
@@ -35,7 +36,11 @@ import time
 import torch
 
 ROLLOUT_GOAL, LEARNER_GOAL = 0.95, 1.1
-PROMPT = "a red apple on a wooden table, studio light"
+PROMPTS = ("a red apple on a wooden table, studio light", "a cat",
+           "two blue squares to the left of a small green triangle on a white background, flat colours",
+           "a lighthouse at dusk, waves breaking on the rocks below")
+"""Call k of a phase samples prompt k mod 4: their token counts differ, as a run's prompts do, so a compiled model
+that recompiled for each new length would show in the timed calls (the first two are the warm-up)."""
 PHASES = ("pipeline", "rank", "replica", "learner", "log_probs")
 
 
@@ -75,9 +80,11 @@ def _config(args, path: str, guidance: float, batch: int):
 
 
 def _request(cfg, batch: int, first_seed: int):
+    """Request k (first_seed = k·batch) of a phase: `batch` samples of PROMPTS[k mod 4]."""
     from rayflow.types import RolloutRequest
 
-    return RolloutRequest(f"gpu-bench-{first_seed}", [PROMPT] * batch, [0] * batch, [0] * batch,
+    prompt = PROMPTS[first_seed // batch % len(PROMPTS)]
+    return RolloutRequest(f"gpu-bench-{first_seed}", [prompt] * batch, [0] * batch, [0] * batch,
                           list(range(first_seed, first_seed + batch)), cfg.sampling)
 
 
@@ -98,13 +105,15 @@ def _peak(device: str) -> int | None:
 
 
 def _timed(fn, repeats: int, device: str) -> tuple[float, float]:
-    """(median seconds of `repeats` calls, seconds of the warm-up call before them). The warm-up is where kernels are
-    chosen, the allocator grows and, with model.compile, the blocks compile: what a run pays once."""
+    """(median seconds of `repeats` calls, seconds of the two warm-up calls before them). The warm-up is where kernels
+    are chosen, the allocator grows and, with model.compile, the blocks compile (for a first prompt length, then for
+    any: two calls): what a run pays once."""
     _sync(device)
     start = time.perf_counter()
     fn()
+    fn()
     _sync(device)
-    first = time.perf_counter() - start
+    warmup = time.perf_counter() - start
     times = []
     for _ in range(repeats):
         _sync(device)
@@ -112,7 +121,7 @@ def _timed(fn, repeats: int, device: str) -> tuple[float, float]:
         fn()
         _sync(device)
         times.append(time.perf_counter() - start)
-    return statistics.median(times), first
+    return statistics.median(times), warmup
 
 
 def bench_pipeline(args, path: str) -> dict:
@@ -122,14 +131,16 @@ def bench_pipeline(args, path: str) -> dict:
     cfg = _config(args, path, 4.0, args.batch)
     pipe = load_model(path, device=args.device, dtype=getattr(torch, args.dtype)).pipe
 
+    prompts = itertools.cycle(PROMPTS)
+
     def call():
-        pipe([PROMPT] * args.batch, negative_prompt=[" "] * args.batch, true_cfg_scale=4.0, height=args.size,
+        pipe([next(prompts)] * args.batch, negative_prompt=[" "] * args.batch, true_cfg_scale=4.0, height=args.size,
              width=args.size, num_inference_steps=args.steps, generator=torch.Generator("cpu").manual_seed(0),
              output_type="pt")
 
-    seconds, first = _timed(call, args.repeats, args.device)
+    seconds, warmup = _timed(call, args.repeats, args.device)
     peak = _peak(args.device)
-    return {"images_per_s": args.batch / seconds, "seconds_per_call": seconds, "first_call_s": first, "peak_bytes": peak,
+    return {"images_per_s": args.batch / seconds, "seconds_per_call": seconds, "warmup_s": warmup, "peak_bytes": peak,
             "planned_bytes": _planned(cfg, "rollout rank")}
 
 
@@ -151,9 +162,9 @@ def bench_rank(args, path: str) -> dict:
     rank = RolloutRank(RolloutRankSpec.from_config(cfg), 0, 1)
     rank.join(_OneRank())
     seeds = iter(range(0, 10**6, args.batch))
-    seconds, first = _timed(lambda: rank.generate(_request(cfg, args.batch, next(seeds))), args.repeats, args.device)
+    seconds, warmup = _timed(lambda: rank.generate(_request(cfg, args.batch, next(seeds))), args.repeats, args.device)
     del rank
-    return {"images_per_s": args.batch / seconds, "seconds_per_request": seconds, "first_request_s": first}
+    return {"images_per_s": args.batch / seconds, "seconds_per_request": seconds, "warmup_s": warmup}
 
 
 def bench_replica(args, path: str) -> dict:
@@ -171,11 +182,11 @@ def bench_replica(args, path: str) -> dict:
         spec = RolloutRankSpec.from_config(cfg)
         replica = RolloutReplica(spec, RolloutConfig(cfg_parallel_size=1, gpus_per_rank=gpus), name="gpu-bench").wait_ready()
         seeds = iter(range(0, 10**6, args.batch))
-        seconds, first = _timed(lambda: replica.generate(_request(cfg, args.batch, next(seeds))), args.repeats, "cpu")
+        seconds, warmup = _timed(lambda: replica.generate(_request(cfg, args.batch, next(seeds))), args.repeats, "cpu")
         replica.shutdown()
     finally:
         ray.shutdown()
-    return {"images_per_s": args.batch / seconds, "seconds_per_request": seconds, "first_request_s": first}
+    return {"images_per_s": args.batch / seconds, "seconds_per_request": seconds, "warmup_s": warmup}
 
 
 def _learner(cfg, device: str):
@@ -214,7 +225,7 @@ def bench_learner(args, path: str) -> dict:
     cfg = _config(args, path, 4.0, args.learner_batch)
     trajs = _rollouts(args, path, cfg)
     backend = _learner(cfg, args.device)
-    step_s, first_step_s = _timed(lambda: backend.train_step(trajs), args.repeats, args.device)
+    step_s, warmup = _timed(lambda: backend.train_step(trajs), args.repeats, args.device)
     peak = _peak(args.device)
     model, policy, params = backend.model, backend.policy, trajs[0].params
     optimizer = torch.optim.AdamW(list(adapter_parameters(model.transformer, "default").values()), lr=1e-6)
@@ -230,7 +241,7 @@ def bench_learner(args, path: str) -> dict:
         optimizer.zero_grad(set_to_none=True)
 
     bare_s, _ = _timed(bare, args.repeats, args.device)
-    result = {"train_step_s": step_s, "first_train_step_s": first_step_s, "bare_forward_backward_s": bare_s, "ratio": step_s / bare_s,
+    result = {"train_step_s": step_s, "warmup_s": warmup, "bare_forward_backward_s": bare_s, "ratio": step_s / bare_s,
               "goal": LEARNER_GOAL, "goal_met": step_s / bare_s <= LEARNER_GOAL, "peak_bytes": peak,
               "planned_bytes": _planned(cfg, "learner rank")}
     return result
@@ -338,7 +349,7 @@ def run(args: argparse.Namespace) -> dict:
                       "gpus_per_replica": 1},
             "rollout_request_s": replica["seconds_per_request"], "train_batch_s": learner["train_step_s"],
         } if replica and learner else None,
-        "note": "medians after one warm-up (its time: first_call_s, first_request_s, first_train_step_s); "
+        "note": "medians after two warm-up calls (their seconds: warmup_s); "
                 "peak_bytes is torch.cuda.max_memory_allocated (null on CPU); "
                 "planned_bytes is the planner's estimate of the same process without the CUDA-context allowance",
     }
