@@ -47,9 +47,10 @@ def test_one_device_equals_the_reference_trainer_bit_for_bit(ray_session, tiny_m
     the parameters for the sampling phase) with the evaluation EMA, evaluated on the device at the last step (the
     "ema" tensors sampled in the slot, then put back), optimizer offload on: every weight set equal."""
     full = ("learner.train_mode=full", "learner.lr=0.0001", "algorithm.kl_beta=0.01") if train_mode == "full" else ()
+    setup = {}
     history, startup, adapters, ref_history, expected = run_both(
         NFT, tiny_model_dir, tmp_path, "trainer.ema_decay=0.9", "trainer.ema_every=1", f"trainer.eval_every={STEPS}",
-        "learner.offload_optimizer_during_rollout=true", *full)
+        "learner.offload_optimizer_during_rollout=true", *full, then=lambda t: setup.update(t.learners.setup_seconds()))
     assert [h["reward/mean"] for h in history] == [r.reward_mean for r in ref_history]
     assert [h["loss/policy"] for h in history] == [r.metrics["loss/policy"] for r in ref_history]
     assert [h["train/grad_norm"] for h in history] == [r.grad_norm for r in ref_history]
@@ -59,6 +60,10 @@ def test_one_device_equals_the_reference_trainer_bit_for_bit(ray_session, tiny_m
             assert torch.equal(adapters[name][key], value), f"{name}/{key} differs from the reference"
     # Nothing was sent: no weight-sync actor started, and a version's hand-off took no time.
     assert "devices" in startup and "weight sync" not in startup
+    # The launcher's breakdown of the device's start-up: the parts after the process started lie inside the phase.
+    assert list(setup) == ["process age", "device", "process group", "model", "rollout rank"]
+    assert setup["process age"] > 0 and setup["model"] > 0
+    assert sum(setup.values()) - setup["process age"] < startup["devices"]
     assert all(h["perf/sync_s"] == 0 for h in history)
 
 

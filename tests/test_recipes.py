@@ -3,6 +3,7 @@ before anything starts, with a message naming the key or the file and line."""
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -60,6 +61,9 @@ def test_nft_recipe_runs_end_to_end_from_any_directory_on_loopback_only(tiny_mod
     # The end-of-run summary says where everything is and how to continue.
     assert "done: 2 steps" in log and f"run dir     {out}" in log and "trainer.run_name=nft trainer.total_steps=<more>" in log
     assert "step 1 " in log and "step 2 " in log and "dashboard at http://127.0.0.1" in log
+    # Where learner rank 0's start-up went, for a start-up that is slow (README, Measured on one H200).
+    assert re.search(r"startup of learner rank 0: process age [0-9.]+s, device [0-9.]+s, process group [0-9.]+s, "
+                     r"model [0-9.]+s\n", log), log[-3000:]
     ckpt = load_checkpoint(latest_checkpoint(checkpoint_root(str(out))))
     assert ckpt.step == 2 and sorted(ckpt.adapters) == ["default", "old"]  # NFT's EMA adapter is kept too
     assert any(name.startswith("events.out.tfevents") for name in os.listdir(out / "tensorboard"))

@@ -27,6 +27,7 @@ from rayflow.config import PlacementConfig, RolloutConfig
 from rayflow.distributed.placement import PlacedGroup, Reservation, resolve_gpus
 from rayflow.distributed.placement import reserve as reserve_placement
 from rayflow.distributed.watchdog import Watchdog
+from rayflow.driver.timing import Phases
 from rayflow.errors import ConfigError
 from rayflow.learner.optim import offload_optimizer_state, reload_optimizer_state
 from rayflow.distributed.parallelize import gather_for_sampling, release_gathered
@@ -63,11 +64,15 @@ class DeviceWorker(RolloutRankHost):
 
         identity = self.learner.setup(rendezvous)
         backend = self.learner.backend
-        # LoRA samples with the rollout adapter; full fine-tuning swaps the rollout weights into the parameters.
-        slot = backend.rollout_adapter_name if self.learner_config.train_mode == "lora" else TRAINED_ADAPTER
-        self.rank = RolloutRank(*self._rollout_rank, shared=SharedModel(backend.model, slot))
-        self._to_sampling()
+        with Phases(self.learner.setup_s)("rollout rank"):
+            # LoRA samples with the rollout adapter; full fine-tuning swaps the rollout weights into the parameters.
+            slot = backend.rollout_adapter_name if self.learner_config.train_mode == "lora" else TRAINED_ADAPTER
+            self.rank = RolloutRank(*self._rollout_rank, shared=SharedModel(backend.model, slot))
+            self._to_sampling()
         return identity
+
+    def setup_seconds(self) -> dict[str, float]:
+        return self.learner.setup_s
 
     @ray.method(concurrency_group="trajectories")
     def prefetch(self, refs: list, version: int) -> None:

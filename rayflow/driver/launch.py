@@ -175,6 +175,8 @@ def run_recipe(default_config: str, argv: list[str] | None = None) -> list[dict[
         trainer = Trainer(cfg, prompts)
         phases = {"ray": ray_s, "checks": checks_s, **trainer.startup_s, "total": time.perf_counter() - start}
         log.info("startup: %s", ", ".join(f"{name} {s:.1f}s" for name, s in phases.items()))
+        log.info("startup of learner rank 0: %s", ", ".join(f"{name} {s:.1f}s" for name, s in
+                                                              trainer.learners.setup_seconds().items()))
         history = trainer.run()
         log.info("%s", summary(cfg, history, time.perf_counter() - start))
         return history

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import time
 
 
@@ -20,6 +21,18 @@ class Phases:
             yield
         finally:
             self.durations[name] = self.durations.get(name, 0.0) + time.perf_counter() - start
+
+
+def process_age_s() -> float | None:
+    """Seconds since this process started (Linux: /proc; None elsewhere). In an actor's first call: its worker's
+    start, imports and constructor, and the wait for that call."""
+    try:
+        with open("/proc/self/stat") as f:  # field 22, after the parenthesised command name: start time in ticks
+            started = int(f.read().rsplit(")", 1)[1].split()[19]) / os.sysconf("SC_CLK_TCK")
+        with open("/proc/uptime") as f:
+            return float(f.read().split()[0]) - started
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 @dataclasses.dataclass

@@ -29,6 +29,7 @@ from rayflow.distributed.placement import reserve as reserve_placement
 from rayflow.distributed.restart_budget import RestartBudget
 from rayflow.distributed.process_group import GroupHost, Rendezvous, init_default_group
 from rayflow.distributed.tensor_pickle import install as install_tensor_pickling
+from rayflow.driver.timing import Phases, process_age_s
 from rayflow.learner.backend import LearnerBackend
 from rayflow.learner.prefetch import TrajectoryCache
 from rayflow.distributed.parallelize import build_mesh
@@ -65,15 +66,24 @@ class LearnerWorker(GroupHost):
 
     def setup(self, rendezvous: Rendezvous) -> dict:
         """Join the group, build the sharded model; returns the policy identity. Every rank at once."""
-        # Ray exposes the bundle's GPU as the only visible one.
-        device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
+        self.setup_s: dict[str, float] = {"process age": process_age_s() or 0.0}
+        """Where this rank's start-up went (setup_seconds; the launcher logs rank 0's)."""
+        phase = Phases(self.setup_s)
+        with phase("device"):
+            # Ray exposes the bundle's GPU as the only visible one.
+            device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+            if device.type == "cuda":
+                torch.cuda.set_device(device)
         world_size = self.spec.learner.world_size
-        init_default_group(rendezvous, self.rank, world_size, device)
-        self.backend = LearnerBackend(self.spec, build_mesh(device, world_size), device,
-                                      transformer_only=not self.whole_pipeline)
+        with phase("process group"):
+            init_default_group(rendezvous, self.rank, world_size, device)
+        with phase("model"):
+            self.backend = LearnerBackend(self.spec, build_mesh(device, world_size), device,
+                                          transformer_only=not self.whole_pipeline)
         return self.backend.identity
+
+    def setup_seconds(self) -> dict[str, float]:
+        return self.setup_s
 
     @ray.method(concurrency_group="trajectories")
     def prefetch(self, refs: list[ray.ObjectRef], version: int) -> None:
@@ -264,6 +274,11 @@ class LearnerGroup:
         shared = ray.put({"adapters": ckpt.adapters, "optimizer": ckpt.optimizer, "sharded": ckpt.sharded,
                           "version": ckpt.version, "skipped_steps": ckpt.counters.get("skipped_steps", 0)})
         self.get([w.load_state_dict.remote(shared, ckpt.rng.get(f"learner{r}")) for r, w in enumerate(self.workers)])
+
+    def setup_seconds(self) -> dict[str, float]:
+        """Rank 0's start-up by part: its process's age when setup began (worker start, imports, constructor),
+        then the device, the process group and the model (colocated: and the rollout rank on it)."""
+        return self.get([self.workers[0].setup_seconds.remote()])[0]
 
     def get(self, refs: list[ray.ObjectRef]) -> list:
         """Wait for per-rank refs (in rank order); the first failure raises LearnerError with its rank and node."""
