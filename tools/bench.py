@@ -492,6 +492,9 @@ def bench_startup(args: argparse.Namespace) -> dict:
     import subprocess
     import tempfile
 
+    def seconds_by_name(text: str) -> dict[str, float]:  # "ray 5.1s, checks 0.0s" -> {"ray": 5.1, "checks": 0.0}
+        return {name.strip(): float(s) for name, s in re.findall(r"([a-z ]+) ([0-9.]+)s", text)}
+
     command = [sys.executable, recipe(args.recipe_script), "--config", args.config, "trainer.total_steps=1", "trainer.eval_every=0",
                "trainer.save_every=0", "logging.progress_bar=false", "logging.tensorboard=false", *args.overrides]
     runs = []
@@ -504,15 +507,11 @@ def bench_startup(args: argparse.Namespace) -> dict:
             tail = collections.deque(maxlen=20)  # the run's last lines, to say why it failed
             for line in proc.stdout:
                 tail.append(line)
-                for marker in ("startup: ", "startup of learner rank 0: "):
-                    if marker in line:
-                        parts = re.findall(r"([a-z ]+) ([0-9.]+)s", line.split(marker)[1])
-                        parts = {name.strip(): float(s) for name, s in parts}
-                        if marker == "startup: ":
-                            phases = parts
-                        else:
-                            learner_rank_0 = parts
-                if first_step_s is None and re.search(r"rayflow INFO step 1 ", line):
+                if "startup: " in line:
+                    phases = seconds_by_name(line.split("startup: ")[1])
+                elif "startup of learner rank 0: " in line:
+                    learner_rank_0 = seconds_by_name(line.split("startup of learner rank 0: ")[1])
+                elif first_step_s is None and re.search(r"rayflow INFO step 1 ", line):
                     first_step_s = time.perf_counter() - start
             if proc.wait() != 0 or first_step_s is None:
                 raise RuntimeError(f"{' '.join(command)} failed (exit {proc.returncode}); its last lines:\n"

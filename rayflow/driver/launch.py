@@ -142,6 +142,11 @@ def describe_failure(error: BaseException) -> str:
     return line
 
 
+def _seconds(durations: dict[str, float]) -> str:
+    """The start-up lines' format, as in "ray 5.1s, checks 0.0s" (tools/bench.py startup reads it back)."""
+    return ", ".join(f"{name} {s:.1f}s" for name, s in durations.items())
+
+
 def run_recipe(default_config: str, argv: list[str] | None = None) -> list[dict[str, float]]:
     parser = argparse.ArgumentParser(description=f"Train with {os.path.basename(default_config)} (dotlist overrides after it).")
     parser.add_argument("--config", default=default_config, help=f"a recipe YAML (default {default_config})")
@@ -174,9 +179,8 @@ def run_recipe(default_config: str, argv: list[str] | None = None) -> list[dict[
         checks_s = time.perf_counter() - checks_start
         trainer = Trainer(cfg, prompts)
         phases = {"ray": ray_s, "checks": checks_s, **trainer.startup_s, "total": time.perf_counter() - start}
-        log.info("startup: %s", ", ".join(f"{name} {s:.1f}s" for name, s in phases.items()))
-        log.info("startup of learner rank 0: %s", ", ".join(f"{name} {s:.1f}s" for name, s in
-                                                              trainer.learners.setup_seconds().items()))
+        log.info("startup: %s", _seconds(phases))
+        log.info("startup of learner rank 0: %s", _seconds(trainer.learners.setup_seconds()))
         history = trainer.run()
         log.info("%s", summary(cfg, history, time.perf_counter() - start))
         return history
