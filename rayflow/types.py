@@ -43,7 +43,7 @@ class SamplingParams:
     sde_window_size: int | None = None
     """FlowGRPO-Fast: stochastic steps per window, placed per policy version (replaces sde_step_indices); None: no window."""
     sde_window_range: list[int] | None = None
-    """[lo, hi]: the window [s, s + size) lies within steps lo..hi − 1; None: [0, num_steps]."""
+    """[lo, hi]: the window [s, s + size) lies within steps lo..hi − 1; None: [0, num_steps]. Only with sde_window_size."""
     sde_window_schedule: str = "random"
     """Window start s: "fixed" (lo), "random" (uniform, drawn from run seed and version) or "sliding" (MixGRPO: +1 per version, wrapping)."""
     return_step_indices: list[int] | None = None
@@ -96,6 +96,9 @@ class SamplingParams:
                 "sde_window_range",
                 f"null or [lo, hi] with 0 <= lo, hi <= num_steps={T} and hi - lo >= sde_window_size={self.sde_window_size}",
             )
+        else:  # a range alone would be ignored: the run would train every step, not the window its author meant
+            need(self.sde_window_range is None, "sde_window_range",
+                 "null unless sde_window_size is set (the range bounds where that window lies)")
         need(self.sde_window_schedule in WINDOW_SCHEDULES, "sde_window_schedule", f"one of {list(WINDOW_SCHEDULES)}")
         if self.same_initial_noise:
             # With no stochastic step every sample of a group would be the same image: no advantage left.

@@ -106,6 +106,7 @@ def test_user_interpolation_resolves(tmp_path):
         (["sampling.sde_window_size=9"], "sampling.sde_window_size", 9, "[1, num_steps=8]"),
         (["sampling.sde_window_size=3", "sampling.sde_window_range=[2,4]"], "sampling.sde_window_range", [2, 4], "hi - lo >= sde_window_size=3"),
         (["sampling.sde_window_size=2", "sampling.sde_window_range=[0,9]"], "sampling.sde_window_range", [0, 9], "hi <= num_steps=8"),
+        (["sampling.sde_window_range=[0,4]"], "sampling.sde_window_range", [0, 4], "null unless sde_window_size is set"),
         (["sampling.sde_window_size=2", "sampling.sde_step_indices=[1]"], "sampling.sde_step_indices", [1], "null when sde_window_size"),
         (["sampling.sde_window_schedule=mix"], "sampling.sde_window_schedule", "mix", "'sliding'"),
         (["algorithm.timestep_fraction=0.1"], "algorithm.timestep_fraction", 0.1, "int(num_steps x fraction)"),
