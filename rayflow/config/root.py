@@ -117,6 +117,9 @@ class RayflowConfig:
             )
             _need(not self.algorithm.ratio_norm or s.sde_type == "sde", "algorithm.ratio_norm", self.algorithm.ratio_norm,
                   "false unless sampling.sde_type=sde (GRPO-Guard normalises the Gaussian log-ratio of Flow-GRPO's SDE step)")
+            _need(self.algorithm.nft_timesteps is None, "algorithm.nft_timesteps", self.algorithm.nft_timesteps,
+                  "null for algorithm.name=flow_grpo (DiffusionNFT's; FlowGRPO trains its stochastic steps, "
+                  "thinned by algorithm.timestep_fraction or an SDE window)")
             needed = sorted({i for t in trained for i in (t, t + 1)} - set(s.resolved_return_steps()))
             _need(not needed, "sampling.return_step_indices", s.return_step_indices, f"null or a list that includes x_i and x_(i+1) of every stochastic step (missing {needed})")
         else:
@@ -127,4 +130,7 @@ class RayflowConfig:
                 "1.0 for algorithm.name=diffusion_nft (it trains the conditional velocity without CFG, so CFG "
                 "rollouts would come from another policy than the one trained; DiffusionNFT samples CFG-free)",
             )
+            _need(self.algorithm.nft_timesteps is None or self.algorithm.nft_timesteps <= s.num_steps,
+                  "algorithm.nft_timesteps", self.algorithm.nft_timesteps,
+                  f"null (all) or an integer in [1, sampling.num_steps={s.num_steps}]: the timesteps trained are drawn from the rollout's")
             _need(s.num_steps in s.resolved_return_steps(), "sampling.return_step_indices", s.return_step_indices, f"null or a list that includes the final latent {s.num_steps}")

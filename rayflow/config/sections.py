@@ -273,7 +273,7 @@ class AlgorithmConfig:
     nft_beta: float = 1.0
     """DiffusionNFT: mixing coefficient between the old and current velocity."""
     nft_timesteps: int | None = None
-    """DiffusionNFT: rollout timesteps trained per sample; null: all of them."""
+    """DiffusionNFT: rollout timesteps trained per sample, at most sampling.num_steps; null: all of them."""
     ema_flat: int = 0
     """DiffusionNFT EMA of the "old" adapter: steps before it starts to lag (eta = 0)."""
     ema_uprate: float = 0.001
