@@ -385,6 +385,9 @@ class RewardConfig:
             check_reward_kwargs(fn.name, fn.kwargs, f"{prefix}.functions[{i}].kwargs")
             _need(fn.normalize in NORMALIZE_MODES, f"{prefix}.functions[{i}].normalize", fn.normalize,
                   f"one of {list(NORMALIZE_MODES)}")
+        # A zero-weight component is logged but not trained on; with every weight 0 no sample has an advantage.
+        _need(any(fn.weight != 0 for fn in self.functions), f"{prefix}.functions[*].weight",
+              [fn.weight for fn in self.functions], "at least one weight not 0 (the trained reward is the weighted sum)")
         _need(self.num_workers >= 1, f"{prefix}.num_workers", self.num_workers, "an integer >= 1")
         _need(self.batch_size >= 1, f"{prefix}.batch_size", self.batch_size, "an integer >= 1")
         _need(self.max_retries >= 0, f"{prefix}.max_retries", self.max_retries, "an integer >= 0")
