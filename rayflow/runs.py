@@ -24,6 +24,7 @@ from rayflow.checkpoint import CheckpointMismatch, check_train_mode, checkpoint_
 from rayflow.config import RayflowConfig, to_dict, to_yaml
 from rayflow.data.prompts import load_prompts
 from rayflow.errors import ConfigError
+from rayflow.models.base import pipeline_class_of
 from rayflow.models.shapes import check_shapes_base
 from rayflow.rewards.validation import check_prompt_file
 
@@ -96,13 +97,14 @@ def preflight(cfg: RayflowConfig) -> list[str]:
     the resume target and what resuming would change. Returns the training prompts."""
     prompts = load_prompts(cfg.data.prompts, cfg.data.max_prompt_chars)
     if cfg.data.eval_prompts:
-        load_prompts(cfg.data.eval_prompts, cfg.data.max_prompt_chars)
+        load_prompts(cfg.data.eval_prompts, cfg.data.max_prompt_chars, key="data.eval_prompts")
     for path in filter(None, (cfg.data.prompts, cfg.data.eval_prompts)):  # e.g. an OCR prompt without a quoted target
         check_prompt_file([fn.name for fn in cfg.reward.functions], path)
     if cfg.model.path is not None and not os.environ.get("RAY_ADDRESS"):
         check_shapes_base(cfg.model.path)  # the shipped base: missing or corrupt is named with its rebuild command
-    if cfg.model.path is not None and not os.environ.get("RAY_ADDRESS") and not os.path.isdir(cfg.model.path):
-        raise ConfigError("model.path", cfg.model.path, "a diffusers pipeline directory on this machine (a local run loads it here)")
+        if not os.path.isdir(cfg.model.path):
+            raise ConfigError("model.path", cfg.model.path, "a diffusers pipeline directory on this machine (a local run loads it here)")
+        pipeline_class_of(cfg.model.path)  # a directory without a valid model_index.json, named before Ray starts
     if cfg.model.path is None:
         build_tiny_model_once(cfg)
     plan = plan_resume(cfg)

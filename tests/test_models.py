@@ -1,4 +1,6 @@
 import json
+import os
+import re
 import subprocess
 import sys
 
@@ -13,6 +15,8 @@ from rayflow.models.qwen_image import QwenImageModel
 from rayflow.models.tiny import save_tiny_model
 from rayflow.sampling.denoise import generate
 from rayflow.types import RolloutRequest, SamplingParams
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 CHAT_TOKENS = [
     "<|endoftext|>", "<|im_start|>", "<|im_end|>",
@@ -83,6 +87,19 @@ def test_registry_resolves_and_rejects(tiny_model_dir, tmp_path):
     with pytest.raises(ValueError, match=rf"'StableDiffusionXLPipeline' is not registered.*{supported}"):
         load_model(str(tmp_path / "sdxl"))
     assert "QwenImagePipeline" in registered_pipeline_classes()
+
+
+def test_a_model_directory_without_model_index_is_named_before_the_run(tmp_path, monkeypatch):
+    from rayflow.config import load_config
+    from rayflow.runs import preflight
+
+    # load_config lets it through (the directory may exist only on a cluster's workers); a local run's preflight not.
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    empty = str(tmp_path / "not_a_pipeline")
+    os.makedirs(empty)
+    cfg = load_config(os.path.join(REPO, "recipes", "flowgrpo_tiny.yaml"), [f"model.path={empty}"])
+    with pytest.raises(ValueError, match=re.escape(f"model.path: {empty!r} has no model_index.json")):
+        preflight(cfg)
 
 
 @pytest.mark.parametrize("height, width", [(64, 64), (128, 64)])

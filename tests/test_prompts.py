@@ -1,5 +1,6 @@
 """Prompt files, the group sampler's stream of prompts and seeds, and a group's rollout requests."""
 
+import os
 import re
 
 import pytest
@@ -8,6 +9,7 @@ from rayflow.data.prompts import GroupSampler, PromptGroup, load_prompts
 from rayflow.errors import ConfigError
 from rayflow.types import SamplingParams
 
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROMPTS = ["a red apple", "a blue car", "a green tree", "a yellow duck", "a white cat"]
 
 
@@ -55,6 +57,16 @@ def test_wrong_extension_and_missing_file(tmp_path):
     missing = str(tmp_path / "missing.txt")
     with pytest.raises(ConfigError, match=re.escape(f"data.prompts: got {missing!r}; allowed: an existing")):
         load_prompts(missing)
+
+
+def test_a_missing_eval_prompt_file_is_named_as_data_eval_prompts_before_the_run(tmp_path):
+    from rayflow.config import load_config
+    from rayflow.runs import preflight
+
+    missing = str(tmp_path / "held_out.txt")
+    cfg = load_config(os.path.join(REPO, "recipes", "flowgrpo_tiny.yaml"), [f"data.eval_prompts={missing}"])
+    with pytest.raises(ConfigError, match=re.escape(f"data.eval_prompts: got {missing!r}; allowed: an existing")):
+        preflight(cfg)
 
 
 def test_a_binary_file_names_file_and_line(tmp_path):

@@ -190,7 +190,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[OrderStageConfig, argpars
     manifest = os.path.join(args.base, MANIFEST)
     if not os.path.isfile(manifest):
         raise SystemExit(f"--base: {manifest} is missing; a shapes base from tools/pretrain_shapes.py has one")
-    exclude = tuple(p for p in load_prompts(args.exclude) if parse_prompt(p).relation) if args.exclude else ()
+    exclude = tuple(p for p in load_prompts(args.exclude, key="--exclude") if parse_prompt(p).relation) if args.exclude else ()
     cfg = OrderStageConfig(base=args.base, base_manifest_sha256=sha256_file(manifest), exclude=exclude,
                            seed=args.seed, steps=args.steps)
     return cfg, args

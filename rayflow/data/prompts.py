@@ -11,20 +11,20 @@ from rayflow.errors import ConfigError
 from rayflow.types import RolloutRequest, SamplingParams
 
 
-def load_prompts(path: str, max_chars: int = 4096) -> list[str]:
+def load_prompts(path: str, max_chars: int = 4096, key: str = "data.prompts") -> list[str]:
     """Prompts from a .txt (one per line; blank lines and # comments skipped) or a .jsonl file
     ({"prompt": "..."} per line), each at most `max_chars` characters (data.max_prompt_chars).
-    Errors name the file and line."""
-    return [text for _, text in prompt_lines(path, max_chars)]
+    Errors name the file and line; a file that is missing or of another kind, the setting `key` that named it."""
+    return [text for _, text in prompt_lines(path, max_chars, key)]
 
 
-def prompt_lines(path: str, max_chars: int = 4096) -> list[tuple[int, str]]:
+def prompt_lines(path: str, max_chars: int = 4096, key: str = "data.prompts") -> list[tuple[int, str]]:
     """(line number, prompt) of each prompt in the file, as load_prompts reads them."""
     if not os.path.isfile(path):
-        raise ConfigError("data.prompts", path, "an existing .txt or .jsonl file")
+        raise ConfigError(key, path, "an existing .txt or .jsonl file")
     ext = os.path.splitext(path)[1]
     if ext not in (".txt", ".jsonl"):
-        raise ConfigError("data.prompts", path, "a .txt (one prompt per line) or .jsonl ({\"prompt\": ...} per line) file")
+        raise ConfigError(key, path, "a .txt (one prompt per line) or .jsonl ({\"prompt\": ...} per line) file")
     prompts = []
     with open(path, "rb") as f:
         for lineno, raw in enumerate(f, start=1):

@@ -36,7 +36,7 @@ def evaluation_params(sampling: SamplingParams, trainer: TrainerConfig) -> Sampl
 
 def evaluation_prompts(data: DataConfig, train_prompts: list[str], num_prompts: int = 4) -> list[str]:
     """data.eval_prompts' prompts, or the first `num_prompts` training prompts when it is null."""
-    return load_prompts(data.eval_prompts, data.max_prompt_chars) if data.eval_prompts else train_prompts[:num_prompts]
+    return load_prompts(data.eval_prompts, data.max_prompt_chars, key="data.eval_prompts") if data.eval_prompts else train_prompts[:num_prompts]
 
 
 def evaluation_requests(prompts: list[str], seeds: int, params: SamplingParams) -> list[RolloutRequest]:
