@@ -32,6 +32,11 @@ def test_plot_run_draws_the_logged_panels(tmp_path):
     done = subprocess.run([sys.executable, "tools/plot_run.py", str(empty), "--out", str(tmp_path / "x.png")], cwd=REPO,
                           capture_output=True, text=True)
     assert done.returncode != 0 and "holds none of the plotted tags" in done.stderr
+    missing = str(tmp_path / "no_such_run")
+    done = subprocess.run([sys.executable, "tools/plot_run.py", missing, "--out", str(tmp_path / "x.png")], cwd=REPO,
+                          capture_output=True, text=True)
+    assert done.returncode != 0 and f"run_dir {missing!r} is not a directory" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr
 
 
 def test_plot_run_grids_before_and_after(tmp_path):

@@ -120,6 +120,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", required=True, help="the PNG to write")
     parser.add_argument("--grids", default=None, help="also write the first and last eval/images grids side by side here")
     args = parser.parse_args(argv)
+    if not os.path.isdir(args.run_dir):
+        sys.exit(f"error: run_dir {args.run_dir!r} is not a directory; allowed: a run directory (outputs/<run>) or its "
+                 "tensorboard/ directory")
     events = os.path.join(args.run_dir, "tensorboard")
     events = events if os.path.isdir(events) else args.run_dir
     title = os.path.basename(os.path.normpath(args.run_dir))
