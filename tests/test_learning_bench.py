@@ -27,6 +27,11 @@ def test_summary_reports_start_end_best_and_the_training_time_the_target_was_fir
     (["pipeline", "--rounds", "0"], "--rounds: got 0; allowed: integers >= 1"),
     (["rollout", "--decode-batch-size", "-1"], "--decode-batch-size: got -1; allowed: integers >= 0"),
     (["trajectories", "--repeats", "0"], "--repeats: got 0; allowed: integers >= 1"),
+    (["startup", "--repeats", "0"], "--repeats: got 0; allowed: integers >= 1"),
+    (["rollout", "--batch", "0"], "--batch: got 0; allowed: integers >= 1"),
+    (["gpu", "--learner-batch", "1"], "--learner-batch: got 1; allowed: integers >= 2"),
+    (["sync", "--repeats", "0"], "--repeats: got 0; allowed: integers >= 1"),
+    (["costs", "--warmup", "-1"], "--warmup: got -1; allowed: integers >= 0"),
 ])
 def test_inputs_that_cannot_be_met_are_named(argv, message):
     with pytest.raises(SystemExit, match=message.replace("[", r"\[").replace("]", r"\]")):

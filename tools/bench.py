@@ -141,8 +141,6 @@ def measure_round(one_a, one_b, two, requests: Requests, args: argparse.Namespac
 
 
 def bench_rollout(args: argparse.Namespace) -> dict:
-    if args.decode_batch_size < 0:
-        raise SystemExit(f"--decode-batch-size: got {args.decode_batch_size}; allowed: integers >= 0 (0: one decode of the batch)")
     size = args.size or ("tiny" if args.arch == "flux" else "small")
     path = resolve_model_path(args.model, args.cache_dir, size=size, arch=args.arch)
     pipeline = pipeline_class_of(path)
@@ -379,8 +377,6 @@ def cpu_use(windows: list[tuple[process_cpu.Snapshot, process_cpu.Snapshot]], un
 def bench_pipeline(args: argparse.Namespace) -> dict:
     """Steady-state step time of the tiny recipe's shape: max_staleness 0 against 1, and synchronous
     mode against the single-process reference trainer."""
-    if args.rounds < 1:
-        raise SystemExit(f"--rounds: got {args.rounds}; allowed: integers >= 1")
     load_before = os.getloadavg()[0]
     from rayflow.config import load_config
     from rayflow.distributed.resources import required_cpus
@@ -604,8 +600,23 @@ BENCHMARKS = {"rollout": bench_rollout, "sync": bench_sync, "pipeline": bench_pi
               "gradients": gradient_bench.run}
 
 
+COUNT_MINIMUMS = {"repeats": 1, "rounds": 1, "steps": 1, "batch": 1, "learner_batch": 2, "throughput_requests": 1,
+                  "warmup": 0, "decode_batch_size": 0, "lora_rank": 1, "threads": 1, "eval_every": 1, "batches": 3}
+"""The least each count option may be, in whichever benchmark has it (learner_batch: one group, advantages need two;
+batches: the gradient noise scale's jackknife needs three)."""
+
+
+def check_counts(args: argparse.Namespace) -> None:
+    """Name a count below what its benchmark can run, before any work (a default of None is the benchmark's own)."""
+    for name, minimum in COUNT_MINIMUMS.items():
+        value = getattr(args, name, None)
+        if value is not None and value < minimum:
+            raise SystemExit(f"error: --{name.replace('_', '-')}: got {value}; allowed: integers >= {minimum}")
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    check_counts(args)
     result = BENCHMARKS[args.benchmark](args)
     text = json.dumps(result, indent=2)
     print(text)

@@ -94,8 +94,6 @@ def timed(obj, raw_bytes: bool, repeats: int) -> dict:
 def run(args: argparse.Namespace) -> dict:
     from rayflow.sampling.denoise import split_trajectories
 
-    if args.repeats < 1:
-        raise SystemExit(f"error: --repeats: got {args.repeats}; allowed: integers >= 1")
     torch.set_num_threads(1)
     shape = SHAPES[args.shape]
     state = request_state(shape)
