@@ -148,6 +148,8 @@ def test_user_interpolation_resolves(tmp_path):
          "learner.lora_alpha, learner.lora_init", {"lora_alpha": 16.0, "lora_init": "default"},
          "their defaults lora_alpha=8.0, lora_init='gaussian' with learner.train_mode=full"),
         (["learner.train_mode=full"], "sync.mode", "lora", "'merged' with learner.train_mode=full"),
+        (["recipes/flowgrpo_tiny.yaml"], "overrides", "recipes/flowgrpo_tiny.yaml", "KEY=VALUE, e.g. trainer.total_steps=10 (a recipe YAML is given with --config)"),
+        (["trainer.total_steps"], "overrides", "trainer.total_steps", "KEY=VALUE"),
     ],
 )
 def test_errors_name_key_value_and_allowed(overrides, key, value, allowed):

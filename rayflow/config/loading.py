@@ -128,6 +128,10 @@ def _read_recipe(path: str, key: str = "--config", including: tuple[str, ...] = 
 def load_config(path: str | None = None, overrides: list[str] | None = None) -> RayflowConfig:
     """Read a recipe YAML (optional; its `base`s first), apply dotlist overrides, convert and validate."""
     base = _read_recipe(path) if path else OmegaConf.create({})
+    for text in overrides or []:
+        if "=" not in text:  # omegaconf would read it as a key set to null, reported as an unknown key at best
+            hint = " (a recipe YAML is given with --config)" if text.endswith((".yaml", ".yml")) else ""
+            raise ConfigError("overrides", text, f"KEY=VALUE, e.g. trainer.total_steps=10{hint}")
     try:
         data = OmegaConf.to_container(OmegaConf.merge(base, OmegaConf.from_dotlist(list(overrides or []))), resolve=False)
     except (OmegaConfBaseException, ValueError) as e:
