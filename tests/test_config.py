@@ -58,7 +58,7 @@ def test_user_interpolation_resolves(tmp_path):
     [
         (["bogus.x=1"], "bogus", {"x": 1}, "'sampling'"),
         (["trainer.bogus=1"], "trainer.bogus", 1, "'total_steps'"),
-        (["learner.lr=fast"], "learner.lr", "fast", "a number"),
+        (["learner.lr=fast"], "learner.lr", "fast", "a finite number"),
         (["trainer.total_steps=1.5"], "trainer.total_steps", 1.5, "an integer"),
         (["trainer.total_steps=true"], "trainer.total_steps", True, "an integer"),
         (["sampling=[64, 64]"], "sampling", [64, 64], "a mapping with keys ['height'"),
@@ -109,6 +109,11 @@ def test_user_interpolation_resolves(tmp_path):
         (["algorithm.nft_timesteps=2"], "algorithm.nft_timesteps", 2, "null for algorithm.name=flow_grpo"),
         (["algorithm.name=diffusion_nft", "sampling.sde_type=ode", "sampling.guidance_scale=1", "algorithm.nft_timesteps=9"],
          "algorithm.nft_timesteps", 9, "[1, sampling.num_steps=8]"),
+        (["sampling.sde_window_size=2", "sampling.sde_window_range=[1,2,3]"], "sampling.sde_window_range", [1, 2, 3], "[lo, hi]"),
+        (["learner.eps=0"], "learner.eps", 0.0, "a float > 0"),
+        (["learner.lr=.inf"], "learner.lr", float("inf"), "a finite number"),
+        (["reward.cpus_per_worker=0"], "reward.cpus_per_worker", 0.0, "unless reward.gpus_per_worker > 0"),
+        (["reward.gpus_per_worker=-1"], "reward.gpus_per_worker", -1.0, "a float >= 0"),
         (["sampling.sde_window_range=[0,4]"], "sampling.sde_window_range", [0, 4], "null unless sde_window_size is set"),
         (["sampling.sde_window_size=2", "sampling.sde_step_indices=[1]"], "sampling.sde_step_indices", [1], "null when sde_window_size"),
         (["sampling.sde_window_schedule=mix"], "sampling.sde_window_schedule", "mix", "'sliding'"),
@@ -157,6 +162,19 @@ def test_errors_name_key_value_and_allowed(overrides, key, value, allowed):
     assert (err.key, err.value) == (key, value)
     assert allowed in err.allowed
     assert str(err) == f"{key}: got {value!r}; allowed: {err.allowed}"
+
+
+def test_an_override_that_is_not_yaml_and_a_nan_are_named():
+    err = config_error(["trainer.total_steps=[1,"])
+    assert err.key == "overrides" and "valid YAML values" in err.allowed
+    err = config_error(["reward.functions=[{name: color, weight: .nan}]"])
+    assert err.key == "reward.functions[0].weight" and err.allowed == "a finite number"
+
+
+def test_a_leading_tilde_in_a_path_is_the_home_directory():
+    cfg = load_config(None, ["trainer.output_dir=~/rayflow-runs", "data.prompts=~/p.txt"])
+    home = os.path.expanduser("~")
+    assert cfg.trainer.output_dir == os.path.join(home, "rayflow-runs") and cfg.data.prompts == os.path.join(home, "p.txt")
 
 
 def test_missing_yaml_file(tmp_path):

@@ -4,6 +4,7 @@ converted field by field and validated; and back (to_dict, to_yaml)."""
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import time
 import types
@@ -28,7 +29,7 @@ def _describe(tp: Any) -> str:
         return "a mapping"
     if dataclasses.is_dataclass(tp):
         return f"a mapping with keys {[yaml_key(f.name) for f in dataclasses.fields(tp)]}"
-    return {type(None): "null", bool: "a boolean", int: "an integer", float: "a number", str: "a string"}.get(tp, str(tp))
+    return {type(None): "null", bool: "a boolean", int: "an integer", float: "a finite number", str: "a string"}.get(tp, str(tp))
 
 
 def _convert(tp: Any, value: Any, key: str) -> Any:
@@ -58,8 +59,8 @@ def _convert(tp: Any, value: Any, key: str) -> Any:
         if tp is not Any and not isinstance(value, dict):
             raise ConfigError(key, value, _describe(tp))
         return value
-    if tp is float and isinstance(value, (int, float)) and not isinstance(value, bool):
-        return float(value)
+    if tp is float and isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+        return float(value)  # .inf / .nan would pass every range check below and poison the run
     if tp in (int, str, bool) and type(value) is tp:
         return value
     raise ConfigError(key, value, _describe(tp))
@@ -134,8 +135,8 @@ def load_config(path: str | None = None, overrides: list[str] | None = None) -> 
             raise ConfigError("overrides", text, f"KEY=VALUE, e.g. trainer.total_steps=10{hint}")
     try:
         data = OmegaConf.to_container(OmegaConf.merge(base, OmegaConf.from_dotlist(list(overrides or []))), resolve=False)
-    except (OmegaConfBaseException, ValueError) as e:
-        raise ConfigError("overrides", str(e).splitlines()[0], "key=value overrides") from None
+    except (OmegaConfBaseException, ValueError, yaml.YAMLError) as e:
+        raise ConfigError("overrides", str(e).splitlines()[0], "KEY=VALUE overrides with valid YAML values") from None
     # Unknown keys and wrong types are reported as given, before the defaults are merged in.
     _build(RayflowConfig, _strip_interpolations(data), "")
     if isinstance(data.get("trainer"), dict) and data["trainer"].get("run_name") is None:
@@ -147,11 +148,27 @@ def load_config(path: str | None = None, overrides: list[str] | None = None) -> 
         resolved = OmegaConf.to_container(full, resolve=True)
     except OmegaConfBaseException as e:
         raise ConfigError(path or "overrides", str(e).splitlines()[0], "interpolations of existing keys") from None
-    return from_dict(resolved)
+    return from_dict(_expand_home(resolved))
 
 
 PATH_KEYS = (("model", "path"), ("data", "prompts"), ("data", "eval_prompts"), ("trainer", "output_dir"), ("trainer", "resume"))
 """Keys that hold paths; a relative one in a recipe YAML is relative to the YAML's directory."""
+
+
+def _path_slots(data: dict) -> list[tuple[dict, str]]:
+    """(mapping, key) of every path in a config dict: PATH_KEYS and each reward function's `path` kwarg."""
+    slots = [(data[section], key) for section, key in PATH_KEYS if isinstance(data.get(section), dict)]
+    functions = data.get("reward", {}).get("functions") if isinstance(data.get("reward"), dict) else None
+    return slots + [(fn["kwargs"], "path") for fn in (functions if isinstance(functions, list) else [])
+                    if isinstance(fn, dict) and isinstance(fn.get("kwargs"), dict)]
+
+
+def _expand_home(data: dict) -> dict:
+    """`data` with a leading ~ of every path expanded (a run would otherwise write into a directory named "~")."""
+    for section, key in _path_slots(data):
+        if isinstance(section.get(key), str) and section[key].startswith("~"):
+            section[key] = os.path.expanduser(section[key])
+    return data
 
 
 def _relative_to(data: dict, base_dir: str) -> dict:
@@ -164,13 +181,8 @@ def _relative_to(data: dict, base_dir: str) -> dict:
                 and not os.path.isabs(os.path.expanduser(value)):
             section[key] = os.path.normpath(os.path.join(base_dir, value))
 
-    for section, key in PATH_KEYS:
-        if isinstance(data.get(section), dict):
-            fix(data[section], key)
-    functions = data.get("reward", {}).get("functions") if isinstance(data.get("reward"), dict) else None
-    for fn in functions if isinstance(functions, list) else []:
-        if isinstance(fn, dict) and isinstance(fn.get("kwargs"), dict):
-            fix(fn["kwargs"], "path")
+    for section, key in _path_slots(data):
+        fix(section, key)
     return data
 
 

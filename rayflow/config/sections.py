@@ -201,6 +201,8 @@ class LearnerConfig:
         _need(self.world_size >= 1, f"{prefix}.world_size", self.world_size, "an integer >= 1")
         _need(self.lr > 0, f"{prefix}.lr", self.lr, "a float > 0")
         _need(self.weight_decay >= 0, f"{prefix}.weight_decay", self.weight_decay, "a float >= 0")
+        # eps = 0 turns a parameter with a zero gradient (LoRA's A at the start) into NaN on the first step.
+        _need(self.eps > 0, f"{prefix}.eps", self.eps, "a float > 0")
         _need(self.stall_timeout_s > 0, f"{prefix}.stall_timeout_s", self.stall_timeout_s, "seconds > 0")
         _validate_restarts(self, prefix)
         _need(
@@ -389,6 +391,10 @@ class RewardConfig:
         _need(any(fn.weight != 0 for fn in self.functions), f"{prefix}.functions[*].weight",
               [fn.weight for fn in self.functions], "at least one weight not 0 (the trained reward is the weighted sum)")
         _need(self.num_workers >= 1, f"{prefix}.num_workers", self.num_workers, "an integer >= 1")
+        _need(self.cpus_per_worker >= 0, f"{prefix}.cpus_per_worker", self.cpus_per_worker, "a float >= 0")
+        _need(self.gpus_per_worker >= 0, f"{prefix}.gpus_per_worker", self.gpus_per_worker, "a float >= 0")
+        _need(self.cpus_per_worker > 0 or self.gpus_per_worker > 0, f"{prefix}.cpus_per_worker", self.cpus_per_worker,
+              "a float > 0 unless reward.gpus_per_worker > 0 (a worker must reserve something to be placed)")
         _need(self.batch_size >= 1, f"{prefix}.batch_size", self.batch_size, "an integer >= 1")
         _need(self.max_retries >= 0, f"{prefix}.max_retries", self.max_retries, "an integer >= 0")
         _validate_restarts(self, prefix)
