@@ -110,6 +110,7 @@ def test_user_interpolation_resolves(tmp_path):
         (["algorithm.name=diffusion_nft", "sampling.sde_type=ode", "sampling.guidance_scale=1", "algorithm.nft_timesteps=9"],
          "algorithm.nft_timesteps", 9, "[1, sampling.num_steps=8]"),
         (["sampling.sde_window_size=2", "sampling.sde_window_range=[1,2,3]"], "sampling.sde_window_range", [1, 2, 3], "[lo, hi]"),
+        (["cfg.policy=embedded"], "cfg.policy", "embedded", "no guidance input"),
         (["learner.eps=0"], "learner.eps", 0.0, "a float > 0"),
         (["learner.lr=.inf"], "learner.lr", float("inf"), "a finite number"),
         (["reward.cpus_per_worker=0"], "reward.cpus_per_worker", 0.0, "unless reward.gpus_per_worker > 0"),
