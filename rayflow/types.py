@@ -37,7 +37,7 @@ class SamplingParams:
     solver: str = "euler"
     """Deterministic steps: "euler", or "dpm2" (DPM-Solver++(2M), second order; DiffusionNFT's rollouts) for sde_type=ode."""
     noise_level: float = 0.7
-    """The SDE noise level a."""
+    """The SDE noise level a: > 0 for sde_type=sde, in (0, 1] for sde_type=cps."""
     sde_step_indices: list[int] | None = None
     """Steps that sample stochastically (others run ODE, log-prob 0). None: every step but the last; []: none."""
     sde_window_size: int | None = None
@@ -76,7 +76,8 @@ class SamplingParams:
             # Its log-prob divides by the noise std, which is 0 at noise level 0.
             need(self.noise_level > 0.0, "noise_level", "a float > 0 for sde_type=sde")
         if self.sde_type == "cps":
-            need(self.noise_level <= 1.0, "noise_level", "a float in [0, 1] for sde_type=cps")
+            # At 0 every CPS step is deterministic (std σ_next·sin(0) = 0): nothing to explore, and the KL divides by it.
+            need(0.0 < self.noise_level <= 1.0, "noise_level", "a float in (0, 1] for sde_type=cps")
         need(self.shift is None or self.shift > 0, "shift", "null or a float > 0")
         need(self.decode_batch_size >= 0, "decode_batch_size", "an integer >= 0 (0: the whole batch in one decode)")
         T = self.num_steps
