@@ -56,8 +56,10 @@ def test_prompt_file_without_target_fails_with_file_and_line(tmp_path):
     path = tmp_path / "prompts.txt"
     path.write_text('# header\na sign that says "OPEN"\n\na blank sign\n')
     with pytest.raises(ValueError, match=rf"{path}:4: ocr reward: prompt 'a blank sign' quotes no text"):
-        check_prompt_file(["color", "ocr"], str(path))
-    check_prompt_file(["color"], str(path))  # rewards without a prompt rule accept it
+        check_prompt_file(["jpeg_compressibility", "ocr"], str(path))
+    check_prompt_file(["jpeg_compressibility"], str(path))  # rewards without a prompt rule accept it
+    with pytest.raises(ValueError, match=rf"{path}:2: color reward: prompt .* names no colour"):
+        check_prompt_file(["color"], str(path))  # the color reward's rule: a colour named
 
 
 def test_ocr_kwargs_checked_at_config_time():

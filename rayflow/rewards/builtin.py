@@ -41,6 +41,11 @@ class ColorReward:
     to that colour / sqrt(3), in [0, 1]. Dense on purpose: a thresholded "fraction of pixels of that
     colour" is 0 for every sample of a random model, which leaves GRPO no signal."""
 
+    @staticmethod
+    def check_prompt(prompt: str) -> None:
+        """Raise before the run (preflight) for a prompt that names no colour, as scoring it would."""
+        named_colour(prompt)
+
     def __call__(self, images: torch.Tensor, prompts: list[str], metadata: list[dict] | None = None) -> torch.Tensor:
         rgb = images.float() / 255.0  # [B, H, W, 3]
         targets = torch.tensor([PALETTE[named_colour(p)] for p in prompts])  # [B, 3]
