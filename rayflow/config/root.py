@@ -113,6 +113,16 @@ class RayflowConfig:
                 lo, hi = window_bounds(s)
                 trained = list(range(lo, hi))
             _need(bool(trained), "sampling.sde_step_indices", s.sde_step_indices, "at least one stochastic step for flow_grpo")
+            window = s.sde_window_size is not None
+            _need(not window or self.algorithm.timestep_fraction == 1.0, "algorithm.timestep_fraction",
+                  self.algorithm.timestep_fraction,
+                  "1.0 with an SDE window (FlowGRPO-Fast trains every step of its window: the window is the thinning)")
+            # CPS's std at the last step is σ_next·sin(aπ/2) = 0: a deterministic transition, and an infinite KL.
+            _need(s.sde_type != "cps" or s.num_steps - 1 not in trained,
+                  "sampling.sde_window_range" if window else "sampling.sde_step_indices",
+                  s.sde_window_range if window else s.sde_step_indices,
+                  f"no stochastic last step (index {s.num_steps - 1}) for sde_type=cps, whose std there is 0"
+                  + (f"; e.g. sde_window_range=[0, {s.num_steps - 1}]" if window else ""))
             last = int(s.num_steps * self.algorithm.timestep_fraction)
             _need(
                 s.sde_window_size is None and any(j < last for j in trained) or s.sde_window_size is not None and hi - s.sde_window_size < last,
@@ -135,6 +145,12 @@ class RayflowConfig:
                 "1.0 for algorithm.name=diffusion_nft (it trains the conditional velocity without CFG, so CFG "
                 "rollouts would come from another policy than the one trained; DiffusionNFT samples CFG-free)",
             )
+            _need(self.algorithm.timestep_fraction == 1.0, "algorithm.timestep_fraction", self.algorithm.timestep_fraction,
+                  "1.0 for algorithm.name=diffusion_nft (FlowGRPO's option; DiffusionNFT's timesteps per sample are "
+                  "algorithm.nft_timesteps, int(num_steps x fraction) in DiffusionNFT's own config)")
+            _need(self.cfg.policy != "dual_negative", "cfg.policy", self.cfg.policy,
+                  "a policy other than 'dual_negative' for algorithm.name=diffusion_nft (it guides away from its avoid "
+                  "prompt even at guidance 1, so rollouts would come from another policy than the one trained)")
             _need(self.algorithm.nft_timesteps is None or self.algorithm.nft_timesteps <= s.num_steps,
                   "algorithm.nft_timesteps", self.algorithm.nft_timesteps,
                   f"null (all) or an integer in [1, sampling.num_steps={s.num_steps}]: the timesteps trained are drawn from the rollout's")
