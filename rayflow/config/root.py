@@ -125,10 +125,10 @@ class RayflowConfig:
                   + (f"; e.g. sde_window_range=[0, {s.num_steps - 1}]" if window else ""))
             last = int(s.num_steps * self.algorithm.timestep_fraction)
             _need(
-                s.sde_window_size is None and any(j < last for j in trained) or s.sde_window_size is not None and hi - s.sde_window_size < last,
+                window or any(j < last for j in trained),
                 "algorithm.timestep_fraction", self.algorithm.timestep_fraction,
                 f"a fraction keeping at least one stochastic step (steps j < int(num_steps x fraction) are trained; "
-                f"every window position or the first stochastic step must lie below it; num_steps={s.num_steps})",
+                f"the first stochastic step must lie below it; num_steps={s.num_steps})",
             )
             _need(not self.algorithm.ratio_norm or s.sde_type == "sde", "algorithm.ratio_norm", self.algorithm.ratio_norm,
                   "false unless sampling.sde_type=sde (GRPO-Guard normalises the Gaussian log-ratio of Flow-GRPO's SDE step)")
