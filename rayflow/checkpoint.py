@@ -163,8 +163,21 @@ def save_checkpoint(root: str, ckpt: Checkpoint, keep: int) -> str:
         fsync_dir(root)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    _abandon_newer(root, ckpt.step)
     _rotate(root, keep)
     return final
+
+
+def _abandon_newer(root: str, step: int) -> None:
+    """Set aside the checkpoints of steps after `step`: a run resumed from an earlier one (past a damaged checkpoint,
+    or an explicit trainer.resume) left that timeline, and rotation by step number would otherwise delete its new saves
+    and a later resume=auto pick the old timeline. Renamed to .abandoned-step_*-*, kept for inspection, never resumed."""
+    for path in list_checkpoints(root):
+        if int(_STEP_DIR.match(os.path.basename(path)).group(1)) > step:
+            aside = tempfile.mkdtemp(prefix=f".abandoned-{os.path.basename(path)}-", dir=root)
+            os.rename(path, os.path.join(aside, "ckpt"))
+            log.warning("set %s aside as %s: this run resumed from an earlier step and saved step %d", path, aside, step)
+    fsync_dir(root)
 
 
 def sharded_staging_dir(root: str, step: int) -> str:

@@ -248,3 +248,25 @@ def test_resume_never_refuses_to_mix_with_an_earlier_run(tiny_model_dir, grpo_ch
     out = os.path.dirname(os.path.dirname(grpo_checkpoint))
     with pytest.raises(ValueError, match="trainer.resume=never but .* holds checkpoints of an earlier run"):
         reference.train(small_cfg(GRPO, tiny_model_dir, out, "trainer.resume=never"), log=quiet)
+
+
+@pytest.mark.parametrize("keep", [1, 2])
+def test_a_run_resumed_from_an_earlier_step_keeps_its_new_saves_and_sets_the_later_ones_aside(tmp_path, keep):
+    """resume=auto passes over a damaged step 20 and continues from step 10; its save of step 15 must survive rotation
+    (which goes by step number) and be what the next resume=auto picks, the abandoned step 20 kept aside."""
+    root = str(tmp_path)
+    save_checkpoint(root, fake_checkpoint(10), keep=3)
+    damaged = save_checkpoint(root, fake_checkpoint(20), keep=3)
+    with open(os.path.join(damaged, "adapter_default.safetensors"), "r+b") as f:
+        f.seek(-1, 2)
+        last = f.read(1)
+        f.seek(-1, 2)
+        f.write(bytes([last[0] ^ 1]))
+    assert os.path.basename(checkpoint.resolve_resume("auto", root)) == "step_00000010"
+    saved = save_checkpoint(root, fake_checkpoint(15), keep=keep)
+    assert os.path.isdir(saved) and checkpoint.resolve_resume("auto", root) == saved
+    assert [os.path.basename(p) for p in list_checkpoints(root)] == ["step_00000010", "step_00000015"][-keep:]
+    aside = [name for name in os.listdir(root) if name.startswith(".abandoned-step_00000020-")]
+    assert len(aside) == 1 and os.path.isfile(os.path.join(root, aside[0], "ckpt", "meta.json"))
+    checkpoint.remove_leftovers(root)  # a later start removes killed saves' leftovers, not the abandoned timeline
+    assert os.path.isdir(os.path.join(root, aside[0]))

@@ -29,6 +29,24 @@ def test_each_eval_prompt_gets_eval_seeds_distinct_fixed_seeds():
     assert all(r.params.sde_type == "ode" for r in requests)
 
 
+def test_an_evaluation_under_the_rollout_weights_waits_for_its_steps_version():
+    """Asynchronous runs evaluate before the step's broadcast has landed: the requests carry min_version = step, so a
+    rank samples them under that version, not the one before. Under the EMA's weights they need none."""
+    cfg = RayflowConfig()
+    sent = []
+
+    def generate(requests, weights):
+        sent.append(([r.min_version for r in requests], weights))
+        raise StopIteration  # what was asked is all this test needs
+
+    evaluator = Evaluator(cfg.data, evaluation_params(cfg.sampling, cfg.trainer), ["a red apple", "a blue car"],
+                          generate=generate, rewards=None)
+    for weights in (None, "ema"):
+        with pytest.raises(StopIteration):
+            evaluator.run(7, monitor=None, weights=weights)
+    assert sent == [([7, 7], None), ([None, None], "ema")]
+
+
 def test_evaluation_params_take_the_rollouts_settings_unless_the_eval_keys_are_set():
     cfg = load_config(recipe("flowgrpo_tiny.yaml"), ["sampling.sde_window_size=2", "sampling.sde_window_range=[0,4]",
                                                       "sampling.same_initial_noise=true"])

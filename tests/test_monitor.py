@@ -66,6 +66,15 @@ def test_log_every_writes_only_every_nth_step(tmp_path):
     assert [(e.step, e.value) for e in events(tmp_path).Scalars("reward/mean")] == [(0, 0.0), (3, 3.0), (6, 6.0)]
 
 
+def test_log_every_does_not_thin_evaluations(tmp_path):
+    """An evaluation at a step log_every skips (the time limit's last one, or eval_every not a multiple) is written."""
+    monitor = Monitor(str(tmp_path), LoggingConfig(log_every=5, **QUIET), total_steps=13)
+    for step in (2, 10, 13):
+        monitor.log(step, {"eval/reward_mean": float(step)}, advance=False)
+    monitor.close()
+    assert [(e.step, e.value) for e in events(tmp_path).Scalars("eval/reward_mean")] == [(2, 2.0), (10, 10.0), (13, 13.0)]
+
+
 def test_tensorboard_off_writes_no_event_files(tmp_path):
     monitor = Monitor(str(tmp_path / "run"), LoggingConfig(tensorboard=False, **QUIET), total_steps=2)
     monitor.log(0, {"reward/mean": 1.0})

@@ -593,7 +593,7 @@ class LoggingConfig:
     progress_bar: bool = True
     """A progress bar on the driver (off: one log line per step)."""
     log_every: int = 1
-    """Write TensorBoard (and W&B) scalars every this many steps."""
+    """Write TensorBoard (and W&B) scalars every this many steps; evaluations' are always written."""
     wandb: bool = False
     """Also log to Weights & Biases (pip install wandb; WANDB_MODE=offline writes under the run dir without an account)."""
     wandb_project: str = "rayflow"

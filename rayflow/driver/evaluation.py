@@ -68,8 +68,11 @@ class Evaluator:
         self.generate, self.rewards, self.seeds = generate, rewards, n
 
     def run(self, step: int, monitor: Monitor, weights: ray.ObjectRef | None = None) -> dict[str, float]:
-        """`weights`: synced-slot tensors to sample under instead of the rollout weights (the EMA adapter)."""
-        trajectories = self.generate(self.requests, weights)
+        """`weights`: synced-slot tensors to sample under instead of the rollout weights (the EMA adapter). Otherwise
+        every request waits for the rollout weights of version `step` (asynchronous runs evaluate before the broadcast
+        of the step's weights has landed)."""
+        requests = self.requests if weights is not None else [dataclasses.replace(r, min_version=step) for r in self.requests]
+        trajectories = self.generate(requests, weights)
         self.rewards.score(trajectories)
         scalars = evaluation_scalars(trajectories)
         monitor.log(step, scalars, advance=False)

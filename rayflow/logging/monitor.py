@@ -117,8 +117,9 @@ class Monitor:
             self._redirect.__enter__()
 
     def log(self, step: int, scalars: dict[str, float], advance: bool = True) -> None:
-        """Write one step's scalars; `advance` moves the progress bar (once per training step)."""
-        if step % self.cfg.log_every == 0:
+        """Write one step's scalars; `advance` moves the progress bar (once per training step). logging.log_every thins
+        the training steps' scalars only: an evaluation's (advance=False) are always written, as its images are."""
+        if not advance or step % self.cfg.log_every == 0:
             if self.writer is not None:
                 for tag, value in scalars.items():
                     self.writer.add_scalar(tag, value, step)
