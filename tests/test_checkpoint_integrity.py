@@ -205,12 +205,18 @@ def test_skipped_steps_counts_runs_of_skips_and_stops_at_the_limit():
     for step, skipped in enumerate([True, True, False, True, True]):
         skips.observe(skipped, step)
     assert skips.counters() == {"skipped_steps": 4, "consecutive_skipped": 2}
-    with pytest.raises(TooManySkippedSteps, match=r"steps 3\.\.5: 3 optimizer steps in a row skipped .*max_skipped_steps=3"):
+    with pytest.raises(TooManySkippedSteps, match=r"batches 3\.\.5: 3 optimizer steps in a row skipped .*max_skipped_steps=3"):
         skips.observe(True, 5)
     resumed = SkippedSteps(max_in_a_row=3)
     resumed.load({"skipped_steps": 4, "consecutive_skipped": 2})  # the run of skips continues across a resume
     with pytest.raises(TooManySkippedSteps):
         resumed.observe(True, 5)
+    # Two optimizer steps a batch: batch 7 trains, batches 8 and 9 skip both of theirs: the message names batches 8..9.
+    two = SkippedSteps(max_in_a_row=4)
+    two.observe(0, 7, steps=2)
+    two.observe(2, 8, steps=2)
+    with pytest.raises(TooManySkippedSteps, match=r"batches 8\.\.9: 4 optimizer steps in a row skipped"):
+        two.observe(2, 9, steps=2)
     never = SkippedSteps(max_in_a_row=0)
     for step in range(10):
         never.observe(True, step)
@@ -226,7 +232,7 @@ def test_a_run_whose_steps_are_all_skipped_stops_and_keeps_its_last_healthy_chec
     monkeypatch.setattr(minibatches, "backward", nan_gradients_from_step_1)  # what every trained mini-batch calls
     cfg = small_cfg(GRPO, tiny_model_dir, tmp_path, "trainer.total_steps=5", "trainer.save_every=1", "trainer.keep_checkpoints=1",
                     "trainer.max_skipped_steps=2")
-    with pytest.raises(TooManySkippedSteps, match=r"steps 1\.\.2: 2 optimizer steps in a row skipped"):
+    with pytest.raises(TooManySkippedSteps, match=r"batches 1\.\.2: 2 optimizer steps in a row skipped"):
         reference.train(cfg, log=quiet)
     root = str(tmp_path / "checkpoints")
     # step_1 (after the one applied step) outlives keep_checkpoints=1: step_2 ends in a skipped step.

@@ -108,8 +108,9 @@ class SkippedSteps:
         self.total += skipped
         self.in_a_row = self.in_a_row + skipped if skipped == steps else 0
         if self.max_in_a_row and self.in_a_row >= self.max_in_a_row:
+            batches = -(-self.in_a_row // steps)  # the skips span whole batches of `steps` optimizer steps each
             raise TooManySkippedSteps(
-                f"steps {step - self.in_a_row + 1}..{step}: {self.in_a_row} optimizer steps in a row skipped for a "
+                f"batches {step - batches + 1}..{step}: {self.in_a_row} optimizer steps in a row skipped for a "
                 f"non-finite gradient norm (trainer.max_skipped_steps={self.max_in_a_row}); the loss or rewards are NaN/Inf. "
                 f"The last healthy checkpoint is kept; check the reward functions and the learning rate"
             )
