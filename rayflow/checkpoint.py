@@ -169,15 +169,17 @@ def save_checkpoint(root: str, ckpt: Checkpoint, keep: int) -> str:
 
 
 def _abandon_newer(root: str, step: int) -> None:
-    """Set aside the checkpoints of steps after `step`: a run resumed from an earlier one (past a damaged checkpoint,
-    or an explicit trainer.resume) left that timeline, and rotation by step number would otherwise delete its new saves
-    and a later resume=auto pick the old timeline. Renamed to .abandoned-step_*-*, kept for inspection, never resumed."""
-    for path in list_checkpoints(root):
-        if int(_STEP_DIR.match(os.path.basename(path)).group(1)) > step:
-            aside = tempfile.mkdtemp(prefix=f".abandoned-{os.path.basename(path)}-", dir=root)
-            os.rename(path, os.path.join(aside, "ckpt"))
-            log.warning("set %s aside as %s: this run resumed from an earlier step and saved step %d", path, aside, step)
-    fsync_dir(root)
+    """Set aside the checkpoints of steps after `step` (just saved): a run resumed from an earlier one (past a damaged
+    checkpoint, or an explicit trainer.resume) left that timeline, and rotation by step number would otherwise delete
+    its new saves and a later resume=auto pick the old timeline. Moved into .abandoned-step_*-*, kept for inspection,
+    never resumed nor removed as a leftover."""
+    found = list_checkpoints(root)  # oldest first
+    newer = found[found.index(step_dir(root, step)) + 1:]
+    for path in newer:
+        aside = _move_aside(path, "abandoned")
+        log.warning("set %s aside as %s: this run resumed from an earlier step and saved step %d", path, aside, step)
+    if newer:
+        fsync_dir(root)
 
 
 def sharded_staging_dir(root: str, step: int) -> str:
@@ -254,9 +256,10 @@ def _remove_dir(path: str) -> None:
     shutil.rmtree(_move_aside(path))
 
 
-def _move_aside(path: str) -> str:
-    """Rename checkpoint directory `path` into a new .old-<name>-* leftover directory beside it; that directory."""
-    aside = tempfile.mkdtemp(prefix=f".old-{os.path.basename(path)}-", dir=os.path.dirname(path))
+def _move_aside(path: str, kind: str = "old") -> str:
+    """Rename checkpoint directory `path` into a new .<kind>-<name>-* directory beside it (.old-: a leftover the next
+    start removes); that directory."""
+    aside = tempfile.mkdtemp(prefix=f".{kind}-{os.path.basename(path)}-", dir=os.path.dirname(path))
     os.rename(path, os.path.join(aside, "ckpt"))
     return aside
 

@@ -90,15 +90,10 @@ class SamplingParams:
         if self.sde_window_size is not None:
             need(self.sde_step_indices is None, "sde_step_indices", "null when sde_window_size is set (the window places the stochastic steps)")
             need(1 <= self.sde_window_size <= T, "sde_window_size", f"null or an integer in [1, num_steps={T}]")
-            need(self.sde_window_range is None or len(self.sde_window_range) == 2, "sde_window_range",
-                 f"null or [lo, hi] with 0 <= lo, hi <= num_steps={T} and hi - lo >= sde_window_size={self.sde_window_size}")
+            allowed = f"null or [lo, hi] with 0 <= lo, hi <= num_steps={T} and hi - lo >= sde_window_size={self.sde_window_size}"
+            need(self.sde_window_range is None or len(self.sde_window_range) == 2, "sde_window_range", allowed)  # before unpacking
             lo, hi = self.sde_window_range if self.sde_window_range is not None else (0, T)
-            need(
-                self.sde_window_range is None or (0 <= lo and hi <= T
-                                                  and hi - lo >= self.sde_window_size),
-                "sde_window_range",
-                f"null or [lo, hi] with 0 <= lo, hi <= num_steps={T} and hi - lo >= sde_window_size={self.sde_window_size}",
-            )
+            need(0 <= lo and hi <= T and hi - lo >= self.sde_window_size, "sde_window_range", allowed)
         else:  # a range alone would be ignored: the run would train every step, not the window its author meant
             need(self.sde_window_range is None, "sde_window_range",
                  "null unless sde_window_size is set (the range bounds where that window lies)")

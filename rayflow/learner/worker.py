@@ -66,9 +66,9 @@ class LearnerWorker(GroupHost):
 
     def setup(self, rendezvous: Rendezvous) -> dict:
         """Join the group, build the sharded model; returns the policy identity. Every rank at once."""
+        # Where this rank's start-up went (setup_seconds; the launcher logs rank 0's); no process age off Linux.
         age = process_age_s()
         self.setup_s: dict[str, float] = {} if age is None else {"process age": age}
-        """Where this rank's start-up went (setup_seconds; the launcher logs rank 0's); no process age off Linux."""
         phase = Phases(self.setup_s)
         with phase("device"):
             # Ray exposes the bundle's GPU as the only visible one.
