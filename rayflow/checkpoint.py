@@ -49,7 +49,7 @@ MANIFEST = "manifest.json"
 SHARDED_DIR = "weights"
 """Full fine-tuning's sharded weights and optimizer state (torch.distributed.checkpoint), in a checkpoint directory."""
 _STEP_DIR = re.compile(r"^step_(\d+)$")
-_LEFTOVER_DIR = re.compile(r"^\.(tmp|old)-step_\d+-")
+_LEFTOVER_DIR = re.compile(r"^\.(tmp|old)-(step_\d+)-")
 log = logging.getLogger("rayflow")
 
 
@@ -231,13 +231,31 @@ def _is_healthy(path: str) -> bool:
 
 
 def remove_leftovers(root: str) -> None:
-    """Delete the temporary directories of saves that were killed midway (.tmp-step_*, .old-step_*)."""
+    """Clear what saves killed midway left (.tmp-step_*, .old-step_*). An .old- copy of a step that has no step_*
+    directory is put back if it verifies: a re-save of that step killed between moving the old copy aside and renaming
+    the new one in left it as the step's only complete copy. Every other leftover is deleted."""
     if not os.path.isdir(root):
         return
-    for name in os.listdir(root):
-        if _LEFTOVER_DIR.match(name):
-            log.warning("removing %s, left by a checkpoint save that did not finish", os.path.join(root, name))
-            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+    for name in sorted(os.listdir(root)):
+        match = _LEFTOVER_DIR.match(name)
+        if not match:
+            continue
+        leftover, final = os.path.join(root, name), os.path.join(root, match.group(2))
+        if match.group(1) == "old" and not os.path.exists(final) and _is_intact(os.path.join(leftover, "ckpt")):
+            os.rename(os.path.join(leftover, "ckpt"), final)
+            fsync_dir(root)
+            log.warning("restored %s from %s, left by a save of that step that did not finish", final, leftover)
+        else:
+            log.warning("removing %s, left by a checkpoint save that did not finish", leftover)
+        shutil.rmtree(leftover, ignore_errors=True)
+
+
+def _is_intact(path: str) -> bool:
+    try:
+        verify_checkpoint(path)
+        return True
+    except CheckpointDamaged:
+        return False
 
 
 def _replace_dir(src: str, dst: str) -> None:

@@ -83,6 +83,31 @@ def test_a_rotation_interrupted_midway_leaves_only_complete_checkpoints(tmp_path
     assert sorted(os.listdir(root)) == ["step_00000002", "step_00000003"]
 
 
+def test_a_resave_killed_between_its_renames_keeps_the_old_copy(tmp_path, monkeypatch):
+    """Saving a step that already has a checkpoint moves the old copy aside, then renames the new one in. A kill
+    between the two leaves no step_* directory: the next start puts the old copy back (it verifies), where it used
+    to delete both leftovers and lose the step."""
+    root = str(tmp_path)
+    save_checkpoint(root, fake_checkpoint(1), keep=2)
+    save_checkpoint(root, fake_checkpoint(2), keep=2)
+    real_rename = checkpoint.os.rename
+
+    def killed_before_the_new_copy_lands(src, dst):
+        if os.path.basename(src).startswith(".tmp-"):
+            raise KeyboardInterrupt("signal 15")
+        return real_rename(src, dst)
+
+    monkeypatch.setattr(checkpoint.os, "rename", killed_before_the_new_copy_lands)
+    with pytest.raises(KeyboardInterrupt):
+        save_checkpoint(root, fake_checkpoint(2), keep=2)
+    monkeypatch.setattr(checkpoint.os, "rename", real_rename)
+    assert [load_checkpoint(p).step for p in list_checkpoints(root)] == [1]
+    assert any(name.startswith(".old-step_00000002-") for name in os.listdir(root))
+    assert checkpoint.resolve_resume("auto", root) == checkpoint.step_dir(root, 2)
+    assert sorted(os.listdir(root)) == ["step_00000001", "step_00000002"]
+    assert load_checkpoint(checkpoint.step_dir(root, 2)).data == fake_checkpoint(2).data
+
+
 def test_a_checkpoint_with_a_pickled_object_is_not_unpickled(tmp_path):
     root = str(tmp_path)
     path = save_checkpoint(root, fake_checkpoint(1), keep=1)
