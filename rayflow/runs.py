@@ -118,18 +118,16 @@ def preflight(cfg: RayflowConfig) -> list[str]:
 def build_tiny_model_once(cfg: RayflowConfig) -> str:
     """Build (or find) the cached tiny model here, quietly, so the actors only load it. A cached one costs no
     import of diffusers or transformers (1.7 s before Ray starts, on 2 cores)."""
-    from rayflow.models.tiny import cached_tiny_dir, is_saved_model, save_tiny_model
+    from rayflow.models.tiny import cached_tiny_dir, is_saved_model, resolve_model_path
 
     m = cfg.model
-    out = cached_tiny_dir(m.cache_dir, m.tiny_size, m.tiny_seed, m.tiny_arch)
-    if is_saved_model(out):
-        return out
-    import diffusers
-    import transformers
+    if not is_saved_model(cached_tiny_dir(m.cache_dir, m.tiny_size, m.tiny_seed, m.tiny_arch)):
+        import diffusers
+        import transformers
 
-    diffusers.utils.logging.disable_progress_bar()
-    transformers.utils.logging.disable_progress_bar()
-    return save_tiny_model(out, size=m.tiny_size, seed=m.tiny_seed, arch=m.tiny_arch)
+        diffusers.utils.logging.disable_progress_bar()
+        transformers.utils.logging.disable_progress_bar()
+    return resolve_model_path(None, m.cache_dir, m.tiny_size, m.tiny_seed, m.tiny_arch)
 
 
 def write_run_config(cfg: RayflowConfig) -> str:

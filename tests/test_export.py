@@ -41,8 +41,9 @@ def export_main(argv):
 def train_briefly(recipe, model_dir, out, *overrides):
     """Two steps at a high lr with alpha = 2 x rank (so a loader that ignored alpha would differ), and a
     fast EMA so DiffusionNFT's "old" differs from "default"."""
+    fast_ema = ("algorithm.ema_uprate=0.5",) if recipe == NFT else ()
     cfg = small_cfg(recipe, model_dir, out, "trainer.total_steps=2", "learner.lr=0.05", "learner.lora_alpha=16",
-                    "algorithm.ema_uprate=0.5", *overrides)
+                    *fast_ema, *overrides)
     model, _ = reference.train(cfg, log=lambda msg: None)
     return model, latest_checkpoint(os.path.join(out, "checkpoints"))
 

@@ -86,6 +86,20 @@ def test_bad_resume_and_model_path_fail_before_ray_in_one_line(tmp_path):
     assert "trainer.resume=never but" in result.stderr.strip().splitlines()[-1]
 
 
+def test_a_cache_dir_that_cannot_hold_the_tiny_model_is_named(tmp_path):
+    from rayflow.config import load_config
+    from rayflow.errors import ConfigError
+    from rayflow.runs import preflight
+
+    in_the_way = tmp_path / "a-file"
+    in_the_way.write_text("")
+    cfg = load_config(GRPO, ["model.path=null", f"model.cache_dir={in_the_way}", f"trainer.output_dir={tmp_path}"])
+    with pytest.raises(ConfigError, match=r"^model\.cache_dir: got '.*/a-file'; allowed: a writable directory to build "
+                                          r"and cache the tiny model in \(writing .*/a-file/tiny-qwen-image-tiny-seed0 "
+                                          r"failed: \[Errno 17\] File exists"):
+        preflight(cfg)
+
+
 def test_resources_beyond_the_cluster_are_refused_naming_roles_and_keys():
     from rayflow.config import load_config
     from rayflow.distributed.resources import check_fits, role_demand
@@ -107,6 +121,13 @@ def test_resources_beyond_the_cluster_are_refused_naming_roles_and_keys():
         check_fits(load_config(GRPO, ["rollout.num_replicas=8", "learner.world_size=2", "learner.micro_batch_size=4"]),
                    {"CPU": 2.0}, autoscaler_max={"CPU": 64.0, "GPU": 8.0})
     check_fits(cfg, {"CPU": 0.0}, autoscaler_max=None)  # an autoscaler that does not say its limits: not refused
+    # gpus_per_rank=null is 0 without GPUs: no CPUs either would be an empty bundle, which Ray cannot place.
+    zero_cpus = load_config(GRPO, ["rollout.cpus_per_rank=0"])  # passes the config's own checks (null GPUs)
+    check_fits(zero_cpus, {"CPU": 2.0, "GPU": 3.0}, autoscaler_max={})  # a GPU each
+    for autoscaler_max in ({}, None):
+        with pytest.raises(ConfigError, match=r"^rollout\.cpus_per_rank: got 0\.0; allowed: a float > 0 with "
+                                              r"rollout\.gpus_per_rank=null on a cluster without GPUs"):
+            check_fits(zero_cpus, {"CPU": 2.0}, autoscaler_max=autoscaler_max)
 
 
 def test_a_failure_inside_an_actor_is_reported_as_its_root_cause_in_one_line(ray_session):

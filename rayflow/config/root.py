@@ -69,6 +69,9 @@ class RayflowConfig:
         )
 
     def _validate_placement(self) -> None:
+        from rayflow.distributed.resources import check_bundles_reserve_something
+
+        check_bundles_reserve_something(self, cluster_has_gpus=None)  # again once Ray has started, for null GPU counts
         if not self.placement.colocated:
             _need(not self.learner.offload_optimizer_during_rollout, "learner.offload_optimizer_during_rollout", True,
                   "false unless placement.mode=colocated (disaggregated learners never sample)")

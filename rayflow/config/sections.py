@@ -115,6 +115,7 @@ class RolloutConfig:
         _need(self.micro_batch_size >= 1, f"{prefix}.micro_batch_size", self.micro_batch_size, "an integer >= 1")
         _need(self.stall_timeout_s > 0, f"{prefix}.stall_timeout_s", self.stall_timeout_s, "seconds > 0")
         _need(self.stall_factor >= 1, f"{prefix}.stall_factor", self.stall_factor, "a number >= 1")
+        _need(self.collective_timeout_s > 0, f"{prefix}.collective_timeout_s", self.collective_timeout_s, "seconds > 0")
         _validate_restarts(self, prefix)
         _validate_resources(self, prefix)
 
@@ -248,6 +249,14 @@ class LearnerConfig:
 ALGORITHMS = ("flow_grpo", "diffusion_nft")
 
 
+READ_BY_ONE_ALGORITHM = {
+    "clip_range": "flow_grpo", "kl_type": "flow_grpo",
+    "nft_beta": "diffusion_nft", "ema_flat": "diffusion_nft", "ema_uprate": "diffusion_nft", "ema_uphold": "diffusion_nft",
+}
+"""Keys the other algorithm never reads, beside those with checks of their own (adv_mode, ratio_norm, nft_timesteps,
+timestep_fraction): a value other than the default there would be a setting that silently does nothing."""
+
+
 @dataclass
 class AlgorithmConfig:
     name: str = "flow_grpo"
@@ -319,6 +328,11 @@ class AlgorithmConfig:
         _need(not self.ratio_norm or self.name == "flow_grpo", f"{prefix}.ratio_norm", self.ratio_norm,
               "false for algorithm.name=diffusion_nft (GRPO-Guard normalises FlowGRPO's importance ratio; NFT has none)")
         _need(self.nft_beta > 0, f"{prefix}.nft_beta", self.nft_beta, "a float > 0")
+        defaults = AlgorithmConfig()
+        for key, reader in READ_BY_ONE_ALGORITHM.items():
+            value, default = getattr(self, key), getattr(defaults, key)
+            _need(self.name == reader or value == default, f"{prefix}.{key}", value,
+                  f"its default {default!r} for algorithm.name={self.name} (only {reader} reads it)")
         _need(
             self.nft_timesteps is None or self.nft_timesteps >= 1,
             f"{prefix}.nft_timesteps", self.nft_timesteps, "null or an integer >= 1",
@@ -393,8 +407,6 @@ class RewardConfig:
         _need(self.num_workers >= 1, f"{prefix}.num_workers", self.num_workers, "an integer >= 1")
         _need(self.cpus_per_worker >= 0, f"{prefix}.cpus_per_worker", self.cpus_per_worker, "a float >= 0")
         _need(self.gpus_per_worker >= 0, f"{prefix}.gpus_per_worker", self.gpus_per_worker, "a float >= 0")
-        _need(self.cpus_per_worker > 0 or self.gpus_per_worker > 0, f"{prefix}.cpus_per_worker", self.cpus_per_worker,
-              "a float > 0 unless reward.gpus_per_worker > 0 (a worker must reserve something to be placed)")
         _need(self.batch_size >= 1, f"{prefix}.batch_size", self.batch_size, "an integer >= 1")
         _need(self.max_retries >= 0, f"{prefix}.max_retries", self.max_retries, "an integer >= 0")
         _validate_restarts(self, prefix)

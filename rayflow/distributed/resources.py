@@ -8,33 +8,69 @@ cluster has now and what its autoscaler can add, and which keys to change.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 
 from rayflow.config import RayflowConfig
 from rayflow.errors import ConfigError
 
 
+@dataclass(frozen=True)
+class RoleBundles:
+    """What one role's placement group asks for: `count` bundles of `cpus` CPUs, `gpus` GPUs and `resources` each."""
+
+    role: str
+    count: int
+    cpus_key: str
+    cpus: float
+    gpus_key: str
+    gpus: float | None
+    """None (a null setting): 1 when the cluster has GPUs, else 0."""
+    resources: dict[str, float]
+
+    def resolved_gpus(self, cluster_has_gpus: bool) -> float:
+        return self.gpus if self.gpus is not None else float(cluster_has_gpus)
+
+
+def role_bundles(cfg: RayflowConfig) -> list[RoleBundles]:
+    """The run's placement groups, one per role (a rollout rank and a learner rank per device when colocated; no
+    weight-sync actor then)."""
+    r, lr, rw, s, p = cfg.rollout, cfg.learner, cfg.reward, cfg.sync, cfg.placement
+    reward = RoleBundles("reward", rw.num_workers, "reward.cpus_per_worker", rw.cpus_per_worker, "reward.gpus_per_worker",
+                         rw.gpus_per_worker, rw.resources)
+    if p.colocated:
+        return [RoleBundles("devices", lr.world_size, "placement.cpus_per_device", p.cpus_per_device,
+                            "placement.gpus_per_device", p.gpus_per_device, p.resources), reward]
+    return [
+        RoleBundles("rollout", r.num_replicas * r.cfg_parallel_size, "rollout.cpus_per_rank", r.cpus_per_rank,
+                    "rollout.gpus_per_rank", r.gpus_per_rank, r.resources),
+        RoleBundles("learner", lr.world_size, "learner.cpus_per_rank", lr.cpus_per_rank, "learner.gpus_per_rank",
+                    lr.gpus_per_rank, lr.resources),
+        reward,
+        RoleBundles("sync", 1, "sync.cpus", s.cpus, "sync.gpus", s.gpus, s.resources),
+    ]
+
+
+def check_bundles_reserve_something(cfg: RayflowConfig, cluster_has_gpus: bool | None) -> None:
+    """ConfigError naming the CPU key of a role whose bundle would be empty (Ray refuses to place one): no CPUs,
+    no GPUs, no custom resources. A null GPU count is 0 on a cluster without GPUs; with `cluster_has_gpus` None
+    (not known yet, before Ray starts) it passes."""
+    for b in role_bundles(cfg):
+        if b.gpus is None and cluster_has_gpus is None:
+            continue
+        gpus = b.resolved_gpus(bool(cluster_has_gpus))
+        why = f"{b.gpus_key}=null on a cluster without GPUs" if b.gpus is None else f"{b.gpus_key}={b.gpus:g}"
+        if not (b.cpus > 0 or gpus > 0 or any(v > 0 for v in b.resources.values())):
+            raise ConfigError(b.cpus_key, b.cpus, f"a float > 0 with {why} and no custom resources (Ray places no empty "
+                                                  f"bundle: each of the {b.role} role's must reserve something)")
+
+
 def role_demand(cfg: RayflowConfig, cluster_has_gpus: bool) -> dict[str, dict[str, float]]:
     """Role → {resource: total amount} the run's placement groups reserve (gpus null → 1 on a GPU cluster)."""
-
-    def gpus(value: float | None) -> float:
-        return value if value is not None else (1.0 if cluster_has_gpus else 0.0)
-
-    r, lr, rw, s, p = cfg.rollout, cfg.learner, cfg.reward, cfg.sync, cfg.placement
-    ranks = r.num_replicas * r.cfg_parallel_size
-    reward = (rw.num_workers, rw.cpus_per_worker, rw.gpus_per_worker, rw.resources)
-    if p.colocated:  # a rollout rank and a learner rank per device; no weight-sync actor
-        roles = {"devices": (lr.world_size, p.cpus_per_device, gpus(p.gpus_per_device), p.resources), "reward": reward}
-    else:
-        roles = {
-            "rollout": (ranks, r.cpus_per_rank, gpus(r.gpus_per_rank), r.resources),
-            "learner": (lr.world_size, lr.cpus_per_rank, gpus(lr.gpus_per_rank), lr.resources),
-            "reward": reward,
-            "sync": (1, s.cpus, gpus(s.gpus), s.resources),
-        }
     out = {}
-    for role, (count, cpus, gpu, extra) in roles.items():
-        need = {"CPU": count * cpus, "GPU": count * gpu, **{k: count * v for k, v in extra.items()}}
-        out[role] = {k: v for k, v in need.items() if v > 0}
+    for b in role_bundles(cfg):
+        need = {"CPU": b.count * b.cpus, "GPU": b.count * b.resolved_gpus(cluster_has_gpus),
+                **{k: b.count * v for k, v in b.resources.items()}}
+        out[b.role] = {k: v for k, v in need.items() if v > 0}
     return out
 
 
@@ -52,7 +88,8 @@ KNOBS = {
 def check_fits(cfg: RayflowConfig, available: dict[str, float], autoscaler_max: dict[str, float] | None) -> None:
     """Raise ConfigError when the run needs more of a resource than the cluster has and its autoscaler can
     reach. `autoscaler_max`: the most the autoscaler can grow the cluster to ({} when there is no
-    autoscaler; None when one runs without reporting its limits: then nothing is refused here)."""
+    autoscaler; None when one runs without reporting its limits: then only empty bundles are refused here)."""
+    check_bundles_reserve_something(cfg, available.get("GPU", 0) > 0 or bool((autoscaler_max or {}).get("GPU")))
     if autoscaler_max is None:
         return  # an autoscaler of unknown capacity: the placement group's own timeout is the limit
     demand = role_demand(cfg, cluster_has_gpus=available.get("GPU", 0) > 0 or bool(autoscaler_max.get("GPU")))

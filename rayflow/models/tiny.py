@@ -15,6 +15,8 @@ from dataclasses import dataclass, asdict
 
 import torch
 
+from rayflow.errors import ConfigError
+
 # The Qwen chat special tokens the pipeline's prompt template uses, plus the vision tokens
 # the Qwen2.5-VL config refers to by id.
 SPECIAL_TOKENS = [
@@ -266,4 +268,8 @@ def resolve_model_path(path: str | None, cache_dir: str, size: str = "tiny", see
     if path is not None:
         return path
     out = cached_tiny_dir(cache_dir, size, seed, arch)
-    return save_tiny_model(out, size=size, seed=seed, arch=arch)
+    try:
+        return save_tiny_model(out, size=size, seed=seed, arch=arch)
+    except OSError as e:  # a file in its place, no permission, a full disk
+        raise ConfigError("model.cache_dir", cache_dir, f"a writable directory to build and cache the tiny model in "
+                                                        f"(writing {out} failed: {e})") from e
