@@ -109,9 +109,9 @@ def test_guard_log_ratio_is_the_noise_projected_on_the_mean_shift(sigma, sigma_n
     log_ratio, mean, old_mean, std, eps = guard_step(sigma, sigma_next)
     expected = (eps * (mean - old_mean)).mean(dim=(1, 2))
     torch.testing.assert_close(guard_log_ratio(log_ratio, mean, old_mean, std), expected, rtol=1e-3, atol=1e-6)
-    # Per-sample stds ([B]) give the same.
-    per_sample = std.expand(3)
-    torch.testing.assert_close(guard_log_ratio(log_ratio, mean, old_mean, per_sample), expected, rtol=1e-3, atol=1e-6)
+    # Per-sample stds, [B] or shaped like the latents' leading dimension ([B, 1, 1]), give the same [B].
+    for per_sample in (std.expand(3), std.expand(3, 1, 1)):
+        torch.testing.assert_close(guard_log_ratio(log_ratio, mean, old_mean, per_sample), expected, rtol=1e-3, atol=1e-6)
 
 
 def test_flow_grpo_loss_with_ratio_norm_clips_the_normalised_ratio_and_weights_by_one_over_dt():

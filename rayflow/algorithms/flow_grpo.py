@@ -48,11 +48,12 @@ def guard_log_ratio(log_ratio: torch.Tensor, mean: torch.Tensor, old_mean: torch
     centred below 0 by b and scaled by 1/std, which differs step to step. The normalised one is
     mean(ε·Δμ): centred at 0 and on one scale at every step, so the clip acts alike on all of them.
 
-    log_ratio [B]; mean, old_mean [B, ...]; step_std a scalar or [B].
+    log_ratio [B]; mean, old_mean [B, ...]; step_std a scalar, [B] or [B, 1, ...].
     """
-    s = step_std.view(-1, *([1] * (mean.ndim - 1))) if step_std.ndim else step_std  # broadcastable to [B, ...]
+    per_sample = step_std.reshape(-1) if step_std.ndim else step_std  # a scalar or [B]
+    s = per_sample.view(-1, *([1] * (mean.ndim - 1))) if step_std.ndim else step_std  # broadcastable to [B, ...]
     bias = _mean_over_sample((mean - old_mean) ** 2 / (2 * s**2))
-    return (log_ratio + bias) * step_std
+    return (log_ratio + bias) * per_sample
 
 
 def flow_grpo_loss(
