@@ -109,10 +109,31 @@ def test_a_killed_weight_sync_actor_or_learner_rank_is_replaced_in_an_asynchrono
         trainer.shutdown()
 
 
+def kill_in_save(trainer: Trainer, monkeypatch, step: int, actors: Callable[[], list]) -> None:
+    """Kill the actors `actors()` returns as step `step`'s checkpoint is asked of the learners (once), and wait
+    until they are dead, so the save meets the death."""
+    checkpoint = trainer.learners.checkpoint
+
+    def killed_first(at: int, data: dict):
+        if at == step and not getattr(killed_first, "done", False):
+            killed_first.done = True
+            for actor in actors():
+                ray.kill(actor)
+                while True:  # ray.kill returns at once; a call sent before the actor is gone would still be answered
+                    try:
+                        ray.get(actor.__ray_ready__.remote(), timeout=60)
+                    except ray.exceptions.RayActorError:
+                        break
+        return checkpoint(at, data)
+
+    monkeypatch.setattr(trainer.learners, "checkpoint", killed_first)
+
+
 def test_one_actor_of_each_kind_killed_during_a_synchronous_run_leaves_it_equal_to_an_undisturbed_one(
         ray_session, tiny_model_dir, tmp_path, undisturbed, monkeypatch, caplog):
     """A rollout rank and a reward worker after step 1, the weight-sync actor after step 2, a learner rank after
-    step 3 (the newest checkpoint is step 2's: step 3 is trained again)."""
+    step 3 (the newest checkpoint is step 2's: step 3 is trained again) and one inside step 4's save (steps 3 and 4
+    trained again: a death there stopped the run)."""
     trainer = Trainer(small_cfg(GRPO, tiny_model_dir, tmp_path, *SYNCHRONOUS))
     try:
         kill_after_steps(trainer, monkeypatch, {
@@ -120,10 +141,12 @@ def test_one_actor_of_each_kind_killed_during_a_synchronous_run_leaves_it_equal_
             2: lambda: [trainer.sync.actor],
             3: lambda: [trainer.learners.workers[0]],
         })
+        kill_in_save(trainer, monkeypatch, STEPS, lambda: [trainer.learners.workers[0]])
         trainer.run()
         assert trainer.rollout.restarts == [1] and trainer.rewards.restarts == [1]
-        assert trainer.sync.restarts == 1 and trainer.learners.restarts == 1
+        assert trainer.sync.restarts == 1 and trainer.learners.restarts == 2
         assert "rewound to step 2; steps 3..3 are trained again" in caplog.text
+        assert "rewound to step 2; steps 3..4 are trained again" in caplog.text
         assert_equal_to_undisturbed(trainer, undisturbed)
     finally:
         trainer.shutdown()

@@ -164,14 +164,10 @@ class Trainer:
             if training and self.learners.settled(training[0].refs):
                 step = training.popleft()
                 try:
-                    metrics = self.learners.get(step.refs)[0]
-                except LearnerError as e:
+                    self._finish(step, clock, queued=bool(training))
+                except LearnerError as e:  # a rank died in the step, or in the save, evaluation or push after it
                     training.clear()  # a step queued behind it trains again after the rewind
                     self._restart_learners(e)
-                    continue
-                finally:
-                    self.learner_watchdog.progressed("learners", still_busy=bool(training))
-                self._step_done(metrics, step, clock, bool(training))
             elif training and self.learner_watchdog.overdue():
                 self._learner_stalled(training[0].refs)
         return self.history
@@ -287,6 +283,14 @@ class Trainer:
             self._serve(training=None)
         self.evaluating = set()
         return [t for future in futures for t in future.result()]
+
+    def _finish(self, step: TrainStep, clock: StepClock, queued: bool) -> None:
+        """The learners' step `step` has settled: its metrics (LearnerError if a rank failed), then `_step_done`."""
+        try:
+            metrics = self.learners.get(step.refs)[0]
+        finally:
+            self.learner_watchdog.progressed("learners", still_busy=queued)
+        self._step_done(metrics, step, clock, queued)
 
     def _step_done(self, metrics: dict[str, float], step: TrainStep, clock: StepClock, queued: bool) -> None:
         """An optimizer step finished: new version → push weights → log → eval → checkpoint. `queued`: another
