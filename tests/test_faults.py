@@ -15,7 +15,7 @@ from rayflow.driver.trainer import Trainer
 from rayflow.learner.worker import LearnerError
 from rayflow.sync.source import WeightSyncError
 from rayflow.sync.buckets import to_wire
-from tiny_run import GRPO, small_cfg
+from tiny_run import GRPO, small_cfg, wait_until_dead
 
 STEPS = 4
 SYNCHRONOUS = ("trainer.eval_every=0", "logging.progress_bar=false", "async.max_staleness=0", "trainer.save_every=2",
@@ -119,11 +119,7 @@ def kill_in_save(trainer: Trainer, monkeypatch, step: int, actors: Callable[[], 
             killed_first.done = True
             for actor in actors():
                 ray.kill(actor)
-                while True:  # ray.kill returns at once; a call sent before the actor is gone would still be answered
-                    try:
-                        ray.get(actor.__ray_ready__.remote(), timeout=60)
-                    except ray.exceptions.RayActorError:
-                        break
+                wait_until_dead(actor)
         return checkpoint(at, data)
 
     monkeypatch.setattr(trainer.learners, "checkpoint", killed_first)

@@ -12,7 +12,7 @@ from rayflow import reference
 from rayflow.checkpoint import checkpoint_root, load_checkpoint, step_dir
 from rayflow.driver.trainer import Trainer
 from rayflow.paths import recipe as recipe_path
-from tiny_run import GRPO, NFT, final_adapters, small_cfg
+from tiny_run import GRPO, NFT, final_adapters, small_cfg, wait_until_dead
 
 STEPS = 3
 
@@ -254,8 +254,12 @@ def test_a_dead_rollout_replica_is_replaced_or_routed_around(ray_session, tiny_m
             again = trainer._generate(trainer.evaluator.requests)
             assert trainer.rollout.dead == [dead] and [t.seed for t in again] == [t.seed for t in undisturbed]
             assert all(torch.equal(a.latents, b.latents) and (a.image == b.image).all() for a, b in zip(again, undisturbed))
-        else:
-            ray.kill(dead.workers[0])  # asynchronous: with requests of the next batch in flight on it
+        else:  # asynchronous: with requests of the next batch in flight on it
+            # No broadcast in flight may meet the rank while it dies: a receiver dying but not yet dead holds the send
+            # until the collective timeout, 300 s (test_sync.py), which fits this test's one 368-s run in a suite.
+            trainer.sync.wait(trainer.version, timeout_s=60)
+            ray.kill(dead.workers[0])
+            wait_until_dead(dead.workers[0])
         history, deadline = [], time.monotonic() + 180
         # Until the replacement (if any) finished loading, the live replica samples every request.
         while time.monotonic() < deadline and (len(history) < 2 or trainer.rollout.starting):
