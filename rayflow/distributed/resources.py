@@ -60,8 +60,8 @@ def check_bundles_reserve_something(cfg: RayflowConfig, cluster_has_gpus: bool |
         gpus = b.resolved_gpus(bool(cluster_has_gpus))
         why = f"{b.gpus_key}=null on a cluster without GPUs" if b.gpus is None else f"{b.gpus_key}={b.gpus:g}"
         if not (b.cpus > 0 or gpus > 0 or any(v > 0 for v in b.resources.values())):
-            raise ConfigError(b.cpus_key, b.cpus, f"a float > 0 with {why} and no custom resources (Ray places no empty "
-                                                  f"bundle: each of the {b.role} role's must reserve something)")
+            raise ConfigError(b.cpus_key, b.cpus, f"a float > 0 with {why} and no custom resources (Ray cannot place an "
+                                                  f"empty bundle: every {b.role} bundle must reserve something)")
 
 
 def role_demand(cfg: RayflowConfig, cluster_has_gpus: bool) -> dict[str, dict[str, float]]:
@@ -89,10 +89,11 @@ def check_fits(cfg: RayflowConfig, available: dict[str, float], autoscaler_max: 
     """Raise ConfigError when the run needs more of a resource than the cluster has and its autoscaler can
     reach. `autoscaler_max`: the most the autoscaler can grow the cluster to ({} when there is no
     autoscaler; None when one runs without reporting its limits: then only empty bundles are refused here)."""
-    check_bundles_reserve_something(cfg, available.get("GPU", 0) > 0 or bool((autoscaler_max or {}).get("GPU")))
+    has_gpus = available.get("GPU", 0) > 0 or bool((autoscaler_max or {}).get("GPU"))
+    check_bundles_reserve_something(cfg, has_gpus)
     if autoscaler_max is None:
         return  # an autoscaler of unknown capacity: the placement group's own timeout is the limit
-    demand = role_demand(cfg, cluster_has_gpus=available.get("GPU", 0) > 0 or bool(autoscaler_max.get("GPU")))
+    demand = role_demand(cfg, cluster_has_gpus=has_gpus)
     total: dict[str, float] = {}
     for need in demand.values():
         for k, v in need.items():
