@@ -270,7 +270,8 @@ class LearnerGroup:
 
     def restore(self, ckpt: Checkpoint) -> None:
         """Load a checkpoint (of this group, another world size or the reference trainer) into every rank.
-        A rank without saved RNG states keeps its own; the driver restores "driver" and the data position."""
+        A rank without saved RNG states keeps its own. The driver restores the data position; its "driver" RNG state
+        is for the reference trainer, which restores it: the Ray driver draws only from keyed generators."""
         check_identity(ckpt.identity, self.identity, f"at step {ckpt.step}")
         shared = ray.put({"adapters": ckpt.adapters, "optimizer": ckpt.optimizer, "sharded": ckpt.sharded,
                           "version": ckpt.version, "skipped_steps": ckpt.counters.get("skipped_steps", 0)})
