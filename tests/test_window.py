@@ -7,7 +7,10 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
+from rayflow.learner.minibatches import minibatch_plan
+from rayflow.rng import keyed_generator
 from rayflow.sampling.window import window_params
 from rayflow.types import SamplingParams
 
@@ -53,6 +56,15 @@ def test_draws_keyed_by_run_seed_and_version_are_the_same_in_every_process():
     first, second = draws("1"), draws("2")
     assert first == second
     assert len(set(first["windows"])) == 4 and len({tuple(s) for s in first["subsets"]}) > 1  # the draws vary by version
+
+
+def test_the_minibatch_order_and_a_samples_nft_noise_are_drawn_from_different_streams():
+    # Both were keyed (run seed, version, n): the epoch-0 order and the NFT draws of the sample of seed 0 came from one
+    # stream. The sample's timestep draw is a randperm of its steps from its key's generator, as the order is.
+    for version in range(4):
+        nft_stream = torch.randperm(8, generator=keyed_generator(0, version, 0)).tolist()  # objective.nft_noise_and_steps' key
+        first_half, second_half = minibatch_plan(8, 0, version, 1, 2)
+        assert first_half + second_half != nft_stream
 
 
 def test_fixed_and_sliding_windows():

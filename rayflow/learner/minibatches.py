@@ -27,7 +27,7 @@ from rayflow.types import Trajectory
 def minibatch_plan(batch_size: int, run_seed: int, version: int, num_inner_epochs: int, num_minibatches: int
                    ) -> list[list[int]]:
     """Indices into the batch of each optimizer step, in order: for each inner epoch, a permutation of
-    range(batch_size) drawn from (run seed, version, epoch), cut into num_minibatches equal slices.
+    range(batch_size) drawn from (run seed, version, "minibatch", epoch), cut into num_minibatches equal slices.
 
     One inner epoch and one mini-batch keep the batch in its order (no draw): the single-step
     behaviour, unchanged."""
@@ -38,7 +38,7 @@ def minibatch_plan(batch_size: int, run_seed: int, version: int, num_inner_epoch
         return [list(range(batch_size))]
     plan = []
     for epoch in range(num_inner_epochs):
-        g = keyed_generator(run_seed, version, epoch)
+        g = keyed_generator(run_seed, version, "minibatch", epoch)  # not (.., epoch): a sample of seed `epoch` draws its NFT noise there
         order = torch.randperm(batch_size, generator=g).tolist()
         plan += [order[i : i + size] for i in range(0, batch_size, size)]
     return plan
