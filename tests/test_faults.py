@@ -3,6 +3,8 @@ run before another step, naming its cause; a killed weight-sync actor or learner
 last; with one actor of each kind killed, a synchronous run stays equal, step for step, to the single-process
 reference trainer."""
 
+import time
+from types import SimpleNamespace
 from typing import Callable
 
 import pytest
@@ -12,7 +14,7 @@ import torch
 from rayflow import reference
 from rayflow.checkpoint import checkpoint_root, load_checkpoint, step_dir
 from rayflow.driver.trainer import Trainer
-from rayflow.learner.worker import LearnerError
+from rayflow.learner.worker import LearnerError, LearnerGroup
 from rayflow.sync.source import WeightSyncError
 from rayflow.sync.buckets import to_wire
 from tiny_run import GRPO, small_cfg, wait_until_dead
@@ -61,6 +63,29 @@ def kill_after_steps(trainer: Trainer, monkeypatch, schedule: dict[int, Callable
             ray.kill(actor)
 
     monkeypatch.setattr(trainer, "_step_done", step_done_then_kill)
+
+
+def test_a_learner_ranks_death_is_reported_over_its_peers_collective_error(ray_session):
+    """With several ranks, a rank's death fails its peers' collectives, often before Ray reports the death. The learners
+    restart on a death and stop on any other error: `LearnerGroup.get` reports the death (it reported the first error)."""
+
+    @ray.remote(num_cpus=0)
+    def peer_step():
+        raise RuntimeError("[gloo] Connection closed by peer")
+
+    @ray.remote(num_cpus=0)
+    class Rank:
+        def step(self):
+            time.sleep(60)
+
+    dying = Rank.remote()
+    refs = [peer_step.remote(), dying.step.remote()]
+    ray.wait(refs[:1])  # the peer's error is in first
+    ray.kill(dying)
+    group = SimpleNamespace(placed=SimpleNamespace(describe=lambda rank: f"{rank} of 2"))
+    with pytest.raises(LearnerError, match=r"^learner rank 1 of 2 failed: ActorDiedError") as info:
+        LearnerGroup.get(group, refs)
+    assert isinstance(info.value.__cause__, ray.exceptions.RayActorError)
 
 
 def test_faults_past_recovery_stop_an_asynchronous_run_before_another_step_naming_the_cause(

@@ -47,6 +47,10 @@ class LearnerStalled(LearnerError):
     """A train step missed the watchdog's deadline: a rank neither finished nor died."""
 
 
+PEER_DEATH_GRACE_S = 10.0
+"""After a rank fails other than by dying, how long the other ranks' calls get to show whether one of them died: a
+rank's collective fails as soon as a peer's process is gone, often before Ray reports that peer's death."""
+
 LEARNER_CONCURRENCY_GROUPS = {"trajectories": 1}
 """A learner rank's calls run one at a time on one thread, except `prefetch`, which runs beside them."""
 
@@ -283,18 +287,22 @@ class LearnerGroup:
         return self.get([self.workers[0].setup_seconds.remote()])[0]
 
     def get(self, refs: list[ray.ObjectRef]) -> list:
-        """Wait for per-rank refs (in rank order); the first failure raises LearnerError with its rank and node."""
+        """Wait for per-rank refs (in rank order); the first failure raises LearnerError with its rank and node. A rank
+        that died is the failure reported, when one did: its peers' collectives fail too, often first."""
         pending = list(refs)
         while pending:
             (done,), pending = ray.wait(pending, num_returns=1)
             try:
                 ray.get(done)
             except ray.exceptions.RayError as e:
-                rank = refs.index(done)
+                failed = (refs.index(done), e)
+                if not isinstance(e, ray.exceptions.RayActorError):
+                    failed = _dead_rank(refs, pending) or failed
+                rank, error = failed
                 raise LearnerError(
                     f"learner rank {self.placed.describe(rank)} failed: "
-                    f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-                ) from e
+                    f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+                ) from error
         return ray.get(refs)
 
     def settled(self, refs: list[ray.ObjectRef]) -> bool:
@@ -322,3 +330,21 @@ class LearnerGroup:
         for w in self.workers:
             ray.kill(w)
         self.placed.remove()
+
+
+def _dead_rank(refs: list[ray.ObjectRef], pending: list[ray.ObjectRef]) -> tuple[int, ray.exceptions.RayActorError] | None:
+    """(rank, its death) of the first of `pending` (per-rank `refs`) that fails by its actor dying within
+    PEER_DEATH_GRACE_S; None if none does."""
+    deadline = time.monotonic() + PEER_DEATH_GRACE_S
+    while pending:
+        ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+        if not ready:
+            return None
+        try:
+            ray.get(ready[0])
+        except ray.exceptions.RayActorError as death:
+            return refs.index(ready[0]), death
+        except ray.exceptions.RayError:
+            pass
+    return None
+
