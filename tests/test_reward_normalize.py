@@ -34,6 +34,16 @@ def test_group_and_batch_standardisation_written_out():
     assert torch.equal(normalize_component(values, groups, "none"), values)
 
 
+@pytest.mark.parametrize("mode", ["group", "batch"])
+def test_a_flat_group_or_batch_normalises_to_exactly_zero(mode):
+    # float32's mean of eight 0.8s misses 0.8 by a rounding error; over std + eps that was an offset of -6e-4 (0.1: -7e-5),
+    # and the advantages, under stat_tracking=prompt, graded two flat groups of one prompt by it (+-0.72).
+    values = torch.tensor([0.8] * 8 + [0.1] * 8)
+    groups = torch.tensor([0] * 8 + [1] * 8)
+    flat = values[:8] if mode == "batch" else values
+    assert torch.equal(normalize_component(flat, groups[: len(flat)], mode), torch.zeros(len(flat)))
+
+
 def test_training_rewards_weights_normalised_components_and_keeps_totals_without():
     rewards = [{"a": 0.0, "b": 100.0}, {"a": 1.0, "b": 100.5}, {"a": 0.5, "b": 300.0}, {"a": 0.5, "b": 100.0}]
     trajectories = scored(rewards, [0, 0, 1, 1], totals=[0.1, 0.2, 0.3, 0.4])

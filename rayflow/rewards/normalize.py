@@ -9,7 +9,10 @@ Normalising each component first gives each the weight the config says:
     group:  (r_i − mean_g r_i) / (std_g r_i + eps)  over the G samples of the sample's group
     batch:  (r_i − mean r_i) / (std r_i + eps)      over the training batch
 
-(population std, eps = 1e-4 as in the advantages), then total = Σ weight_i · normalised r_i.
+(population std, eps = 1e-4 as in the advantages), then total = Σ weight_i · normalised r_i. A group (or batch) whose
+values are all equal normalises to exactly 0, as the advantages treat a flat group: float32's mean of equal values
+can miss them by a rounding error, which dividing by eps would blow up to an offset of ~1e-3 that differs from one
+value to the next, and the advantages would then rank flat groups by it.
 """
 
 from __future__ import annotations
@@ -33,12 +36,17 @@ def normalize_component(values: torch.Tensor, group_ids: torch.Tensor, mode: str
     if mode == "none":
         return values
     if mode == "batch":
+        if values.max() == values.min():
+            return torch.zeros_like(values)
         return (values - values.mean()) / (values.std(unbiased=False) + _EPS)
     if mode == "group":
         _, index = torch.unique(group_ids, return_inverse=True)
         n = int(index.max()) + 1
         count = torch.zeros(n).index_add_(0, index, torch.ones_like(values))
         centered = values - (torch.zeros(n).index_add_(0, index, values) / count)[index]
+        flat = (torch.full((n,), -torch.inf).scatter_reduce(0, index, values, "amax")
+                == torch.full((n,), torch.inf).scatter_reduce(0, index, values, "amin"))
+        centered = torch.where(flat[index], 0.0, centered)
         std = (torch.zeros(n).index_add_(0, index, centered**2) / count).sqrt()
         return centered / (std[index] + _EPS)
     raise ValueError(f"reward normalize mode {mode!r}; allowed: {NORMALIZE_MODES}")
