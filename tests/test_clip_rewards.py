@@ -88,7 +88,16 @@ def test_missing_or_wrong_directory_fails_at_config_time(tmp_path, clip_dir):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "siglip"}))
     with pytest.raises(ConfigError, match=r"model_type 'siglip', not 'clip'"):
         from_dict(config("pickscore", str(tmp_path)))
+    for broken in ("{", "[]"):  # not JSON; JSON but not an object
+        (tmp_path / "config.json").write_text(broken)
+        with pytest.raises(ConfigError, match=r"kwargs.path: .*its config.json is not a JSON object"):
+            from_dict(config("clip_score", str(tmp_path)))
+    # PickScore_v1's download has the model alone: the CLIP-H processor files are fetched beside it.
     only_clip = tmp_path / "clip_only"
     CLIPModel.from_pretrained(clip_dir).save_pretrained(only_clip)
+    with pytest.raises(ConfigError, match=r"CLIP-ViT-H-14.* \(no image processor config there: none of "
+                                          r"\['preprocessor_config.json', 'processor_config.json'\]\)"):
+        from_dict(config("pickscore", str(only_clip)))
+    CLIPProcessor.from_pretrained(clip_dir).save_pretrained(only_clip)
     with pytest.raises(ConfigError, match=rf"no {AESTHETIC_WEIGHTS} there"):
         from_dict(config("aesthetic", str(only_clip)))

@@ -52,8 +52,8 @@ def make_pool(ray_session):
     pools = []
 
     def make(functions: list[RewardFnConfig], batch_size: int = 2, max_retries: int = 1, max_restarts: int = 0,
-             stall_timeout_s: float = 600.0) -> RewardPool:
-        cfg = RewardConfig(functions=functions, num_workers=2, batch_size=batch_size, cpus_per_worker=1.0,
+             stall_timeout_s: float = 600.0, cpus_per_worker: float = 1.0) -> RewardPool:
+        cfg = RewardConfig(functions=functions, num_workers=2, batch_size=batch_size, cpus_per_worker=cpus_per_worker,
                            max_retries=max_retries, max_restarts=max_restarts, stall_timeout_s=stall_timeout_s)
         pools.append(RewardPool(cfg, name=f"test-rewards-{len(pools)}"))
         return pools[-1]
@@ -67,7 +67,9 @@ COLOR_AND_JPEG = [RewardFnConfig("color", 0.5), RewardFnConfig("jpeg_compressibi
 
 
 def test_pool_scores_like_the_weighted_reward_in_process(make_pool):
-    pool = make_pool(COLOR_AND_JPEG, batch_size=2)
+    pool = make_pool(COLOR_AND_JPEG, batch_size=2, cpus_per_worker=2.0)
+    # A worker computes on the CPUs its bundle reserves (it ran one torch thread whatever reward.cpus_per_worker said).
+    assert ray.get(pool.workers[0].__ray_call__.remote(lambda worker: torch.get_num_threads())) == 2
     trajectories = [trajectory(i) for i in range(5)]
     local = copy.deepcopy(trajectories)
     pool.submit(trajectories)
@@ -135,6 +137,23 @@ def test_a_reward_that_keeps_failing_stops_the_run_with_the_batch_and_last_error
     assert re.search(re.escape(f"http reward {server.url}: HTTP 500: reward model crashed (call 1)"), message)
     assert len(server.requests) == 2  # max_retries=1: one try and one retry
     assert all(t.reward is None and t.rewards == {} for t in trajectories)  # never silent zeros
+
+
+def test_a_reward_that_cannot_be_built_stops_the_run_at_once_with_its_error(make_pool, tmp_path):
+    """A CLIP directory that passes the config's check (config.json, processor files) but holds no weights: the
+    workers' constructors raise. Each restart would fail alike; the pool used to spend them all, then stop with "all
+    reward workers are lost" and without the cause."""
+    clip = tmp_path / "clip"
+    clip.mkdir()
+    (clip / "config.json").write_text('{"model_type": "clip"}')
+    for name in ("preprocessor_config.json", "tokenizer.json"):
+        (clip / name).write_text("{}")
+    pool = make_pool([RewardFnConfig("clip_score", 1.0, kwargs={"path": str(clip)})], max_restarts=3)
+    pool.submit([trajectory(i) for i in range(2)])
+    with pytest.raises(RewardError, match=r"^reward worker 0 .* could not build the run's rewards; stopping the run\. "
+                                          r"The actor died because of an error raised in its creation task(.|\n)*OSError"):
+        collect_all(pool)
+    assert pool.restarts == [0, 0]
 
 
 def test_a_killed_worker_is_skipped_and_its_batch_retried_on_the_other(make_pool, caplog):

@@ -143,3 +143,27 @@ def test_vlm_judge_kwargs_checked_at_config_time():
         from_dict(cfg(score="stars"))
     with pytest.raises(ConfigError, match=r"kwargs.max_concurrency: got 0"):
         from_dict(cfg(max_concurrency=0))
+    # Reward kwargs are free-form, so the loader's finite-number check does not see them: each reward checks its own.
+    # These reached the first call (an OverflowError, a TypeError, every call failing) or scored a silent 0 (max_score).
+    for key, value, allowed in [("timeout_s", float("inf"), "a finite number of seconds > 0"), ("timeout_s", "abc", "a finite"),
+                                ("timeout_s", 0, "a finite number of seconds > 0"), ("max_outage_s", -5, "a finite number of seconds >= 0"),
+                                ("max_score", float("inf"), "a finite number > 0")]:
+        with pytest.raises(ConfigError, match=rf"kwargs\.{key}: got .*; allowed: {allowed}"):
+            from_dict(cfg(**{key: value}))
+
+
+def test_http_jpeg_and_shapes_kwargs_checked_at_config_time():
+    def cfg(name, **kwargs):
+        return {"reward": {"functions": [{"name": name, "kwargs": kwargs}]}}
+
+    url = "http://h:8000/score"
+    with pytest.raises(ConfigError, match=r"kwargs\.timeout_s: got inf; allowed: a finite number of seconds > 0"):
+        from_dict(cfg("http", url=url, timeout_s=float("inf")))
+    for bad in (500, "high"):
+        with pytest.raises(ConfigError, match=r"kwargs\.jpeg_quality: got .*; allowed: an integer JPEG quality in \[1, 100\]"):
+            from_dict(cfg("http", url=url, jpeg_quality=bad))
+    with pytest.raises(ConfigError, match=r"kwargs\.quality: got 'x'; allowed: an integer JPEG quality"):
+        from_dict(cfg("jpeg_compressibility", quality="x"))
+    # It failed in the reward worker's constructor, which the pool took for a crash and restarted until it gave up.
+    with pytest.raises(ConfigError, match=r"kwargs\.score: got 'strictt'; allowed: one of \['flow_grpo', 'strict'"):
+        from_dict(cfg("shapes", score="strictt"))

@@ -369,7 +369,7 @@ class RewardConfig:
     batch_size: int = 16
     """Images per reward call."""
     cpus_per_worker: float = 1.0
-    """CPUs reserved per reward worker."""
+    """CPUs reserved per reward worker (its torch threads: this, rounded down, at least 1)."""
     gpus_per_worker: float = 0.0
     """GPUs per reward worker (for model-based rewards)."""
     resources: dict[str, float] = field(default_factory=dict)

@@ -9,6 +9,7 @@ import torch
 from PIL import Image
 
 from rayflow.rewards.registry import register_reward
+from rayflow.rewards.validation import check_jpeg_quality
 
 # RGB in [0, 1] of the colours a prompt may name.
 PALETTE: dict[str, tuple[float, float, float]] = {
@@ -58,7 +59,12 @@ class JpegCompressibility:
     """Minus the JPEG size in kilobytes (DDPO's compressibility reward): simpler images score higher."""
 
     def __init__(self, quality: int = 95):
+        self.check_kwargs({"quality": quality})
         self.quality = quality
+
+    @staticmethod
+    def check_kwargs(kwargs: dict, key: str = "reward.functions[jpeg_compressibility].kwargs") -> None:
+        check_jpeg_quality(kwargs.get("quality", 95), f"{key}.quality")
 
     def __call__(self, images: torch.Tensor, prompts: list[str], metadata: list[dict] | None = None) -> torch.Tensor:
         sizes = []

@@ -28,18 +28,31 @@ _HOW_TO_GET = {
 }
 
 
+_PROCESSOR_FILES = {
+    "image processor config": ("preprocessor_config.json", "processor_config.json"),
+    "tokenizer": ("tokenizer.json", "vocab.json"),
+}
+"""CLIPProcessor's files, as the hub's downloads hold them or as transformers 5's save_pretrained writes them."""
+
+
 def check_clip_dir(reward: str, path, key: str) -> None:
-    """A clear ConfigError unless `path` is a local directory holding a transformers CLIP model."""
+    """A clear ConfigError unless `path` is a local directory holding a transformers CLIP model and its processor."""
     how = f"a local directory with a transformers CLIPModel and its processor; get one with: {_HOW_TO_GET[reward]}"
     if not isinstance(path, str) or not os.path.isdir(path):
         raise ConfigError(f"{key}.path", path, how)
     config_file = os.path.join(path, "config.json")
     if not os.path.isfile(config_file):
         raise ConfigError(f"{key}.path", path, f"{how} (no config.json there)")
-    with open(config_file, encoding="utf-8") as f:
-        model_type = json.load(f).get("model_type")
+    try:
+        with open(config_file, encoding="utf-8") as f:
+            model_type = json.load(f).get("model_type")
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError) as e:
+        raise ConfigError(f"{key}.path", path, f"{how} (its config.json is not a JSON object: {e})") from None
     if model_type != "clip":
         raise ConfigError(f"{key}.path", path, f"{how} (its config.json has model_type {model_type!r}, not 'clip')")
+    for kind, names in _PROCESSOR_FILES.items():
+        if not any(os.path.isfile(os.path.join(path, name)) for name in names):
+            raise ConfigError(f"{key}.path", path, f"{how} (no {kind} there: none of {list(names)})")
     if reward == "aesthetic" and not os.path.isfile(os.path.join(path, AESTHETIC_WEIGHTS)):
         raise ConfigError(f"{key}.path", path, f"{how} (no {AESTHETIC_WEIGHTS} there)")
 

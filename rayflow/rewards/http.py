@@ -19,9 +19,9 @@ import io
 import torch
 from PIL import Image
 
-from rayflow.errors import ConfigError
-from rayflow.rewards.http_client import JsonClient, check_url
+from rayflow.rewards.http_client import JsonClient, check_client_kwargs
 from rayflow.rewards.registry import register_reward
+from rayflow.rewards.validation import check_jpeg_quality
 
 
 def encode_jpeg(image: torch.Tensor, quality: int = 95) -> str:
@@ -43,18 +43,15 @@ def decode_jpeg(text: str) -> torch.Tensor:
 class HttpReward:
     def __init__(self, url: str, timeout_s: float = 60.0, jpeg_quality: int = 95, max_outage_s: float = 0.0):
         """timeout_s: deadline of one request; max_outage_s: retry budget (set from reward.max_outage_s)."""
-        self.check_kwargs({"url": url, "timeout_s": timeout_s, "max_outage_s": max_outage_s})
+        self.check_kwargs({"url": url, "timeout_s": timeout_s, "max_outage_s": max_outage_s, "jpeg_quality": jpeg_quality})
         self.client = JsonClient(url, timeout_s=timeout_s, max_outage_s=max_outage_s, name="http")
         self.url = url
         self.jpeg_quality = jpeg_quality
 
     @staticmethod
     def check_kwargs(kwargs: dict, key: str = "reward.functions[http].kwargs") -> None:
-        check_url(kwargs.get("url"), f"{key}.url")
-        for name in ("timeout_s", "max_outage_s"):
-            value = kwargs.get(name, 1.0)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not (value > 0 or name == "max_outage_s" and value == 0):
-                raise ConfigError(f"{key}.{name}", value, "a number of seconds > 0" + (" (or 0)" if name == "max_outage_s" else ""))
+        check_client_kwargs(kwargs, key)
+        check_jpeg_quality(kwargs.get("jpeg_quality", 95), f"{key}.jpeg_quality")
 
     def __call__(self, images: torch.Tensor, prompts: list[str], metadata: list[dict] | None = None) -> torch.Tensor:
         reply = self.client.post({

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rayflow.errors import ConfigError
+from rayflow.rewards.validation import check_number
 
 _CHUNK = 65536
 
@@ -35,6 +36,15 @@ class Unavailable(RuntimeError):
 def check_url(url: Any, key: str) -> None:
     if not isinstance(url, str) or urllib.parse.urlparse(url).scheme not in ("http", "https"):
         raise ConfigError(key, url, "an http:// or https:// URL")
+
+
+def check_client_kwargs(kwargs: dict, key: str) -> None:
+    """The kwargs a reward passes to its JsonClient: url, timeout_s (one request's deadline), max_outage_s (the
+    retry budget)."""
+    check_url(kwargs.get("url"), f"{key}.url")
+    check_number(kwargs.get("timeout_s", 60.0), f"{key}.timeout_s", "a finite number of seconds > 0", lambda v: v > 0)
+    check_number(kwargs.get("max_outage_s", 0.0), f"{key}.max_outage_s", "a finite number of seconds >= 0 (0: no retries)",
+                 lambda v: v >= 0)
 
 
 def _error_detail(body: bytes) -> str:

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from rayflow.errors import ConfigError
 from rayflow.rewards.registry import RewardOutput, register_reward
 from rayflow.worlds.shapes import BACKGROUND, COLOURS, IMAGE_SIZE, SHAPE_RADIUS, ObjectSpec, Requirements, parse_prompt
 
@@ -166,9 +167,13 @@ class ShapesReward:
     """The score named by `score` (SCORES); metric shapes_accuracy: the strict one, whichever is trained on."""
 
     def __init__(self, score: str = "flow_grpo"):
-        if score not in SCORES:
-            raise TypeError(f"score: got {score!r}; allowed: one of {list(SCORES)}")
+        self.check_kwargs({"score": score})
         self.score = score
+
+    @staticmethod
+    def check_kwargs(kwargs: dict, key: str = "reward.functions[shapes].kwargs") -> None:
+        if kwargs.get("score", "flow_grpo") not in SCORES:
+            raise ConfigError(f"{key}.score", kwargs.get("score"), f"one of {list(SCORES)}")
 
     @staticmethod
     def check_prompt(prompt: str) -> None:

@@ -9,6 +9,7 @@ Unknown or missing kwargs are caught here for every reward from its factory's si
 from __future__ import annotations
 
 import inspect
+import math
 from typing import Any
 
 from rayflow.errors import ConfigError
@@ -25,6 +26,17 @@ def check_reward_kwargs(name: str, kwargs: dict[str, Any], key: str) -> None:
     check = getattr(factory, "check_kwargs", None)
     if check is not None:
         check(kwargs, key)
+
+
+def check_number(value: Any, key: str, allowed: str, ok) -> None:
+    """ConfigError naming `key` unless `value` is a finite int or float (not a bool) for which `ok(value)` holds."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or not ok(value):
+        raise ConfigError(key, value, allowed)
+
+
+def check_jpeg_quality(value: Any, key: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 100:
+        raise ConfigError(key, value, "an integer JPEG quality in [1, 100]")
 
 
 def _parameters(factory) -> str:

@@ -24,8 +24,9 @@ from PIL import Image
 
 from rayflow.errors import ConfigError
 from rayflow.rewards.http import as_float32
-from rayflow.rewards.http_client import JsonClient, check_url
+from rayflow.rewards.http_client import JsonClient, check_client_kwargs
 from rayflow.rewards.registry import register_reward
+from rayflow.rewards.validation import check_number
 
 DEFAULT_TEMPLATES = {
     "number": 'Rate from 0 to 10 how well this image matches the description "{prompt}" and how good it '
@@ -71,7 +72,8 @@ class VlmJudge:
         """url: the server's /v1/chat/completions; model: the served model name; score: "number" or "yes_no";
         template: the question, with {prompt}; max_concurrency: requests in flight per reward call."""
         self.check_kwargs(dict(url=url, model=model, score=score, template=template, max_score=max_score,
-                               max_tokens=max_tokens, max_concurrency=max_concurrency))
+                               max_tokens=max_tokens, max_concurrency=max_concurrency, timeout_s=timeout_s,
+                               max_outage_s=max_outage_s))
         self.client = JsonClient(url, timeout_s=timeout_s, max_outage_s=max_outage_s, name="vlm_judge")
         self.url, self.model, self.score, self.max_score = url, model, score, max_score
         self.template = template or DEFAULT_TEMPLATES[score]
@@ -80,7 +82,7 @@ class VlmJudge:
 
     @staticmethod
     def check_kwargs(kwargs: dict, key: str = "reward.functions[vlm_judge].kwargs") -> None:
-        check_url(kwargs.get("url"), f"{key}.url")
+        check_client_kwargs(kwargs, key)
         if not isinstance(kwargs.get("model"), str) or not kwargs["model"]:
             raise ConfigError(f"{key}.model", kwargs.get("model"), "the served model's name (as in GET /v1/models)")
         if kwargs.get("score", "number") not in DEFAULT_TEMPLATES:
@@ -92,9 +94,7 @@ class VlmJudge:
             value = kwargs.get(name, 1)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{key}.{name}", value, "an integer >= 1")
-        max_score = kwargs.get("max_score", 10.0)
-        if isinstance(max_score, bool) or not isinstance(max_score, (int, float)) or max_score <= 0:
-            raise ConfigError(f"{key}.max_score", max_score, "a number > 0")
+        check_number(kwargs.get("max_score", 10.0), f"{key}.max_score", "a finite number > 0", lambda v: v > 0)
 
     def request(self, image: torch.Tensor, prompt: str) -> dict:
         body = {

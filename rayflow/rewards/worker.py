@@ -5,7 +5,8 @@ then the run stops with a clear message. Rewards are never silently zero. A work
 dies, or that finishes nothing within the watchdog's deadline (a stopped process neither answers nor
 dies), is reported, killed and replaced in its own bundle (reward.max_restarts per
 reward.restart_window_s), and its calls are issued again: a lost worker spends no retry of the
-reward. Once a worker's restarts are used up it is left out of the rotation.
+reward. Once a worker's restarts are used up it is left out of the rotation. A worker whose rewards cannot be built
+(its constructor raised) stops the run at once with that error: a replacement would fail alike.
 """
 
 from __future__ import annotations
@@ -123,8 +124,9 @@ class RewardPool:
         cfg = self.cfg
         # No restarts by Ray: the pool replaces a lost worker itself, so restarts count per window and a
         # stalled worker is handled like a dead one.
-        return self.placed.spawn(index, RewardWorker, cfg.functions, cfg.batch_size, cfg.max_outage_s, max_restarts=0,
-                                 **light_actor_options())
+        threads = max(1, int(cfg.cpus_per_worker))  # the torch threads of CPU-bound rewards (CLIP on CPU): the CPUs reserved
+        return self.placed.spawn(index, RewardWorker, cfg.functions, cfg.batch_size, cfg.max_outage_s, threads,
+                                 max_restarts=0, **light_actor_options())
 
     def _send(self, call: _Call, avoid: int | None = None) -> _Call:
         """Send `call` to the next live worker in round robin, other than `avoid` (the worker it failed or
@@ -201,6 +203,9 @@ class RewardPool:
             try:
                 scored += call.finish(ray.get(call.ref))
             except ray.exceptions.RayActorError as e:  # the worker died, or was killed as stalled
+                if getattr(e, "_actor_init_failed", False):  # its rewards could not be built: every restart would fail alike
+                    raise RewardError(f"reward worker {self.placed.describe(call.worker)} could not build the run's "
+                                      f"rewards; stopping the run. {e.error_msg}") from None
                 self._worker_lost(call, e)
             except Exception as e:  # the reward raised inside the worker (RayTaskError)
                 self._retry(call, e)
