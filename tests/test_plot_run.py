@@ -45,24 +45,29 @@ def test_plot_run_grids_before_and_after(tmp_path):
     import numpy as np
 
     sys.path.insert(0, os.path.join(REPO, "tools"))
-    from plot_run import eval_prompts, read_grids
+    from plot_run import read_grids, row_prompts
 
     run = tmp_path / "run"
     prompts = tmp_path / "eval.txt"
     prompts.write_text("a red circle\ntwo blue squares\n")
     (run).mkdir()
-    (run / "config.yaml").write_text(f"data:\n  eval_prompts: {prompts}\n")
+    (run / "config.yaml").write_text(f"data:\n  eval_prompts: {prompts}\n  eval_seeds: 3\n")
     rng = np.random.default_rng(0)
     grids = {step: rng.integers(0, 256, (2 * 8, 3 * 8, 3), dtype=np.uint8) for step in (0, 20, 40)}
+    restarted = rng.integers(0, 256, (2 * 8, 3 * 8, 3), dtype=np.uint8)
     writer = SummaryWriter(str(run / "tensorboard"))
-    for step in (20, 0, 40):
-        writer.add_image("eval/images", grids[step], step, dataformats="HWC")
+    # A run whose first try died after its step-0 grid, started again from the start: step 0 is logged twice.
+    for step, grid in ((0, restarted), (20, grids[20]), (0, grids[0]), (40, grids[40])):
+        writer.add_image("eval/images", grid, step, dataformats="HWC")
         writer.add_scalar("eval/shapes_accuracy", step / 100, step)
     writer.close()
     read = read_grids(str(run / "tensorboard"))
-    assert [s for s, _ in read] == [0, 20, 40]
+    assert [s for s, _ in read] == [0, 20, 40]  # the last grid logged at each step (sorting them compared arrays)
     assert all(np.array_equal(image, grids[s]) for s, image in read)
-    assert eval_prompts(str(run)) == ["a red circle", "two blue squares"]
+    assert row_prompts(str(run)) == ["a red circle", "two blue squares"]  # a row per prompt: its 3 seeds
+    (run / "config.yaml").write_text(f"data:\n  eval_prompts: {prompts}\n  eval_seeds: 1\n")
+    assert row_prompts(str(run)) is None  # one seed: four images to a row, rows are not prompts
+    (run / "config.yaml").write_text(f"data:\n  eval_prompts: {prompts}\n  eval_seeds: 3\n")
     done = subprocess.run([sys.executable, "tools/plot_run.py", str(run), "--out", str(tmp_path / "fig.png"),
                            "--grids", str(tmp_path / "grids.png")], cwd=REPO, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr

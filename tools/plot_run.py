@@ -44,12 +44,15 @@ def read_grids(events_dir: str, tag: str = "eval/images") -> list[tuple[int, "nu
     acc.Reload()
     if tag not in acc.Tags()["images"]:
         return []
-    return sorted((e.step, numpy.asarray(Image.open(io.BytesIO(e.encoded_image_string)).convert("RGB")))
-                  for e in acc.Images(tag))
+    # A step logged twice (a run restarted from the start keeps its first try's step-0 grid): the last one logged.
+    latest = {e.step: e for e in acc.Images(tag)}
+    return [(step, numpy.asarray(Image.open(io.BytesIO(latest[step].encoded_image_string)).convert("RGB")))
+            for step in sorted(latest)]
 
 
-def eval_prompts(run_dir: str) -> list[str] | None:
-    """The evaluation prompts of the run's config.yaml, or None when it has none (or is absent)."""
+def row_prompts(run_dir: str) -> list[str] | None:
+    """The evaluation prompts of the run's config.yaml when its grids have one row per prompt (data.eval_seeds > 1:
+    a row is a prompt's seeds; with one seed the grid runs four images to a row), else None."""
     from omegaconf import OmegaConf
 
     from rayflow.data.prompts import load_prompts
@@ -57,8 +60,11 @@ def eval_prompts(run_dir: str) -> list[str] | None:
     path = os.path.join(run_dir, "config.yaml")
     if not os.path.isfile(path):
         return None
-    prompts = OmegaConf.load(path).data.get("eval_prompts")
-    return load_prompts(prompts) if prompts and os.path.isfile(prompts) else None
+    data = OmegaConf.load(path).data
+    prompts = data.get("eval_prompts")
+    if data.get("eval_seeds", 1) <= 1 or not prompts or not os.path.isfile(prompts):
+        return None
+    return load_prompts(prompts)
 
 
 def plot_grids(before: tuple[int, "numpy.ndarray"], after: tuple[int, "numpy.ndarray"], out: str, title: str,
@@ -135,7 +141,7 @@ def main(argv: list[str] | None = None) -> None:
         if len(grids) < 2:
             sys.exit(f"error: --grids: {events} holds {len(grids)} eval/images grid(s); two evaluations are needed "
                      "(trainer.eval_at_start and trainer.eval_every)")
-        plot_grids(grids[0], grids[-1], args.grids, title, eval_prompts(args.run_dir))
+        plot_grids(grids[0], grids[-1], args.grids, title, row_prompts(args.run_dir))
         print(f"wrote {args.grids}")
 
 
