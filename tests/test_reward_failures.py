@@ -88,6 +88,9 @@ def test_deadline_covers_the_whole_reply_not_each_read():
         with pytest.raises(RuntimeError, match=r"no reply within timeout_s=0.5s"):
             client.post({})
         assert time.monotonic() - start < 1.5
+        # Its reading thread ends with the next byte past the deadline: it lived as long as the server trickled.
+        time.sleep(0.5)
+        assert not [t for t in threading.enumerate() if t.name == "rayflow-http-request"]
     finally:
         stop.set()
         httpd.shutdown()

@@ -122,7 +122,10 @@ class JsonClient:
         try:
             with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
                 chunks = []
-                while chunk := response.read(_CHUNK):
+                # read1 returns what has arrived (read(n) waits for n bytes, so a trickle kept this thread and its
+                # connection alive long after the caller gave up); with the deadline checked after each piece, the
+                # thread ends within timeout_s of it.
+                while chunk := response.read1(_CHUNK):
                     chunks.append(chunk)
                     if time.monotonic() > deadline:
                         raise Unavailable(f"no reply within timeout_s={self.timeout_s}s")
