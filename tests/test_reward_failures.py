@@ -11,7 +11,7 @@ import torch
 
 from rayflow.config import RewardFnConfig, from_dict
 from rayflow.errors import ConfigError
-from rayflow.rewards import make_reward, register_reward
+from rayflow.rewards import RewardOutput, make_reward, register_reward
 from rayflow.rewards.http_client import JsonClient
 from rayflow.rewards.weighted import WeightedReward
 from reward_server import RewardServer
@@ -31,6 +31,18 @@ def test_non_finite_score_raises_with_the_reward_name():
     with RewardServer(lambda i, body: (200, {"rewards": [0.1, float("inf")]})) as server:
         with pytest.raises(RuntimeError, match=r"value 1 \(inf\) is outside float32 range"):
             make_reward("http", url=server.url)(IMAGES, ["a", "b"])
+
+
+@pytest.mark.parametrize("metric", ["color", "mean", "std", "color/normalized"])
+def test_a_metric_that_would_be_logged_over_the_rewards_own_scalars_is_refused(metric):
+    # reward/mean, reward/std and reward/<component>/normalized are the trainer's: a metric of that name overwrote them.
+    @register_reward(f"test_metric_{metric}")
+    def _reporting():
+        return lambda images, prompts, metadata=None: RewardOutput(torch.zeros(len(prompts)), {metric: torch.ones(len(prompts))})
+
+    reward = WeightedReward([RewardFnConfig("color"), RewardFnConfig(f"test_metric_{metric}")])
+    with pytest.raises(ValueError, match=rf"reward metrics \['{metric}'\] would be logged over the reward's own scalars"):
+        reward(IMAGES, ["a red x", "a red y"])
 
 
 def test_huge_integer_from_a_server_is_a_clear_error():

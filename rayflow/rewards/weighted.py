@@ -43,9 +43,11 @@ class WeightedReward:
                     metrics[metric] = _checked(f"{name}'s metric {metric}", values, prompts)
                 out = out.scores
             parts[name] = _checked(name, out, prompts)
-        clash = sorted(set(parts) & set(metrics))
+        # Each is logged as reward/<name>, beside reward/mean, reward/std and reward/<component>/normalized.
+        clash = sorted(m for m in metrics if m in parts or m in ("mean", "std") or m.endswith("/normalized"))
         if clash:
-            raise ValueError(f"reward metrics {clash} have the names of reward components; rename the metrics")
+            raise ValueError(f"reward metrics {clash} would be logged over the reward's own scalars (a component's name, "
+                             f"'mean', 'std', or a name ending in '/normalized'); rename the metrics")
         total = torch.zeros(len(prompts), dtype=torch.float32)
         for name, weight, _ in self.components:
             total += weight * parts[name]
