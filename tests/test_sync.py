@@ -59,13 +59,18 @@ def test_buckets_split_by_size_and_dtype_and_round_trip():
     assert checksum(flipped) != checksum(tensors["a"])
 
 
-def test_receive_buffers_are_a_ring_over_versions():
+def test_receive_buffers_are_a_ring_that_never_reuses_a_slot_in_use():
     ring = ReceiveBuffers(slots=3)
     cpu = torch.device("cpu")
-    first = [ring.get(v, 0, 8, torch.float32, cpu) for v in (5, 6, 7)]
-    assert len({b.data_ptr() for b in first}) == 3  # three versions in flight never share memory
-    assert ring.get(8, 0, 8, torch.float32, cpu) is first[0]  # version 8 reuses version 5's slot
-    assert ring.get(8, 1, 8, torch.float32, cpu) is not first[0]  # per bucket
+    slots = [ring.claim(v, in_use=set(range(5, v))) for v in (5, 6, 7)]  # each one still staged as the next comes
+    first = [ring.get(s, 0, 8, torch.float32, cpu) for s in slots]
+    assert len({b.data_ptr() for b in first}) == 3  # three versions in use never share memory
+    assert ring.get(ring.claim(8, in_use={6, 7}), 0, 8, torch.float32, cpu) is first[0]  # 8 reuses 5's, no longer used
+    assert ring.get(slots[0], 1, 8, torch.float32, cpu) is not first[0]  # per bucket
+    # Versions need not follow each other: 5 staged, 6 and 7 lost, the next group generation gets 8 (8 % 3 == 5 % 3).
+    ring = ReceiveBuffers(slots=3)
+    four, five = ring.claim(4, in_use=set()), ring.claim(5, in_use={4})
+    assert ring.claim(8, in_use={4, 5}) not in (four, five)
 
 
 # -- on Ray ----------------------------------------------------------------------------------------

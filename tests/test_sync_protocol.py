@@ -338,6 +338,44 @@ def test_receive_verifies_checksums_stages_and_skips_a_version_it_applied():
     assert receiver.newest() == 1
 
 
+def received(receiver: WeightReceiver, version: int) -> None:
+    manifest = make_manifest(version, weights(version))
+    receiver.receive(ReplayGroup(pack_all(manifest, weights(version), SPEC.bucket_bytes, CPU).buffers), manifest,
+                     SPEC.bucket_bytes)
+
+
+def test_a_staged_version_is_never_overwritten_by_a_later_one_received_after_lost_broadcasts():
+    """5 staged; 6 and 7 lost with a receiver of another replica; the next group generation gets only the newest, 8.
+    Received into slot version % 3, 8 overwrote 5's tensors, and a replica whose other rank had not staged 8 yet agreed
+    on 5 and loaded 8's bytes as version 5."""
+    receiver, held = receiver_with()
+    for version in (1, 2, 3, 4):
+        received(receiver, version)
+    receiver.agree([4], apply=True)
+    received(receiver, 5)
+    received(receiver, 8)
+    assert receiver.agree([8, 5], apply=True) == 5 and flat(held) == flat(weights(5))
+    assert receiver.agree([8], apply=True) == 8 and flat(held) == flat(weights(8))
+
+
+def test_a_reception_waits_while_every_slot_holds_a_version_still_read():
+    """Two staged versions and one being applied fill the three slots: the next reception waits for the apply."""
+    receiver, held = receiver_with()
+    received(receiver, 1)
+    received(receiver, 2)
+    tensors = receiver.staged.take(1)  # the sampling thread is applying 1
+    received(receiver, 3)  # 2 and 3 staged, 1 being read: every slot in use
+    arrived = threading.Event()
+    thread = threading.Thread(target=lambda: (received(receiver, 4), arrived.set()))
+    thread.start()
+    assert not arrived.wait(0.3)
+    assert flat(tensors) == flat(weights(1))  # untouched while it is read
+    receiver.staged.applied()
+    assert arrived.wait(10)
+    thread.join()
+    assert receiver.agree([4], apply=True) == 4 and flat(held) == flat(weights(4))
+
+
 def test_sampling_under_other_weights_restores_the_applied_ones():
     receiver, held = receiver_with(1.0)
     with receiver.sampling_under(weights(7)):

@@ -20,32 +20,42 @@ def send(group, packed: Packed) -> None:
         group.broadcast(buffer, src=SOURCE_RANK)
 
 
-def receive(group, manifest: Manifest, bucket_bytes: int, buffers: "ReceiveBuffers") -> dict[str, torch.Tensor]:
-    """Join the source's broadcast of `manifest`; the received tensors, views of `buffers`' slot for
-    this version, on group.device."""
+def receive(group, manifest: Manifest, bucket_bytes: int, buffers: "ReceiveBuffers", slot: int) -> dict[str, torch.Tensor]:
+    """Join the source's broadcast of `manifest`; the received tensors, views of `buffers`' `slot`, on group.device."""
     out: dict[str, torch.Tensor] = {}
     for i, bucket in enumerate(plan_buckets(manifest, bucket_bytes)):
         numel = sum(manifest.specs[k].numel for k in bucket)
-        buffer = buffers.get(manifest.version, i, numel, manifest.specs[bucket[0]].dtype, group.device)
+        buffer = buffers.get(slot, i, numel, manifest.specs[bucket[0]].dtype, group.device)
         group.broadcast(buffer, src=SOURCE_RANK)
         out.update(unpack(manifest, bucket, buffer))
     return out
 
 
 class ReceiveBuffers:
-    """A ring of `slots` buffers per bucket: version v is received into slot v % slots, so after the
-    first pushes receiving allocates nothing (fresh pages for every push cost more than the copy
-    itself on a CPU) and at most `slots` versions' memory exists.
+    """A ring of `slots` buffers per bucket that versions are received into, so after the first pushes receiving
+    allocates nothing (fresh pages for every push cost more than the copy itself on a CPU) and at most `slots`
+    versions' memory exists.
 
-    Safe when a receiver keeps at most slots − 1 versions staged (rayflow.sync.receiver.StagedWeights
-    keeps two): the slot written is always one no version still staged, or being applied, lives in."""
+    `claim` gives each version a slot that no version still in use (staged, or being applied) was received into.
+    Versions need not come one after another (after lost receivers a new group generation gets only the newest), so
+    the slot is not `version % slots`: that overwrote a staged version with a later one that shared its remainder."""
 
     def __init__(self, slots: int = 3):
         self.slots = slots
         self._buffers: dict[tuple, torch.Tensor] = {}
+        self._slot_of: dict[int, int] = {}
+        """version -> the slot it was received into, for the versions in use at the last claim and the one claimed."""
 
-    def get(self, version: int, bucket: int, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        key = (version % self.slots, bucket, numel, dtype, str(device))
+    def claim(self, version: int, in_use: set[int]) -> int:
+        """A slot for `version` that none of the versions `in_use` lives in (fewer than `slots` of them)."""
+        taken = {self._slot_of[v] for v in in_use if v in self._slot_of}
+        slot = next(s for s in range(self.slots) if s not in taken)
+        self._slot_of = {v: s for v, s in self._slot_of.items() if v in in_use}
+        self._slot_of[version] = slot
+        return slot
+
+    def get(self, slot: int, bucket: int, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        key = (slot, bucket, numel, dtype, str(device))
         if key not in self._buffers:
             self._buffers[key] = torch.empty(numel, dtype=dtype, device=device)
         return self._buffers[key]

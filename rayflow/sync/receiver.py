@@ -31,7 +31,8 @@ from rayflow.sync.broadcast import ReceiveBuffers, receive, verify_checksums
 from rayflow.sync.buckets import Manifest
 
 KEEP_STAGED = 2
-"""Versions a rank keeps staged (see StagedWeights.put); ReceiveBuffers needs one slot more."""
+"""Versions a rank keeps staged (see StagedWeights.put); ReceiveBuffers has one slot more, for the version being
+applied (a reception waits while all three are in use: an apply is a copy, shorter than a broadcast)."""
 
 VOID_VERSION = -1
 """A rank's version after a rewind past the weights it holds: older than any version the learners push."""
@@ -59,8 +60,19 @@ class StagedWeights:
 
     def __init__(self) -> None:
         self._staging = threading.Condition()
-        """Guards the versions; notified when one is staged."""
+        """Guards the versions; notified when one is staged, dropped or applied."""
         self._by_version: dict[int, dict[str, torch.Tensor]] = {}
+        self._applying: int | None = None
+        """The version taken and being loaded into the synced tensors: its tensors are still read."""
+
+    def in_use_below(self, limit: int) -> set[int]:
+        """The versions whose tensors are still read (staged, or being applied), once there are fewer than `limit`."""
+        def in_use() -> set[int]:
+            return set(self._by_version) | ({self._applying} if self._applying is not None else set())
+
+        with self._staging:
+            self._staging.wait_for(lambda: len(in_use()) < limit)
+            return in_use()
 
     def put(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
         """Stage `version`, keeping only it and the newest one before it (an idle replica does not pile up every
@@ -85,9 +97,10 @@ class StagedWeights:
         """Forget every staged version newer than `version` (voided by a rewind of the learners)."""
         with self._staging:
             self._by_version = {v: t for v, t in self._by_version.items() if v <= version}
+            self._staging.notify_all()
 
     def take(self, version: int) -> dict[str, torch.Tensor]:
-        """Remove and return `version`, dropping every older one."""
+        """Remove and return `version`, dropping every older one; it is being applied until `applied()`."""
         with self._staging:
             if version not in self._by_version:
                 raise KeyError(
@@ -96,7 +109,15 @@ class StagedWeights:
                 )
             tensors = self._by_version.pop(version)
             self._by_version = {v: t for v, t in self._by_version.items() if v > version}
+            self._applying = version
+            self._staging.notify_all()
             return tensors
+
+    def applied(self) -> None:
+        """The version `take` returned is in the synced tensors: its tensors are no longer read."""
+        with self._staging:
+            self._applying = None
+            self._staging.notify_all()
 
 
 class WeightReceiver:
@@ -116,7 +137,8 @@ class WeightReceiver:
 
         The whole broadcast is received before anything is checked: a rank that left early would leave the
         source and every other rank waiting in the collective."""
-        tensors = receive(group, manifest, bucket_bytes, self.buffers)
+        slot = self.buffers.claim(manifest.version, self.staged.in_use_below(self.buffers.slots))
+        tensors = receive(group, manifest, bucket_bytes, self.buffers, slot)
         verify_checksums(manifest, tensors, where=self.where)
         if manifest.version <= self.version:
             return  # sent again to a new group generation (after a receiver died); applied here already
@@ -153,7 +175,11 @@ class WeightReceiver:
         synced tensors if `apply` and newer than the applied one. Returns the applied version."""
         agreed = min(newest_per_rank)
         if apply and agreed > self.version:
-            load_weights(self.synced(), self.staged.take(agreed))
+            tensors = self.staged.take(agreed)
+            try:
+                load_weights(self.synced(), tensors)
+            finally:
+                self.staged.applied()
             self.version = agreed
         return self.version
 
