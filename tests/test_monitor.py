@@ -58,6 +58,24 @@ def test_a_resumed_run_replaces_the_steps_it_trains_again(tmp_path):
     logged = [(e.step, e.value) for e in events(tmp_path).Scalars("reward/mean")]
     assert logged == [(1, 1.0), (2, 2.0), (3, 3.0), (4, 40.0), (5, 50.0), (6, 60.0)]
 
+
+def test_a_run_that_starts_over_replaces_its_first_tries_steps(tmp_path):
+    # The first try evaluated at step 0 and logged steps 1..3, then died before its first checkpoint; the same command
+    # starts over at step 0 in the same directory. Its steps showed twice, the step-0 evaluation too.
+    first = Monitor(str(tmp_path), LoggingConfig(**QUIET), total_steps=6)
+    first.log(0, {"eval/reward_mean": 0.5}, advance=False)
+    for step in (1, 2, 3):
+        first.log(step, {"reward/mean": float(step)})
+    first.close()
+    again = Monitor(str(tmp_path), LoggingConfig(**QUIET), total_steps=6, start_step=0)
+    again.log(0, {"eval/reward_mean": 0.25}, advance=False)
+    for step in (1, 2):
+        again.log(step, {"reward/mean": 10.0 * step})
+    again.close()
+    assert [(e.step, e.value) for e in events(tmp_path).Scalars("reward/mean")] == [(1, 10.0), (2, 20.0)]
+    assert [(e.step, e.value) for e in events(tmp_path).Scalars("eval/reward_mean")] == [(0, 0.25)]
+
+
 def test_log_every_writes_only_every_nth_step(tmp_path):
     monitor = Monitor(str(tmp_path), LoggingConfig(log_every=3, **QUIET), total_steps=8)
     for step in range(8):

@@ -167,6 +167,7 @@ class Trainer:
                     self._finish(step, clock, queued=bool(training))
                 except LearnerError as e:  # a rank died in the step, or in the save, evaluation or push after it
                     training.clear()  # a step queued behind it trains again after the rewind
+                    self.learner_watchdog.forget("learners")  # its clock starts with the next step, not the restart
                     self._restart_learners(e)
             elif training and self.learner_watchdog.overdue():
                 self._learner_stalled(training[0].refs)
@@ -420,18 +421,21 @@ class Trainer:
             self.sync.rewind(version, self.rollout.replicas)
         self._push_weights()
         self.sync.wait(self.version, timeout_s=self.sync.deadline_s)
-        self.queue = self._new_queue(accepted=version * self.cfg.algorithm.batch_size)
+        self.queue = self._new_queue(accepted=version * self.cfg.algorithm.batch_size, totals=self.queue.stats)
         for gid in data.get("pending_groups", []):  # under the version's weights
             group = self.sampler.group(gid)
             self.queue.submitted(group)
             self._submit([group])
 
-    def _new_queue(self, accepted: int) -> StalenessQueue:
-        """An empty queue whose admission counts `accepted` samples trained on so far."""
+    def _new_queue(self, accepted: int, totals: QueueStats | None = None) -> StalenessQueue:
+        """An empty queue whose admission counts `accepted` samples trained on so far, and whose counts of regenerated
+        and dropped groups go on from `totals` (the queue a rewind replaces: they are logged as the run's totals)."""
         cfg = self.cfg
         queue = StalenessQueue(cfg.algorithm.batch_size, cfg.algorithm.group_size, cfg.async_.max_staleness,
                                cfg.async_.over_stale)
         queue.accepted = accepted
+        if totals is not None:
+            queue.stats.regenerated, queue.stats.dropped = totals.regenerated, totals.dropped
         return queue
 
     def _restart_learners(self, died: LearnerError) -> None:

@@ -86,8 +86,9 @@ class Monitor:
             from torch.utils.tensorboard import SummaryWriter
 
             # A resumed run trains again the steps after its checkpoint that the stopped run had logged:
-            # TensorBoard drops those (step > start_step) instead of showing them twice.
-            self.writer = SummaryWriter(logdir, purge_step=start_step + 1 if start_step else None)
+            # TensorBoard drops those (step > start_step) instead of showing them twice. A run that starts over
+            # (its first try died before a checkpoint) drops all of the first try's, its step-0 evaluation too.
+            self.writer = SummaryWriter(logdir, purge_step=start_step + 1 if start_step else 0)
         self.logdir = logdir
         self.wandb = None
         if cfg.wandb:
