@@ -202,10 +202,13 @@ def test_wandb_offline_logs_every_scalar_under_the_run_dir(tmp_path, monkeypatch
                       wandb_run={"name": "run-a", "dir": str(tmp_path / "run-a"), "config": {"algorithm": {"name": "flow_grpo"}}})
     for step in range(1, 4):
         monitor.log(step, {"reward/mean": 0.125 * step, "loss/policy": -0.5})
+    # A rewind to step 1 trains step 2 again: W&B's own step must grow, and dropped it ("less than the current step").
+    monitor.rewind(1)
+    monitor.log(2, {"reward/mean": 0.8125, "loss/policy": -0.5})
     monitor.close()
     (run_dir,) = glob.glob(str(tmp_path / "run-a" / "wandb" / "offline-run-*-run-a"))
     (records,) = glob.glob(os.path.join(run_dir, "run-run-a.wandb"))
-    expected = (b"reward/mean", b"loss/policy", b"0.375", b"flow_grpo")
+    expected = (b"reward/mean", b"loss/policy", b"0.375", b"flow_grpo", b"trainer/step", b"0.8125")
     # wandb.finish() can return before wandb-core's writer has flushed the records (seen under CPU load: the file
     # held its 7-byte header, and all of them 3 s later), so wait for them, up to a deadline.
     deadline = time.monotonic() + 30

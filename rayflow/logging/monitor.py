@@ -74,6 +74,10 @@ def image_grid(images: list[torch.Tensor], columns: int = 4) -> torch.Tensor:
     return grid
 
 
+WANDB_STEP = "trainer/step"
+"""The x-axis of every W&B chart: the optimizer step the scalars belong to."""
+
+
 class Monitor:
     """Writes one step's figures everywhere they are watched."""
 
@@ -100,6 +104,10 @@ class Monitor:
             # The run's name is its id, so a resumed run continues the same W&B run.
             self.wandb = wandb.init(project=cfg.wandb_project, entity=cfg.wandb_entity, id=run.get("name"),
                                     resume="allow", **run)
+            # Logged against the run's own step, not W&B's: W&B's must grow, so it dropped every step trained again
+            # after a rewind or a resume (their values are kept beside the abandoned ones; TensorBoard purges those).
+            self.wandb.define_metric(WANDB_STEP)
+            self.wandb.define_metric("*", step_metric=WANDB_STEP)
         self.gauges, self.counters, self._counted = {}, {}, {}
         if cfg.ray_metrics:
             from ray.util.metrics import Counter, Gauge
@@ -125,7 +133,7 @@ class Monitor:
                 for tag, value in scalars.items():
                     self.writer.add_scalar(tag, value, step)
             if self.wandb is not None:
-                self.wandb.log(scalars, step=step)
+                self.wandb.log({**scalars, WANDB_STEP: step})
         for tag, gauge in self.gauges.items():
             if tag in scalars:
                 gauge.set(scalars[tag])
@@ -162,7 +170,7 @@ class Monitor:
         if self.wandb is not None:
             import wandb
 
-            self.wandb.log({tag: wandb.Image(grid.numpy())}, step=step)
+            self.wandb.log({tag: wandb.Image(grid.numpy()), WANDB_STEP: step})
 
     def close(self) -> None:
         if self.writer is not None:
