@@ -143,6 +143,24 @@ def test_settle_returns_only_once_the_broadcast_in_flight_has_ended():
     source.close()
 
 
+def test_a_push_between_settle_and_join_is_broadcast_to_the_new_generation():
+    """connect() settles, then the ranks and the source join a new generation. An asynchronous learner's push in
+    between went to the old group, whose ranks were busy joining the new one: the source's join waited behind that
+    broadcast until the ranks' join timed out, and the sync failed."""
+    source, old_group, old_receivers = source_with(["ok"])
+    source.push(to_wire(1, weights(1)))
+    source.wait(1, timeout_s=10)
+    source.settle()
+    source.push(to_wire(2, weights(2)))
+    time.sleep(0.2)
+    assert old_receivers.staged == [[1]] and sent_values(old_group) == flat(weights(1))  # held
+    new_group, new_receivers = FakeGroup(), FakeReceivers(["ok", "ok"])
+    source.join(lambda: new_group, new_receivers)
+    assert source.wait(2, timeout_s=10).version == 2
+    assert new_receivers.staged == [[2], [2]] and sent_values(new_group) == flat(weights(2))
+    source.close()
+
+
 @pytest.mark.parametrize("second", [3, 2])
 def test_a_push_not_newer_than_the_last_stops_the_sync_naming_the_version(second):
     source, group, receivers = source_with(["ok"])

@@ -141,6 +141,9 @@ class WeightSource:
         self._done = threading.Condition()
         self._lock = threading.Lock()
         """Held by a broadcast, and by `join`: a new generation waits for the broadcast in flight."""
+        self._joined = threading.Condition(self._lock)
+        self._held = False
+        """Set by `settle`, cleared by `join`: the next broadcast waits for the new generation."""
         self._fold_lock = threading.Lock()
         """One fold at a time: a push and an evaluation's `slot_tensors` share the folder's LoRA slot."""
         self._thread = threading.Thread(target=self._broadcast_loop, daemon=True, name="weight-sync")
@@ -158,14 +161,19 @@ class WeightSource:
             self.group = open_group()
             self.receivers = receivers
             self.lost = {}
+            self._held = False
+            self._joined.notify_all()
             if self.latest is not None and self.latest[0] not in self.reports:
                 self._pending.put((self.latest[1], 0.0))
 
     def settle(self) -> None:
         """Return once no broadcast is in flight (spec.broadcast_deadline_s at most): receivers asked to join a new
-        generation then find its store listening, instead of timing out while the source finishes an old broadcast."""
+        generation then find its store listening, instead of timing out while the source finishes an old broadcast.
+        The next broadcast then waits for `join` (spec.broadcast_deadline_s at most): a push landing between the two
+        went to the old group, whose ranks were leaving it for the new one, and the join waited behind it until the
+        ranks' own join timed out, which failed the sync."""
         with self._lock:
-            pass
+            self._held = True
 
     def current(self) -> tuple[int, dict[str, torch.Tensor]] | None:
         """The newest (version, tensors) pushed, as broadcast (merged in merged mode): for late joiners."""
@@ -281,6 +289,7 @@ class WeightSource:
         start = time.perf_counter()
         manifest = packed.manifest
         with self._lock:
+            self._joined.wait_for(lambda: not self._held, timeout=self.spec.broadcast_deadline_s)
             if manifest.version in self.reports:  # queued twice around a new generation: delivered already
                 return self.reports[manifest.version]
             if self.lost:  # this generation lost a receiver: wait for the next one
