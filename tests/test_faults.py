@@ -18,7 +18,7 @@ from rayflow.driver.trainer import Trainer
 from rayflow.learner.worker import LearnerError, LearnerGroup
 from rayflow.sync.source import WeightSyncError
 from rayflow.sync.buckets import to_wire
-from tiny_run import GRPO, small_cfg, wait_until_dead
+from tiny_run import GRPO, slow_learners, small_cfg, wait_until_dead
 
 STEPS = 4
 SYNCHRONOUS = ("trainer.eval_every=0", "logging.progress_bar=false", "async.max_staleness=0", "trainer.save_every=2",
@@ -122,8 +122,10 @@ def test_a_killed_weight_sync_actor_or_learner_rank_is_replaced_in_an_asynchrono
             1: lambda: [trainer.sync.actor],
             4: lambda: [trainer.sync.actor],
         })
-        # The learner rank dies once step 3 or 4 trains with the next batch queued behind it (rewinding to step 2's
+        # The learner rank dies once step 3 trains with the next batch queued behind it (rewinding to step 2's
         # checkpoint, with rollouts in flight); the queued step had restarted the learners' clock as the step failed.
+        # A learner slower than rollout has the batch complete in time (steps 2 and 4 checkpoint: none queues behind).
+        slow_learners(trainer, 1.0)
         train, restart_learners, clocks_after_rewind, totals_after_rewind = trainer._train, trainer._restart_learners, [], []
 
         def train_then_kill(batch, version):

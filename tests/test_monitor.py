@@ -51,12 +51,32 @@ def test_a_resumed_run_replaces_the_steps_it_trains_again(tmp_path):
     for step in range(1, 6):  # the stopped run logged steps 1..5; its last checkpoint is step 3
         first.log(step, {"reward/mean": float(step)})
     first.close()
+    next_second()
     resumed = Monitor(str(tmp_path), LoggingConfig(**QUIET), total_steps=6, start_step=3)
     for step in range(4, 7):
         resumed.log(step, {"reward/mean": 10.0 * step})
     resumed.close()
     logged = [(e.step, e.value) for e in events(tmp_path).Scalars("reward/mean")]
     assert logged == [(1, 1.0), (2, 2.0), (3, 3.0), (4, 40.0), (5, 50.0), (6, 60.0)]
+
+
+def next_second() -> None:
+    """Sleep into the next second: a later process's event file is named with a later time (within one second
+    TensorBoard orders the files by a per-process counter compared as text, which a test process's many writers
+    carry past a digit: "10" sorts before "9")."""
+    time.sleep(1.01 - time.time() % 1)
+
+
+def test_a_rewind_replaces_the_steps_trained_again_in_the_same_file(tmp_path):
+    monitor = Monitor(str(tmp_path), LoggingConfig(**QUIET), total_steps=6)
+    for step in (1, 2, 3):
+        monitor.log(step, {"reward/mean": float(step)})
+    monitor.rewind(1)  # learners restarted from step 1's checkpoint: steps 2 and 3 are trained again
+    for step in (2, 3, 4):
+        monitor.log(step, {"reward/mean": 10.0 * step})
+    monitor.close()
+    assert len(os.listdir(tmp_path)) == 1
+    assert [(e.step, e.value) for e in events(tmp_path).Scalars("reward/mean")] == [(1, 1.0), (2, 20.0), (3, 30.0), (4, 40.0)]
 
 
 def test_a_run_that_starts_over_replaces_its_first_tries_steps(tmp_path):
@@ -67,6 +87,7 @@ def test_a_run_that_starts_over_replaces_its_first_tries_steps(tmp_path):
     for step in (1, 2, 3):
         first.log(step, {"reward/mean": float(step)})
     first.close()
+    next_second()
     again = Monitor(str(tmp_path), LoggingConfig(**QUIET), total_steps=6, start_step=0)
     again.log(0, {"eval/reward_mean": 0.25}, advance=False)
     for step in (1, 2):

@@ -12,7 +12,7 @@ from rayflow import reference
 from rayflow.checkpoint import checkpoint_root, load_checkpoint, step_dir
 from rayflow.driver.trainer import Trainer
 from rayflow.paths import recipe as recipe_path
-from tiny_run import GRPO, NFT, final_adapters, small_cfg, wait_until_dead
+from tiny_run import GRPO, NFT, final_adapters, slow_learners, small_cfg, wait_until_dead
 
 STEPS = 3
 
@@ -147,21 +147,6 @@ def test_every_roles_placement_is_asked_for_before_any_is_waited_for_and_none_ou
     trainer.shutdown()
     assert live_at_first_wait == [names]
     assert live_placement_groups() == before
-
-
-def slow_learners(trainer: Trainer, seconds: float) -> None:
-    """Every learner rank sleeps `seconds` before each train step (so rollout outpaces training)."""
-    import ray
-
-    def slow_down(worker, seconds):  # defined here: Ray ships it by value to the learner processes
-        train_step = worker.backend.train_step
-
-        def slowed(batch):
-            time.sleep(seconds)
-            return train_step(batch)
-        worker.backend.train_step = slowed
-
-    ray.get([w.__ray_call__.remote(slow_down, seconds) for w in trainer.learners.workers])
 
 
 def test_asynchronous_run_stays_within_the_bound_and_queues_the_next_batch_except_before_eval_and_checkpoints(

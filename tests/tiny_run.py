@@ -45,3 +45,18 @@ def wait_until_dead(actor, timeout_s: float = 30.0) -> None:
             pass
         time.sleep(0.1)
     raise AssertionError("the killed actor still answers")
+
+
+def slow_learners(trainer, seconds: float) -> None:
+    """Every learner rank sleeps `seconds` before each train step (so rollout outpaces training)."""
+    import ray
+
+    def slow_down(worker, seconds):  # defined here: Ray ships it by value to the learner processes
+        train_step = worker.backend.train_step
+
+        def slowed(batch):
+            time.sleep(seconds)
+            return train_step(batch)
+        worker.backend.train_step = slowed
+
+    ray.get([w.__ray_call__.remote(slow_down, seconds) for w in trainer.learners.workers])

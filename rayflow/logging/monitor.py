@@ -155,10 +155,11 @@ class Monitor:
         """The run went back to `step` (learners restarted from a checkpoint) and logs the later steps again:
         TensorBoard drops the ones it holds, as for a resumed run; the progress bar goes back."""
         if self.writer is not None:
-            from torch.utils.tensorboard import SummaryWriter
+            from tensorboard.compat.proto.event_pb2 import Event, SessionLog
 
-            self.writer.close()
-            self.writer = SummaryWriter(self.logdir, purge_step=step + 1)
+            # What purge_step writes, in the same file: a new writer's file could sort before this one (TensorBoard
+            # orders a directory's files by name: the same second's files by a counter compared as text, "10" < "9").
+            self.writer._get_file_writer().add_event(Event(step=step + 1, session_log=SessionLog(status=SessionLog.START)))
         if self.bar is not None:
             self.bar.n = step
             self.bar.refresh()
