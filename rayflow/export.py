@@ -44,6 +44,7 @@ def export_transformer(path: str, out: str, weights: str | None = None) -> str:
     `<Pipeline>.from_pretrained(BASE, transformer=...)` samples with. Built from the checkpoint alone (the
     transformer class and config its identity records), in the dtype it was trained in. Returns `out`."""
     import diffusers
+    import torch
 
     from rayflow.learner import sharded
 
@@ -55,10 +56,10 @@ def export_transformer(path: str, out: str, weights: str | None = None) -> str:
         raise ValueError(f"weights {weights!r}: {path} holds {meta['adapters']}")
     model = meta["identity"]["model"]
     tensors = sharded.read_weights(os.path.join(path, SHARDED_DIR), weights)
-    transformer = getattr(diffusers, model["transformer"]).from_config(model["transformer_config"])
-    dtype = next(iter(tensors.values())).dtype
-    if dtype != transformer.dtype:  # diffusers warns on any .to(dtype), even a no-op one
-        transformer.to(dtype)
-    transformer.load_state_dict(tensors)  # strict: every parameter, none left out
+    # Built on the meta device and given the checkpoint's tensors (assign): no float32 copy of the model first,
+    # which for a 20B transformer would take 80 GB of host memory beside the weights.
+    with torch.device("meta"):
+        transformer = getattr(diffusers, model["transformer"]).from_config(model["transformer_config"])
+    transformer.load_state_dict(tensors, assign=True)  # strict: every parameter, none left out
     transformer.save_pretrained(out)
     return out
