@@ -79,6 +79,27 @@ def test_synchronous_run_equals_the_reference_trainer_and_resumes_exactly(ray_se
     assert all(torch.equal(again[n][k], v) for n in distributed for k, v in distributed[n].items())
 
 
+def test_a_resumed_run_goes_on_from_its_checkpoints_regenerated_and_dropped_totals(ray_session, tiny_model_dir, tmp_path):
+    """rollout/regenerated and rollout/dropped are the run's totals: the checkpoint keeps them (a resumed run counted
+    from 0)."""
+    cfg = small_cfg(GRPO, tiny_model_dir, tmp_path / "run", "trainer.total_steps=1", "trainer.save_every=1",
+                    "trainer.eval_every=0", "logging.progress_bar=false", "async.max_staleness=1")
+    first = Trainer(cfg)
+    try:
+        first.queue.stats.regenerated, first.queue.stats.dropped = 5, 2  # as if groups had gone stale
+        first.run()
+    finally:
+        first.shutdown()
+    cfg.trainer.total_steps = 2
+    resumed = Trainer(cfg)
+    try:
+        assert resumed.version == 1 and (resumed.queue.stats.regenerated, resumed.queue.stats.dropped) == (5, 2)
+        (step_2,) = resumed.run()
+        assert step_2["rollout/regenerated"] >= 5 and step_2["rollout/dropped"] >= 2
+    finally:
+        resumed.shutdown()
+
+
 @pytest.mark.parametrize("family", ["sd3", "flux"])
 def test_each_family_trains_synchronously_equal_to_the_reference_trainer(ray_session, tiny_twin, tmp_path, family):
     """SD3 (two-branch CFG replayed) and FLUX.1 (embedded guidance replayed) through the whole distributed

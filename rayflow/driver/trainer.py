@@ -391,6 +391,8 @@ class Trainer:
         ckpt = self.learners.checkpoint(self.version, data)
         ckpt.base_model = base_model_record(self.cfg.model)
         ckpt.counters["consecutive_skipped"] = self.skips.in_a_row
+        ckpt.counters["regenerated_groups"] = self.queue.stats.regenerated  # the run's totals, as logged
+        ckpt.counters["dropped_groups"] = self.queue.stats.dropped
         path = save_checkpoint(checkpoint_root(self.cfg.trainer.run_dir), ckpt, self.cfg.trainer.keep_checkpoints)
         log.info("saved %s", path)
 
@@ -421,7 +423,11 @@ class Trainer:
             self.sync.rewind(version, self.rollout.replicas)
         self._push_weights()
         self.sync.wait(self.version, timeout_s=self.sync.deadline_s)
-        self.queue = self._new_queue(accepted=version * self.cfg.algorithm.batch_size, totals=self.queue.stats)
+        # A rewind goes on from this process's totals (groups regenerated since the checkpoint were regenerated); a
+        # resumed run from the checkpoint's.
+        totals = self.queue.stats if rewind else QueueStats(regenerated=counters.get("regenerated_groups", 0),
+                                                             dropped=counters.get("dropped_groups", 0))
+        self.queue = self._new_queue(accepted=version * self.cfg.algorithm.batch_size, totals=totals)
         for gid in data.get("pending_groups", []):  # under the version's weights
             group = self.sampler.group(gid)
             self.queue.submitted(group)
