@@ -347,4 +347,3 @@ def _dead_rank(refs: list[ray.ObjectRef], pending: list[ray.ObjectRef]) -> tuple
         except ray.exceptions.RayError:
             pass
     return None
-

@@ -19,6 +19,7 @@ import torch
 
 from rayflow.errors import ConfigError
 from rayflow.rewards.registry import register_reward
+from rayflow.rewards.validation import check_number
 
 _QUOTED = re.compile(r'"([^"]*)"')
 
@@ -76,8 +77,7 @@ class OcrReward:
         use_cuda, confidence = kwargs.get("use_cuda"), kwargs.get("min_confidence", 0.5)
         if use_cuda is not None and not isinstance(use_cuda, bool):
             raise ConfigError(f"{key}.use_cuda", use_cuda, "null (where present), true or false")
-        if isinstance(confidence, bool) or not isinstance(confidence, (int, float)) or not 0 <= confidence < 1:
-            raise ConfigError(f"{key}.min_confidence", confidence, "a float in [0, 1)")
+        check_number(confidence, f"{key}.min_confidence", "a float in [0, 1)", lambda v: 0 <= v < 1)
 
     @staticmethod
     def check_prompt(prompt: str) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import inspect
 import math
+from collections.abc import Callable
 from typing import Any
 
 from rayflow.errors import ConfigError
@@ -28,7 +29,7 @@ def check_reward_kwargs(name: str, kwargs: dict[str, Any], key: str) -> None:
         check(kwargs, key)
 
 
-def check_number(value: Any, key: str, allowed: str, ok) -> None:
+def check_number(value: Any, key: str, allowed: str, ok: Callable[[float], bool]) -> None:
     """ConfigError naming `key` unless `value` is a finite int or float (not a bool) for which `ok(value)` holds."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or not ok(value):
         raise ConfigError(key, value, allowed)
