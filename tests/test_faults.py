@@ -3,7 +3,6 @@ run before another step, naming its cause; a killed weight-sync actor or learner
 last; with one actor of each kind killed, a synchronous run stays equal, step for step, to the single-process
 reference trainer."""
 
-import re
 import time
 from types import SimpleNamespace
 from typing import Callable
@@ -131,7 +130,7 @@ def test_a_killed_weight_sync_actor_or_learner_rank_is_replaced_in_an_asynchrono
         def train_then_kill(batch, version):
             step = train(batch, version)
             queued_behind = version > trainer.version  # trained at a version the step in flight has not reached yet
-            if queued_behind and trainer.version in (2, 3) and not clocks_after_rewind:
+            if queued_behind and trainer.version == 2 and not clocks_after_rewind:
                 ray.kill(trainer.learners.workers[0])
                 wait_until_dead(trainer.learners.workers[0])
             return step
@@ -148,7 +147,7 @@ def test_a_killed_weight_sync_actor_or_learner_rank_is_replaced_in_an_asynchrono
                                                   r"\(sync.max_restarts=1 per sync.restart_window_s=0"):
             trainer.run()
         assert trainer.sync.restarts == 1 and trainer.learners.restarts == 1
-        assert re.search(r"rewound to step 2; steps 3\.\.[23] are trained again", caplog.text)
+        assert "rewound to step 2; steps 3..2 are trained again" in caplog.text  # step 3 failed before it finished
         # No learner clock runs through the restart: the step queued behind the failed one had started it, and the
         # restart's seconds counted against the next step's deadline (and inflated the measured service times).
         assert clocks_after_rewind == [{}]
