@@ -461,7 +461,9 @@ class Trainer:
         self._restore(path, rewind=True)
         del self.history[self.version - self.first_version:]
         self.monitor.rewind(self.version)
-        log.warning("rewound to step %d; steps %d..%d are trained again", self.version, self.version + 1, lost)
+        redone = ("no finished step is lost" if lost == self.version else f"step {lost} is trained again"
+                  if lost == self.version + 1 else f"steps {self.version + 1}..{lost} are trained again")
+        log.warning("rewound to step %d (%s); training goes on from step %d", self.version, redone, self.version + 1)
 
     def _drop_in_flight(self) -> None:
         """Drop the rollouts and reward calls in flight (after they finish: replicas and workers serve in order): they
