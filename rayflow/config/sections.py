@@ -250,11 +250,12 @@ ALGORITHMS = ("flow_grpo", "diffusion_nft")
 
 
 READ_BY_ONE_ALGORITHM = {
-    "clip_range": "flow_grpo", "kl_type": "flow_grpo",
-    "nft_beta": "diffusion_nft", "ema_flat": "diffusion_nft", "ema_uprate": "diffusion_nft", "ema_uphold": "diffusion_nft",
+    "clip_range": "flow_grpo", "kl_type": "flow_grpo", "ratio_norm": "flow_grpo",
+    "nft_beta": "diffusion_nft", "adv_mode": "diffusion_nft",
+    "ema_flat": "diffusion_nft", "ema_uprate": "diffusion_nft", "ema_uphold": "diffusion_nft",
 }
-"""Keys the other algorithm never reads, beside those with checks of their own (adv_mode, ratio_norm, nft_timesteps,
-timestep_fraction): a value other than the default there would be a setting that silently does nothing."""
+"""Keys the other algorithm never reads, beside those with checks of their own (nft_timesteps, timestep_fraction): a
+value other than the default there would be a setting that silently does nothing."""
 
 
 @dataclass
@@ -318,15 +319,9 @@ class AlgorithmConfig:
         _need(self.adv_clip_max > 0, f"{prefix}.adv_clip_max", self.adv_clip_max, "a float > 0")
         _need(self.stat_tracking in STAT_TRACKING, f"{prefix}.stat_tracking", self.stat_tracking, f"one of {list(STAT_TRACKING)}")
         _need(self.adv_mode in ADV_MODES, f"{prefix}.adv_mode", self.adv_mode, f"one of {list(ADV_MODES)}")
-        _need(
-            self.adv_mode == "all" or self.name == "diffusion_nft", f"{prefix}.adv_mode", self.adv_mode,
-            "'all' for algorithm.name=flow_grpo (adv_mode is DiffusionNFT's)",
-        )
         _need(self.clip_range > 0, f"{prefix}.clip_range", self.clip_range, "a float > 0")
         _need(self.kl_beta >= 0, f"{prefix}.kl_beta", self.kl_beta, "a float >= 0")
         _need(self.kl_type in ("flow_grpo", "transition"), f"{prefix}.kl_type", self.kl_type, "'flow_grpo' or 'transition'")
-        _need(not self.ratio_norm or self.name == "flow_grpo", f"{prefix}.ratio_norm", self.ratio_norm,
-              "false for algorithm.name=diffusion_nft (GRPO-Guard normalises FlowGRPO's importance ratio; NFT has none)")
         _need(self.nft_beta > 0, f"{prefix}.nft_beta", self.nft_beta, "a float > 0")
         defaults = AlgorithmConfig()
         for key, reader in READ_BY_ONE_ALGORITHM.items():
