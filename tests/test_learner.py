@@ -377,11 +377,17 @@ def test_nft_old_adapter_is_updated_once_per_batch_with_eta_after_the_batchs_ste
             torch.testing.assert_close(value, eta * old_before[name] + (1 - eta) * default[name], rtol=0, atol=1e-7)
 
 
-def test_eval_ema_follows_flow_grpos_ema_module_wrapper_rule(tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("blends", [1, 2])
+def test_eval_ema_follows_flow_grpos_ema_module_wrapper_rule(tiny_model_dir, tmp_path, blends):
+    """blends=2: flow_grpo with train.gradient_accumulation_steps=2 calls ema.step after each of a step's two
+    micro-batches, with the same global_step and weights (trainer.ema_blends)."""
     from rayflow.learner.optim import update_eval_ema
 
-    cfg = small_cfg(GRPO, tiny_model_dir, tmp_path, "trainer.ema_decay=0.2", "trainer.ema_every=2")
-    model = load_policy_model(LearnerSpec.from_config(cfg), CPU)
+    cfg = small_cfg(GRPO, tiny_model_dir, tmp_path, "trainer.ema_decay=0.2", "trainer.ema_every=2",
+                    f"trainer.ema_blends={blends}")
+    spec = LearnerSpec.from_config(cfg)
+    assert spec.ema_blends == blends
+    model = load_policy_model(spec, CPU)
     assert lora.adapter_names(model.transformer) == ["default", "ema"]
     expected = adapter_state(model.transformer, lora.EVAL_EMA_ADAPTER)
     assert all(torch.equal(v, adapter_state(model.transformer, "default")[k]) for k, v in expected.items())  # starts as a copy
@@ -389,10 +395,11 @@ def test_eval_ema_follows_flow_grpos_ema_module_wrapper_rule(tiny_model_dir, tmp
     for n in range(1, 6):  # flow_grpo: ema.step(params, global_step) after global_step += 1
         default = {k: torch.randn(v.shape, generator=g) for k, v in expected.items()}
         load_adapter_state(model.transformer, "default", default)
-        update_eval_ema(model.transformer, cfg.trainer.ema_decay, cfg.trainer.ema_every, n)
+        update_eval_ema(model.transformer, cfg.trainer.ema_decay, cfg.trainer.ema_every, n, spec.ema_blends)
         if (n + 1) % 2 == 0:  # its update_step_interval rule
             d = min((1 + n) / (10 + n), 0.2)  # its get_current_decay
-            expected = {k: v + (1 - d) * (default[k] - v) for k, v in expected.items()}
+            for _ in range(blends):
+                expected = {k: v + (1 - d) * (default[k] - v) for k, v in expected.items()}
         got = adapter_state(model.transformer, lora.EVAL_EMA_ADAPTER)
         for k, v in expected.items():
             torch.testing.assert_close(got[k], v, rtol=0, atol=1e-6)

@@ -553,6 +553,9 @@ class TrainerConfig:
     with decay min((1 + n)/(10 + n), ema_decay) at step n, evaluated and exported by default; 0: none (both: 0.9)."""
     ema_every: int = 1
     """Update the EMA after every this many optimizer steps (update_step_interval: flow_grpo's 8, DiffusionNFT's 1)."""
+    ema_blends: int = 1
+    """Times each EMA update blends (a decay of d^blends): flow_grpo calls its train.ema once per micro-batch, so
+    train.gradient_accumulation_steps times per optimizer step (2 in its geneval_sd3 recipe); DiffusionNFT's 1."""
     memory_check: bool = True
     """On GPU clusters, refuse at start a config whose memory plan (tools/plan.py) exceeds one GPU."""
     gpu_memory_gib: float | None = None
@@ -587,6 +590,9 @@ class TrainerConfig:
               "null (no limit) or seconds > 0")
         _need(0 <= self.ema_decay < 1, f"{prefix}.ema_decay", self.ema_decay, "a float in [0, 1) (0: no EMA)")
         _need(self.ema_every >= 1, f"{prefix}.ema_every", self.ema_every, "an integer >= 1")
+        _need(self.ema_blends >= 1, f"{prefix}.ema_blends", self.ema_blends, "an integer >= 1")
+        _need(self.ema_blends == 1 or self.ema_decay > 0, f"{prefix}.ema_blends", self.ema_blends,
+              "1 unless trainer.ema_decay > 0 (there is no EMA to blend)")
         _need(self.gpu_memory_gib is None or self.gpu_memory_gib > 0, f"{prefix}.gpu_memory_gib", self.gpu_memory_gib,
               "null or a float > 0")
 

@@ -103,7 +103,8 @@ def train_batch(spec: LearnerSpec, model: DiffusionModel, optimizer: torch.optim
         reshard(model.transformer)
         results.append(optimizer_step(model.transformer, optimizer, spec.learner))
         if spec.ema_decay > 0:
-            update_eval_ema(model.transformer, spec.ema_decay, spec.ema_every, version * len(steps) + i + 1)
+            update_eval_ema(model.transformer, spec.ema_decay, spec.ema_every, version * len(steps) + i + 1,
+                            spec.ema_blends)
         for name, value in step_metrics.items():
             metrics[name] += value / len(steps)
     eta = 0.0

@@ -71,12 +71,15 @@ def update_rollout_ema(transformer: nn.Module, algo: AlgorithmConfig, optimizer_
     return eta
 
 
-def update_eval_ema(transformer: nn.Module, decay: float, every: int, optimizer_steps: int) -> None:
+def update_eval_ema(transformer: nn.Module, decay: float, every: int, optimizer_steps: int, blends: int = 1) -> None:
     """flow_grpo's `ema.step(params, global_step)` after optimizer step number `optimizer_steps` (1-based, skipped
     steps included): "ema" ← d·ema + (1 − d)·default with d = train_ema_decay(n, decay) (trainer.ema_decay), when
-    (n + 1) is a multiple of `every` (trainer.ema_every: its update_step_interval rule)."""
+    (n + 1) is a multiple of `every` (trainer.ema_every: its update_step_interval rule), `blends` times
+    (trainer.ema_blends: flow_grpo calls it once per micro-batch, with the same global_step and weights until the
+    next optimizer step)."""
     if (optimizer_steps + 1) % every == 0:
-        _blend_into(transformer, EVAL_EMA_ADAPTER, train_ema_decay(optimizer_steps, decay))
+        for _ in range(blends):
+            _blend_into(transformer, EVAL_EMA_ADAPTER, train_ema_decay(optimizer_steps, decay))
 
 
 def _blend_into(transformer: nn.Module, shadow: str, decay: float) -> None:

@@ -25,6 +25,8 @@ class LearnerSpec:
     """trainer.ema_decay: the evaluation EMA "ema" of the trained weights (0: none)."""
     ema_every: int
     """trainer.ema_every: update "ema" after every this many optimizer steps."""
+    ema_blends: int
+    """trainer.ema_blends: blends per update of "ema" (flow_grpo's: one per micro-batch)."""
     checkpoint_dir: str
     """The run's checkpoints directory, under which learner.train_mode=full ranks stage their shards."""
     max_staleness: int
@@ -40,6 +42,7 @@ class LearnerSpec:
             seed=config.trainer.seed,
             ema_decay=config.trainer.ema_decay,
             ema_every=config.trainer.ema_every,
+            ema_blends=config.trainer.ema_blends,
             checkpoint_dir=checkpoint_root(config.trainer.run_dir),
             max_staleness=config.async_.max_staleness,
         )
