@@ -148,7 +148,6 @@ def test_user_interpolation_resolves(tmp_path):
         (["trainer.ema_decay=1.0"], "trainer.ema_decay", 1.0, "[0, 1)"),
         (["trainer.ema_every=0"], "trainer.ema_every", 0, ">= 1"),
         (["trainer.ema_decay=0.9", "trainer.ema_blends=0"], "trainer.ema_blends", 0, "an integer >= 1"),
-        (["trainer.ema_blends=2"], "trainer.ema_blends", 2, "1 unless trainer.ema_decay > 0"),
         (["trainer.time_limit_s=0"], "trainer.time_limit_s", 0.0, "seconds > 0"),
         (["reward.functions=[{name: color, weight: 0}]"], "reward.functions[*].weight", [0.0], "at least one weight not 0"),
         (["reward.functions=[{name: nope}]"], "reward.functions[0].name", "nope", "'color'"),

@@ -591,8 +591,6 @@ class TrainerConfig:
         _need(0 <= self.ema_decay < 1, f"{prefix}.ema_decay", self.ema_decay, "a float in [0, 1) (0: no EMA)")
         _need(self.ema_every >= 1, f"{prefix}.ema_every", self.ema_every, "an integer >= 1")
         _need(self.ema_blends >= 1, f"{prefix}.ema_blends", self.ema_blends, "an integer >= 1")
-        _need(self.ema_blends == 1 or self.ema_decay > 0, f"{prefix}.ema_blends", self.ema_blends,
-              "1 unless trainer.ema_decay > 0 (there is no EMA to blend)")
         _need(self.gpu_memory_gib is None or self.gpu_memory_gib > 0, f"{prefix}.gpu_memory_gib", self.gpu_memory_gib,
               "null or a float > 0")
 
