@@ -160,3 +160,39 @@ def test_start_up_check_refuses_on_a_gpu_cluster_before_any_actor(recipe_plan, m
     check_before_start(cfg)
     cfg.trainer.gpu_memory_gib, cfg.trainer.memory_check = None, False
     check_before_start(cfg)
+
+
+@pytest.mark.parametrize("arch", ["sd3", "flux"])
+def test_pooled_families_are_planned_with_the_conditioning_their_pipelines_encode(tiny_twin, arch, tmp_path):
+    """SD3 and FLUX.1 pad every prompt to a fixed length (CLIP's 77 positions + T5's for SD3, T5's for FLUX.1) and
+    carry the pooled embedding as an extra row: the planner's conditioning has the shape encode_prompt returns, and
+    a plan of the family's recipe is made (at start-up on a GPU cluster it is: it raised NotImplementedError)."""
+    path = tiny_twin(arch)
+    model = load_model(path)
+    encoded = model.encode_prompt(["a red circle", "two blue squares on the left of a very long prompt"]).embeds
+    planned = model.planning_conditioning(2, 7).embeds
+    assert planned.shape == encoded.shape and planned.dtype == encoded.dtype
+    cfg = load_config(os.path.join(ROOT, "recipes", f"flowgrpo_{arch}.yaml"), [f"model.path={path}"])
+    plan, source = plan_config(cfg)
+    assert source == path and {role.role for role in plan} >= {"rollout rank", "learner rank"}
+
+
+def test_a_family_without_published_configs_is_not_planned_as_qwen_image(monkeypatch, caplog):
+    """The SD3 8-GPU recipe on a head node without the model: tools/plan.py names why it cannot plan, and the
+    start-up check goes on without a plan instead of sizing Qwen-Image's published configs."""
+    from rayflow.planning import device_check
+    from rayflow.planning.device_check import DeviceFacts, check_before_start
+    from rayflow.planning.sizes import NoPublishedConfigs
+
+    cfg = load_config(os.path.join(ROOT, "recipes", "flowgrpo_sd3_8gpu.yaml"))
+    assert not os.path.exists(cfg.model.path)
+    with pytest.raises(NoPublishedConfigs, match=r"no published configs of 'sd3'.*model\.tiny_arch"):
+        plan_config(cfg)
+    tool = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "plan.py"), "--config",
+                           os.path.join(ROOT, "recipes", "flowgrpo_sd3_8gpu.yaml")],
+                          env=dict(os.environ, PYTHONPATH=ROOT), capture_output=True, text=True, timeout=300)
+    assert tool.returncode == 1 and "no published configs of 'sd3'" in tool.stderr, tool.stderr
+    monkeypatch.setattr(device_check, "start_cluster_probe",
+                        lambda: lambda: DeviceFacts("cuda", "H100", 80 * GiB, True, True))
+    check_before_start(cfg)
+    assert "the memory plan is not checked: model.path /home/ray/models/stable-diffusion-3.5-medium" in caplog.text

@@ -3,7 +3,8 @@
     python tools/plan.py --config recipes/flowgrpo_qwen_image_8gpu.yaml [key=value ...] [--gpu-memory-gib 80]
 
 Exits 1 when a device does not fit (the message names the figure and the config key to change).
-When model.path is not on this machine, the published configs of --arch are planned.
+When model.path is not on this machine, the published configs of --arch (default: the recipe's model.tiny_arch) are
+planned; rayflow holds Qwen-Image's (an SD3 or FLUX.1 recipe is planned where its model is).
 """
 
 import argparse
@@ -19,7 +20,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", default=None, help="a recipe YAML")
     parser.add_argument("overrides", nargs="*", help="key=value overrides")
     parser.add_argument("--gpu-memory-gib", type=float, default=79.6, help="memory of one GPU (H100 80 GB: 79.6 GiB)")
-    parser.add_argument("--arch", default="qwen_image", help="published architecture when model.path is not here")
+    parser.add_argument("--arch", default=None,
+                        help="published architecture when model.path is not here (default: model.tiny_arch)")
     parser.add_argument("--math-attention", action="store_true", help="plan unfused attention (score matrices kept)")
     args = parser.parse_args(argv)
     try:
@@ -27,7 +29,10 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         sys.exit(f"error: {e}")
     device_bytes = int(args.gpu_memory_gib * GiB)
-    plan, source = plan_config(cfg, args.arch, math_attention=args.math_attention)
+    try:
+        plan, source = plan_config(cfg, args.arch, math_attention=args.math_attention)
+    except ValueError as e:  # planning.sizes.NoPublishedConfigs; an --arch rayflow does not know
+        sys.exit(f"error: {e}")
     print(format_plan(plan, device_bytes, source))
     try:
         check_fits(cfg, plan, device_bytes)

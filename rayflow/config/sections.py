@@ -35,7 +35,8 @@ class ModelConfig:
     tiny_seed: int = 0
     """Weight seed of the tiny offline model."""
     tiny_arch: str = "qwen_image"
-    """Family of the tiny offline model when path is null: "qwen_image", "sd3" or "flux"."""
+    """Family of the tiny offline model when path is null: "qwen_image", "sd3" or "flux"; with a path not on the
+    driver's machine, the family the memory planner sizes (from its published configs)."""
     cache_dir: str = "~/.cache/rayflow"
     """Where the tiny offline model is cached."""
     dtype: str = "float32"

@@ -41,6 +41,9 @@ class FluxModel(pooled.PooledTextModel):
         embeds, pooled_embeds, _ = self.pipe.encode_prompt(prompt=prompts, prompt_2=None, device=self.device)
         return pooled.pack(embeds, pooled_embeds)
 
+    def padded_text_tokens(self) -> int:
+        return pooled.t5_tokens(self.pipe)  # CLIP gives only the pooled embedding
+
     def _latent_hw(self, height: int, width: int) -> tuple[int, int]:
         # The pipeline's own rounding: latent grid of the VAE, even for 2x2 packing.
         scale = self.pipe.vae_scale_factor

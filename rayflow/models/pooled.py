@@ -8,6 +8,8 @@ nothing outside the model adapter needs to know about it.
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 
 from rayflow.models.base import DiffusionModel, PromptEmbeds
@@ -27,6 +29,11 @@ def pack(embeds: torch.Tensor, pooled: torch.Tensor) -> PromptEmbeds:
     return PromptEmbeds(torch.cat([row[:, None], embeds], dim=1), None)
 
 
+def t5_tokens(pipe) -> int:
+    """T5 positions every prompt is padded to: the pipeline's encode_prompt default (rayflow passes none)."""
+    return inspect.signature(pipe.encode_prompt).parameters["max_sequence_length"].default
+
+
 def unpack(cond: PromptEmbeds, pooled_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The inverse of `pack`: (sequence [B, L, D], pooled [B, P])."""
     return cond.embeds[:, 1:], cond.embeds[:, 0, :pooled_dim]
@@ -40,6 +47,16 @@ class PooledTextModel(DiffusionModel):
         config = self.transformer.config
         self._pooled_dim = config.pooled_projection_dim
         check_fits(self._pooled_dim, config.joint_attention_dim, self.pipeline_class)
+
+    def padded_text_tokens(self) -> int:
+        """Sequence tokens of every prompt: the pipelines pad to a fixed length, whatever the prompt."""
+        raise NotImplementedError
+
+    def planning_conditioning(self, batch: int, tokens: int) -> PromptEmbeds:
+        # `tokens` is a guess at a prompt's length; these pipelines pad every prompt to padded_text_tokens().
+        dim = self.transformer.config.joint_attention_dim
+        shape = (batch, 1 + self.padded_text_tokens(), dim)  # + the pooled row (pack)
+        return PromptEmbeds(torch.empty(shape, device=self.device, dtype=self.dtype), None)
 
     @classmethod
     def size_multiple(cls) -> int:

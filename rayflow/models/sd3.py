@@ -86,6 +86,9 @@ class SD3Model(pooled.PooledTextModel):
         )
         return pooled.pack(embeds, pooled_embeds)
 
+    def padded_text_tokens(self) -> int:
+        return self.pipe.tokenizer_max_length + pooled.t5_tokens(self.pipe)  # CLIP's 77 positions, then T5's
+
     def _latent_hw(self, height: int, width: int) -> tuple[int, int]:
         return height // self.pipe.vae_scale_factor, width // self.pipe.vae_scale_factor
 

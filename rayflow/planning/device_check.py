@@ -90,10 +90,17 @@ def check_before_start(cfg: RayflowConfig) -> None:
         log.info("no GPU in the cluster (yet): the memory plan is not checked; `python tools/plan.py` shows it")
         return
     from rayflow.planning.memory import GiB, check_fits, format_plan, plan_config
+    from rayflow.planning.sizes import NoPublishedConfigs
 
     # The plan is made while the probe's GPU worker starts: on a fresh H100 machine the probe took 17 s (a new
     # worker importing torch and creating a CUDA context) and the plan 8 s, one after the other before this.
-    planned = plan_config(cfg) if cfg.trainer.memory_check else None
+    planned = None
+    if cfg.trainer.memory_check:
+        try:
+            planned = plan_config(cfg)
+        except NoPublishedConfigs as e:
+            log.warning("the memory plan is not checked: %s (`python tools/plan.py` there; trainer.memory_check=false "
+                        "silences this)", e)
     facts = wait_for_probe()
     check_device(cfg, facts)
     if planned is None:

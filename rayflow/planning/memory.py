@@ -249,9 +249,10 @@ def place(plan: list[RoleMemory]) -> list[Device]:
     return devices
 
 
-def plan_config(cfg: RayflowConfig, arch: str = "qwen_image", math_attention: bool = False
+def plan_config(cfg: RayflowConfig, arch: str | None = None, math_attention: bool = False
                 ) -> tuple[list[RoleMemory], str]:
-    """(per-role memory, where the model's configs came from)."""
+    """(per-role memory, where the model's configs came from). `arch`: the published configs planned when
+    model.path is not on this machine (None: model.tiny_arch; sizes.NoPublishedConfigs when rayflow has none)."""
     with tempfile.TemporaryDirectory() as workdir:
         path, source = model_directory(cfg, arch, workdir)
         sizes = measure_model(cfg, path, required_forwards(cfg), math_attention=math_attention)

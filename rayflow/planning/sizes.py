@@ -48,9 +48,15 @@ class ForwardCost:
     """Kept for backward by one block: the working set a block needs, with gradients or without."""
 
 
-def model_directory(cfg: RayflowConfig, arch: str, workdir: str) -> tuple[str, str]:
+class NoPublishedConfigs(ValueError):
+    """model.path is not on this machine, and rayflow holds no published configs of the family to plan instead."""
+
+
+def model_directory(cfg: RayflowConfig, arch: str | None, workdir: str) -> tuple[str, str]:
     """(a pipeline directory to read configs from, where it came from). model.path when it is on this
-    machine; the tiny model when path is null; else the published configs of `arch`."""
+    machine; the tiny model when path is null; else the published configs of `arch` (None: model.tiny_arch, the
+    recipe's family), or NoPublishedConfigs when rayflow has none of that family."""
+    from rayflow.models.published import PUBLISHED
     from rayflow.models.random_init import write_random_init_dir
     from rayflow.models.tiny import resolve_model_path
 
@@ -59,6 +65,11 @@ def model_directory(cfg: RayflowConfig, arch: str, workdir: str) -> tuple[str, s
         return resolve_model_path(None, cfg.model.cache_dir, cfg.model.tiny_size, cfg.model.tiny_seed, cfg.model.tiny_arch), "tiny offline model"
     if os.path.isfile(os.path.join(path, "model_index.json")):
         return path, path
+    arch = arch or cfg.model.tiny_arch
+    if arch not in PUBLISHED:
+        raise NoPublishedConfigs(
+            f"model.path {path} is not on this machine, and rayflow has no published configs of {arch!r} to "
+            f"plan instead (it has {sorted(PUBLISHED)}; the family is model.tiny_arch): plan where the model is")
     out = write_random_init_dir(arch, os.path.join(workdir, arch), seed=0)
     return out, f"published {arch} configs ({path} is not on this machine)"
 
@@ -134,7 +145,9 @@ def _forward_cost(cfg: RayflowConfig, path: str, batch: int, checkpointing: bool
     measured = []
     for depth in (1, 2):
         transformer = meta_components(path, depth=depth, skip=("text_encoder", "vae"))["transformer"]
-        nn.Module.to(transformer, dtype)  # meta: no copy (diffusers' own .to warns about fp32 modules)
+        # meta: no copy (diffusers' own .to warns about fp32 modules); buffers built at init (SD3's positional
+        # embedding) go to meta with the parameters
+        nn.Module.to(transformer, "meta", dtype)
         model = _meta_model(path, transformer, cfg)
         with parameters_on_meta():
             add_lora(transformer, rank=cfg.learner.lora_rank, alpha=cfg.learner.lora_alpha,
