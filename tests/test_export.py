@@ -15,6 +15,7 @@ from safetensors.torch import load_file
 from rayflow import reference
 from rayflow.checkpoint import latest_checkpoint, load_adapter
 from rayflow.cfg.policy import make_policy
+from rayflow.models.tiny import save_tiny_model
 from rayflow.models.weight_sets import using_weights
 from rayflow.sampling.denoise import generate
 from rayflow.types import RolloutRequest, SamplingParams
@@ -176,6 +177,33 @@ def test_generate_with_lora_samples_under_the_exported_adapter(tiny_model_dir, t
         with pytest.raises(SystemExit) as info:
             generate_main(["--model", tiny_model_dir, "--prompt", PROMPT, "--out", str(png), "--lora", str(bad)])
         assert message in str(info.value.code) + capsys.readouterr().err
+
+
+def test_generate_refuses_a_checkpoint_of_another_model_and_names_bad_input(tiny_model_dir, tiny_twin, trained,
+                                                                             tmp_path, capsys):
+    """A checkpoint names the model it was trained on: another architecture is refused before anything is loaded
+    into it (peft loaded the matching half of a 2-layer checkpoint's adapter into a 4-layer model, with only a
+    warning), other weights of the same architecture warn; bad flags are one line, and before the work."""
+    _, ckpt = trained(GRPO)
+    generate_main, png = load_generate_tool().main, str(tmp_path / "x.png")
+    with pytest.raises(SystemExit) as info:
+        generate_main(["--model", tiny_twin("sd3"), "--prompt", PROMPT, "--out", png, "--lora", ckpt])
+    assert "was trained on another model than --model: pipeline: checkpoint 'QwenImagePipeline', --model " \
+           "'StableDiffusion3Pipeline'" in str(info.value.code)
+    other = save_tiny_model(str(tmp_path / "other-seed"), size="tiny", seed=1)  # same architecture, other weights
+    generate_main(["--model", other, "--prompt", PROMPT, "--out", png, "--lora", ckpt, "--steps", "2"])
+    assert "was trained on other weights of this architecture" in capsys.readouterr().err
+    for argv, message in (
+        (["--steps", "0"], "sampling.num_steps"),
+        (["--cfg-policy", "embedded"], "--cfg-policy: got 'embedded'"),
+        (["--lora", ckpt, "--adapter", "old"], "has no adapter 'old'"),
+        (["--adapter", "ema"], "--adapter ema: needs --lora"),
+        (["--out", str(tmp_path / "missing" / "x.png")], "is in no existing directory"),
+    ):
+        argv = ["--model", tiny_model_dir, "--prompt", PROMPT, "--out", png, *argv]
+        with pytest.raises(SystemExit) as info:
+            generate_main(argv)
+        assert message in str(info.value.code) + capsys.readouterr().err, argv
 
 
 @pytest.mark.parametrize("family, pipeline_cls, policy, scale, pipe_kwargs", [

@@ -18,15 +18,19 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import tempfile
 
 import torch
 from PIL import Image
 
 from rayflow.cfg.policy import POLICIES, CFGPolicy, make_policy
-from rayflow.checkpoint import find_checkpoint, latest_checkpoint
+from rayflow.checkpoint import find_checkpoint, latest_checkpoint, read_meta
 from rayflow.export import export_lora
+from rayflow.learner.model import model_identity
 from rayflow.models import load_model, model_class, pipeline_class_of
+from rayflow.models.base import DiffusionModel
+from rayflow.models.lora import EMA_ADAPTER, EVAL_EMA_ADAPTER, TRAINED_ADAPTER
 from rayflow.sampling.denoise import generate
 from rayflow.types import RolloutRequest, SamplingParams
 
@@ -48,7 +52,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--cfg-policy", default=None, choices=sorted(POLICIES), help="default: the model family's own")
     parser.add_argument("--lora", default=None,
                         help="a LoRA to load first: a diffusers-format LoRA directory, a rayflow checkpoint, or a run's checkpoints directory (its newest)")
-    parser.add_argument("--adapter", default=None, help="with a checkpoint as --lora: which adapter (default; old, DiffusionNFT's EMA; ema, the EMA of trainer.ema_decay). Unset: ema when the checkpoint holds it, else default, as tools/export_lora.py")
+    parser.add_argument("--adapter", default=None, choices=(TRAINED_ADAPTER, EMA_ADAPTER, EVAL_EMA_ADAPTER), help="with a checkpoint as --lora: which adapter (default; old, DiffusionNFT's EMA; ema, the EMA of trainer.ema_decay). Unset: ema when the checkpoint holds it, else default, as tools/export_lora.py")
     parser.add_argument("--out", required=True, help="output image (.png)")
     parser.add_argument("--save-latents", default=None, help="also save the final latents [1, N, C] (torch.save)")
     parser.add_argument("--cfg-parallel-size", type=int, default=1, help="W CFG-parallel ranks on a local Ray (1: in process)")
@@ -59,20 +63,42 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--lora is not supported with --cfg-parallel-size > 1 yet (the ranks sample under their own LoRA slot)")
     if args.lora and not os.path.isdir(args.lora):
         parser.error(f"--lora: {args.lora!r} is not a directory (a diffusers LoRA directory or a rayflow checkpoint)")
+    if args.adapter and not args.lora:
+        parser.error(f"--adapter {args.adapter}: needs --lora (a checkpoint whose adapter to load)")
+    for flag, path in (("--out", args.out), ("--save-latents", args.save_latents)):
+        if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+            parser.error(f"{flag}: {path!r} is in no existing directory")
     return args
 
 
-def diffusers_lora_dir(path: str, adapter: str | None, scratch: str) -> str:
-    """`path` if it is a diffusers-format LoRA; a checkpoint (or a run's checkpoints directory) is exported
-    into `scratch` first. Anything else is refused, naming what was looked for."""
+def diffusers_lora_dir(path: str, adapter: str | None, scratch: str, model: DiffusionModel) -> str:
+    """`path` if it is a diffusers-format LoRA; a checkpoint (or a run's checkpoints directory) is checked against
+    `model` (check_trained_on) and exported into `scratch` first. Anything else is refused, naming what was
+    looked for."""
     if os.path.isfile(os.path.join(path, LORA_WEIGHTS)):
         return path
     if os.path.isfile(os.path.join(path, "meta.json")) or latest_checkpoint(path) is not None:
+        checkpoint = find_checkpoint(path)
+        check_trained_on(checkpoint, model)
         try:
-            return export_lora(find_checkpoint(path), scratch, adapter)
-        except ValueError as e:  # e.g. a full fine-tuning checkpoint, which has no LoRA
+            return export_lora(checkpoint, scratch, adapter)
+        except (ValueError, FileNotFoundError) as e:  # a full fine-tuning checkpoint (no LoRA), an adapter it lacks
             raise SystemExit(f"error: --lora: {e}") from None
     raise SystemExit(f"error: --lora: {path!r} holds neither a diffusers LoRA ({LORA_WEIGHTS}) nor a rayflow checkpoint (meta.json)")
+
+
+def check_trained_on(checkpoint: str, model: DiffusionModel) -> None:
+    """A checkpoint trained on another architecture is refused, naming every difference (peft would load what
+    matches and drop the rest with a warning); one trained on other weights of the same architecture is loaded
+    with a warning (a LoRA moved onto another base is sometimes meant)."""
+    saved, current = read_meta(checkpoint)["identity"]["model"], model_identity(model)
+    differences = [key for key in ("pipeline", "transformer", "transformer_config") if saved.get(key) != current[key]]
+    if differences:
+        detail = "; ".join(f"{key}: checkpoint {saved.get(key)!r}, --model {current[key]!r}" for key in differences)
+        raise SystemExit(f"error: --lora: {checkpoint} was trained on another model than --model: {detail}")
+    if saved.get("weights_fingerprint") != current["weights_fingerprint"]:
+        print(f"warning: --lora: {checkpoint} was trained on other weights of this architecture (fingerprint "
+              f"{saved.get('weights_fingerprint')}, --model's {current['weights_fingerprint']})", file=sys.stderr)
 
 
 def generate_on_ray(model_path: str, request: RolloutRequest, policy: CFGPolicy, world_size: int):
@@ -97,6 +123,13 @@ def generate_on_ray(model_path: str, request: RolloutRequest, policy: CFGPolicy,
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    try:
+        sample(args)
+    except (ValueError, FileNotFoundError, NotADirectoryError) as e:  # a setting or a file to fix: one line
+        raise SystemExit(f"error: {e}") from None
+
+
+def sample(args: argparse.Namespace) -> None:
     params = SamplingParams(
         height=args.height,
         width=args.width,
@@ -108,14 +141,18 @@ def main(argv: list[str] | None = None) -> None:
     )
     params.validate()
     request = RolloutRequest("generate", [args.prompt], [0], [0], [args.seed], params)
-    policy = make_policy(args.cfg_policy or model_class(pipeline_class_of(args.model)).default_cfg_policy)
+    family = model_class(pipeline_class_of(args.model))
+    policy = make_policy(args.cfg_policy or family.default_cfg_policy)
+    if policy.name == "embedded" and family.default_cfg_policy != "embedded":
+        raise ValueError(f"--cfg-policy: got 'embedded'; allowed: another policy for {family.pipeline_class} (its "
+                         f"transformer has no guidance input; 'embedded' is FLUX.1-dev's)")
     if args.cfg_parallel_size > 1:
         (trajectory,) = generate_on_ray(args.model, request, policy, args.cfg_parallel_size)
     else:
         model = load_model(args.model)
         with tempfile.TemporaryDirectory() as scratch:
             if args.lora:
-                model.load_lora(diffusers_lora_dir(args.lora, args.adapter, scratch))
+                model.load_lora(diffusers_lora_dir(args.lora, args.adapter, scratch, model))
         (trajectory,) = generate(model, request, policy)
     Image.fromarray(trajectory.image.numpy()).save(args.out)
     if args.save_latents:

@@ -78,18 +78,24 @@ def base_weights_fingerprint(transformer: torch.nn.Module) -> str:
     return h.hexdigest()[:16]
 
 
+def model_identity(model: DiffusionModel) -> dict:
+    """The base model a checkpoint was trained on (its identity's "model"): pipeline and transformer classes, the
+    transformer's config and a fingerprint of its weights. Call before LoRA or sharding."""
+    config = {k: v for k, v in dict(model.transformer.config).items() if not k.startswith("_")}
+    return {
+        "pipeline": model.pipeline_class,
+        "transformer": type(model.transformer).__name__,
+        "transformer_config": json.loads(json.dumps(config, default=list)),
+        "weights_fingerprint": base_weights_fingerprint(model.transformer),
+    }
+
+
 def policy_identity(spec: LearnerSpec, model: DiffusionModel) -> dict:
     """What a checkpoint must match, as JSON-ready data: base model, LoRA config (or "train_mode": "full"),
     algorithm. A LoRA identity has no train_mode key, as before full fine-tuning, so older checkpoints resume.
     Call before sharding."""
-    config = {k: v for k, v in dict(model.transformer.config).items() if not k.startswith("_")}
     return {
-        "model": {
-            "pipeline": model.pipeline_class,
-            "transformer": type(model.transformer).__name__,
-            "transformer_config": json.loads(json.dumps(config, default=list)),
-            "weights_fingerprint": base_weights_fingerprint(model.transformer),
-        },
+        "model": model_identity(model),
         **({"train_mode": "full"} if spec.learner.train_mode == "full" else {"lora": {
             "rank": spec.learner.lora_rank,
             "alpha": spec.learner.lora_alpha,
