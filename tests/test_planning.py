@@ -196,3 +196,20 @@ def test_a_family_without_published_configs_is_not_planned_as_qwen_image(monkeyp
                         lambda: lambda: DeviceFacts("cuda", "H100", 80 * GiB, True, True))
     check_before_start(cfg)
     assert "the memory plan is not checked: model.path /home/ray/models/stable-diffusion-3.5-medium" in caplog.text
+
+
+def test_plan_inputs_and_the_receive_ring_name_what_to_change(tmp_path):
+    """The receive ring of disaggregated full fine-tuning (three folded transformers on every rollout rank) is named
+    with placement.mode, not model.dtype (the model is bf16 already); a path that is not a pipeline is not "not on
+    this machine"; --gpu-memory-gib is a positive number."""
+    recipe = os.path.join(ROOT, "recipes", "flowgrpo_qwen_image_8gpu_full.yaml")
+    cfg = load_config(recipe, ["placement.mode=disaggregated", "sync.mode=merged",
+                               "learner.offload_optimizer_during_rollout=false"])
+    plan, _ = plan_config(cfg)
+    with pytest.raises(ConfigError, match=r"^placement\.mode: got 'disaggregated'.*receive ring \(3 versions\) alone"):
+        check_fits(cfg, plan, int(79.6 * GiB))
+    with pytest.raises(ValueError, match=r"^model\.path: got .*no model_index\.json"):
+        plan_config(load_config(RECIPE_8GPU, [f"model.path={tmp_path}"]))
+    tool = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "plan.py"), "--gpu-memory-gib", "nan"],
+                          env=dict(os.environ, PYTHONPATH=ROOT), capture_output=True, text=True, timeout=120)
+    assert tool.returncode == 2 and "--gpu-memory-gib: got nan; allowed: a number of GiB > 0" in tool.stderr

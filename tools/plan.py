@@ -28,6 +28,8 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(args.config, args.overrides)
     except ConfigError as e:
         sys.exit(f"error: {e}")
+    if not 0 < args.gpu_memory_gib < float("inf"):
+        parser.error(f"--gpu-memory-gib: got {args.gpu_memory_gib}; allowed: a number of GiB > 0")
     device_bytes = int(args.gpu_memory_gib * GiB)
     try:
         plan, source = plan_config(cfg, args.arch, math_attention=args.math_attention)

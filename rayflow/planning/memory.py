@@ -111,6 +111,8 @@ def rollout_rank(cfg: RayflowConfig, sizes: ModelSizes) -> RoleMemory:
     role.phases = {"prompt encoding (text encoder forward)": encode, "denoising (transformer forward)": denoise,
                    "VAE decode": decode}
     role.knobs = {"transformer weights": "model.dtype", "text encoder weights": "model.dtype",
+                  "weight-sync receive ring (3 versions)": "placement.mode (colocated ranks receive no versions; or "
+                                                           "learner.train_mode=lora, whose versions are the adapter)",
                   "denoising (transformer forward)": "rollout.micro_batch_size",
                   "prompt encoding (text encoder forward)": "rollout.micro_batch_size",
                   "VAE decode": "sampling.decode_batch_size (or rollout.micro_batch_size)"}

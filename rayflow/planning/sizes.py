@@ -65,6 +65,8 @@ def model_directory(cfg: RayflowConfig, arch: str | None, workdir: str) -> tuple
         return resolve_model_path(None, cfg.model.cache_dir, cfg.model.tiny_size, cfg.model.tiny_seed, cfg.model.tiny_arch), "tiny offline model"
     if os.path.isfile(os.path.join(path, "model_index.json")):
         return path, path
+    if os.path.exists(path):
+        raise ValueError(f"model.path: got {path!r}; allowed: a diffusers pipeline directory (it has no model_index.json)")
     arch = arch or cfg.model.tiny_arch
     if arch not in PUBLISHED:
         raise NoPublishedConfigs(
