@@ -44,6 +44,9 @@ def read_costs(path: str) -> tuple[Costs, CostBasis | None]:
             raise SimulationInputError(
                 f"--costs {path!r}: basis: {e}; allowed keys: batch_size, micro_batch_size, learner_ranks, gpus_per_replica"
             ) from None
+        for key, value in basis.__dict__.items():
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise SimulationInputError(f"--costs {path!r}: basis.{key}: got {value!r}; allowed: an integer >= 1")
     known = {"benchmark", "basis", "note", "setup"}
     return Costs.from_dict({k: v for k, v in data.items() if k not in known}, source=f"--costs {path!r}"), basis
 
@@ -67,7 +70,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gpus", type=int, nargs="+", default=None, help="size clusters of these GPU counts instead")
     parser.add_argument("--steps", type=int, default=60, help="versions simulated (the first 5 are left out)")
     parser.add_argument("--top", type=int, default=3, help="splits shown per GPU count and staleness")
-    args = parser.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    # key=value overrides anywhere: after `--staleness 0 1` argparse would hand them to --staleness
+    is_override = [("=" in a and not a.startswith("-")) for a in argv]
+    args = parser.parse_args([a for a, o in zip(argv, is_override) if not o])
+    args.overrides = [a for a, o in zip(argv, is_override) if o]
+    if args.top < 1:
+        parser.error(f"--top: got {args.top}; allowed: an integer >= 1")
     try:
         cfg = load_config(args.config, args.overrides)
         costs, basis = read_costs(args.costs)

@@ -159,6 +159,8 @@ class _Simulation:
         self.reward_turn = 0
         self.training = False
         self.version_times: list[float] = []
+        self.busy_at_versions: list[tuple[float, float, int]] = []
+        """At each version's time: (rollout busy s, learner busy s, staleness entries) so far."""
         self.staleness: list[int] = []
         self.regenerated = 0
         self.broadcasts: list[tuple[float, int]] = []
@@ -273,6 +275,7 @@ class _Simulation:
     def _pushed(self) -> None:
         self.version += 1
         self.version_times.append(self.now)
+        self.busy_at_versions.append((self.rollout_busy_s, self.learner_busy_s, len(self.staleness)))
         self.training = False
         heapq.heappush(self.broadcasts, (self.now + self.c.broadcast_s, self.version))
         self._try_train()
@@ -298,13 +301,16 @@ def simulate(costs: Costs, shape: Shape, steps: int = 40, warmup: int = 5) -> Pr
         raise SimulationInputError(f"the model stopped after {len(times)} of {steps} versions: the shape cannot form a batch")
     deltas = [b - a for a, b in zip(times[warmup - 1 : -1], times[warmup:])]
     step_s = sum(deltas) / len(deltas)
-    total = times[-1]
+    # Every figure over the same window: from version `warmup` to the last.
+    (rollout_0, learner_0, batches_0), (rollout_1, learner_1, _) = sim.busy_at_versions[warmup - 1], sim.busy_at_versions[-1]
+    window = times[-1] - times[warmup - 1]
+    staleness = sim.staleness[batches_0:]
     return Prediction(
         step_s=step_s,
         images_per_s=shape.batch_size / step_s,
-        rollout_idle=1 - sim.rollout_busy_s / total,
-        learner_idle=1 - sim.learner_busy_s / total,
-        staleness_mean=sum(sim.staleness) / len(sim.staleness),
+        rollout_idle=max(0.0, 1 - (rollout_1 - rollout_0) / window),  # busy work can straddle the window's start
+        learner_idle=max(0.0, 1 - (learner_1 - learner_0) / window),
+        staleness_mean=sum(staleness) / len(staleness),
         regenerated=sim.regenerated,
     )
 
