@@ -11,6 +11,7 @@ import sys
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from rayflow.config import load_config
 from rayflow.data.prompts import load_prompts
 from rayflow.driver.trainer import Trainer
 from rayflow.paths import recipe
@@ -49,6 +50,7 @@ def test_a_checkpoint_re_evaluated_at_the_runs_seeds_gives_the_runs_logged_eval_
 
     run_cfg, checkpoint = run_config(cfg.trainer.run_dir, [], base=False)
     assert checkpoint.endswith("step_00000002")
+    assert run_config(os.path.join(cfg.trainer.run_dir, "checkpoints"), [])[1] == checkpoint  # as export_lora takes it
     trained = evaluate(run_cfg, checkpoint, seeds=2)
     prompts = load_prompts(cfg.data.prompts)[:4]  # no data.eval_prompts: the first 4 training prompts, as the run's
     assert (trained["step"], trained["adapter"], trained["images"]) == (2, "ema", len(prompts) * 2)
@@ -58,7 +60,8 @@ def test_a_checkpoint_re_evaluated_at_the_runs_seeds_gives_the_runs_logged_eval_
     # The weights matter: the trained ones ("default") evaluate otherwise than their EMA.
     assert evaluate(run_cfg, checkpoint, seeds=2, adapter="default")["metrics"] != trained["metrics"]
 
-    done = evaluate_cli(cfg.trainer.run_dir, "--seeds", "3", "--json", str(tmp_path / "report.json"))
+    done = evaluate_cli(cfg.trainer.run_dir, "--seeds", "3", "--json", str(tmp_path / "report.json"),
+                        "logging.progress_bar=false")  # an override after the options, as plan.py takes them
     assert done.returncode == 0, done.stderr
     report = json.loads((tmp_path / "report.json").read_text())
     assert (report["seeds"], report["images"]) == (3, len(prompts) * 3)
@@ -72,14 +75,24 @@ def test_a_checkpoint_re_evaluated_at_the_runs_seeds_gives_the_runs_logged_eval_
 @pytest.mark.parametrize("args, message", [
     (["no/such/run"], "'no/such/run': no such run directory, checkpoint directory or recipe YAML"),
     ([os.path.join(REPO, "README.md")], "README.md': a run directory, a checkpoint directory or a recipe YAML was expected"),
-    ([os.path.join(REPO, "tests")], "tests': no config.yaml in it or two levels up"),
+    ([os.path.join(REPO, "tests")], "tests': no config.yaml in it or one or two levels up"),
+    ([recipe("diffusion_nft_qwen_image.yaml"), "--threads", "-1"], "--threads: got -1; allowed: an integer >= 1"),
+    ([recipe("diffusion_nft_qwen_image.yaml"), "--json", "no/such/dir/r.json"], "--json: 'no/such/dir/r.json' is in no"),
     ([recipe("diffusion_nft_qwen_image.yaml"), "--seeds", "0"], "--seeds: got 0; allowed: an integer >= 1"),
     ([recipe("diffusion_nft_qwen_image.yaml"), "--base", "--checkpoint", "x"], "--checkpoint and --base: give one"),
 ])
-def test_what_cannot_be_evaluated_is_named(args, message):
+def test_what_cannot_be_evaluated_is_named(args, message, capsys):
     with pytest.raises(SystemExit) as stopped:
         main(args)
-    assert message in str(stopped.value.code)
+    assert message in str(stopped.value.code) + capsys.readouterr().err
+
+
+def test_a_run_without_a_checkpoint_points_to_base(tmp_path):
+    cfg = load_config(recipe("flowgrpo_tiny.yaml"), [f"trainer.output_dir={tmp_path}", "trainer.run_name=fresh"])
+    write_run_config(cfg)
+    with pytest.raises(SystemExit) as stopped:
+        main([cfg.trainer.run_dir])
+    assert "the run has no checkpoint yet" in str(stopped.value.code) and "--base" in str(stopped.value.code)
 
 
 def test_the_standard_error_is_the_seeds_spread_about_each_prompts_mean():

@@ -26,8 +26,8 @@ import sys
 import torch
 
 from rayflow import reference
-from rayflow.checkpoint import checkpoint_root, find_checkpoint
-from rayflow.config import RayflowConfig, load_config
+from rayflow.checkpoint import checkpoint_root, find_checkpoint, latest_checkpoint
+from rayflow.config import RayflowConfig, load_config, split_overrides
 from rayflow.driver.evaluation import evaluation_params, evaluation_prompts, evaluation_requests, evaluation_scalars
 from rayflow.learner.model import ema_copies
 from rayflow.learner.spec import LearnerSpec
@@ -117,16 +117,21 @@ def run_config(target: str, overrides: list[str], base: bool = False,
     if not os.path.isdir(target):
         raise FileNotFoundError(f"{target!r}: no such run directory, checkpoint directory or recipe YAML")
     is_run_dir = os.path.isfile(os.path.join(target, CONFIG_FILE))
-    run_dir = target if is_run_dir else os.path.dirname(os.path.dirname(os.path.abspath(target)))  # <run>/checkpoints/step_N
+    # <run>/checkpoints (its newest) or <run>/checkpoints/step_N
+    up = 1 if os.path.isfile(os.path.join(os.path.dirname(os.path.abspath(target)), CONFIG_FILE)) else 2
+    run_dir = target if is_run_dir else os.path.abspath(os.path.join(target, *[".."] * up))
     config = os.path.join(run_dir, CONFIG_FILE)
     if not os.path.isfile(config):
-        raise FileNotFoundError(f"{target!r}: no {CONFIG_FILE} in it or two levels up: not a run's directory or a "
-                                f"checkpoint of one (tools/evaluate.py RECIPE.yaml evaluates a recipe's base)")
+        raise FileNotFoundError(f"{target!r}: no {CONFIG_FILE} in it or one or two levels up: not a run's directory or "
+                                f"a checkpoint of one (tools/evaluate.py RECIPE.yaml evaluates a recipe's base)")
     cfg = load_config(config, overrides)
     if base:
         return cfg, None
     if checkpoint is None:
         checkpoint = checkpoint_root(target) if is_run_dir else target
+        if is_run_dir and latest_checkpoint(checkpoint) is None:
+            raise FileNotFoundError(f"{target!r}: the run has no checkpoint yet (it saves every trainer.save_every "
+                                    f"steps and at its end); --base evaluates its model before training")
     return cfg, find_checkpoint(checkpoint)
 
 
@@ -152,7 +157,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--adapter", default=None, help="the weight set to evaluate (default: the one the run evaluates)")
     parser.add_argument("--json", default=None, help="also write the report (with every prompt's means) here")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    args = parser.parse_args(argv)
+    rest, overrides = split_overrides(sys.argv[1:] if argv is None else argv)  # after an option too
+    args = parser.parse_args(rest)
+    args.overrides = overrides
+    if args.threads is not None and args.threads < 1:
+        parser.error(f"--threads: got {args.threads}; allowed: an integer >= 1")
+    if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
+        parser.error(f"--json: {args.json!r} is in no existing directory")
     try:
         cfg, checkpoint = run_config(args.target, args.overrides, args.base, args.checkpoint)
         seeds = cfg.data.eval_seeds if args.seeds is None else args.seeds

@@ -21,7 +21,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # rayflow, however this is run
 
-from rayflow.config import load_config  # noqa: E402
+from rayflow.config import load_config, split_overrides  # noqa: E402
 from rayflow.errors import ConfigError  # noqa: E402
 from rayflow.planning.simulator import CostBasis, Costs, Shape, SimulationInputError, simulate, size_cluster  # noqa: E402
 
@@ -70,11 +70,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gpus", type=int, nargs="+", default=None, help="size clusters of these GPU counts instead")
     parser.add_argument("--steps", type=int, default=60, help="versions simulated (the first 5 are left out)")
     parser.add_argument("--top", type=int, default=3, help="splits shown per GPU count and staleness")
-    argv = sys.argv[1:] if argv is None else argv
-    # key=value overrides anywhere: after `--staleness 0 1` argparse would hand them to --staleness
-    is_override = [("=" in a and not a.startswith("-")) for a in argv]
-    args = parser.parse_args([a for a, o in zip(argv, is_override) if not o])
-    args.overrides = [a for a, o in zip(argv, is_override) if o]
+    rest, overrides = split_overrides(sys.argv[1:] if argv is None else argv)  # after `--staleness 0 1` too
+    args = parser.parse_args(rest)
+    args.overrides = overrides
     if args.top < 1:
         parser.error(f"--top: got {args.top}; allowed: an integer >= 1")
     try:

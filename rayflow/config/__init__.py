@@ -10,7 +10,7 @@ what is allowed. Each component receives its own section, never the root.
     loading.py    YAML + overrides -> RayflowConfig (and back)
 """
 
-from rayflow.config.loading import default_run_name, from_dict, load_config, to_dict, to_yaml
+from rayflow.config.loading import default_run_name, from_dict, load_config, split_overrides, to_dict, to_yaml
 from rayflow.config.root import RayflowConfig, yaml_key
 from rayflow.config.sections import (
     AlgorithmConfig, AsyncConfig, CFGConfig, DataConfig, LearnerConfig, LoggingConfig, ModelConfig, PlacementConfig,
@@ -20,5 +20,5 @@ from rayflow.config.sections import (
 __all__ = [
     "AlgorithmConfig", "AsyncConfig", "CFGConfig", "DataConfig", "LearnerConfig", "LoggingConfig", "ModelConfig",
     "PlacementConfig", "RayflowConfig", "RewardConfig", "RewardFnConfig", "RolloutConfig", "SyncConfig",
-    "TrainerConfig", "default_run_name", "from_dict", "load_config", "to_dict", "to_yaml", "yaml_key",
+    "TrainerConfig", "default_run_name", "from_dict", "load_config", "split_overrides", "to_dict", "to_yaml", "yaml_key",
 ]

@@ -126,6 +126,14 @@ def _read_recipe(path: str, key: str = "--config", including: tuple[str, ...] = 
     return OmegaConf.merge(_read_recipe(base_path, base_key, including + (os.path.abspath(path),)), data)
 
 
+def split_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
+    """(the other arguments, the KEY=VALUE overrides) of a tool's command line, so that overrides may come anywhere:
+    argparse gives one after `--staleness 0 1` to that option, and refuses one after an option once the
+    positionals are taken."""
+    is_override = [("=" in a and not a.startswith("-")) for a in argv]
+    return [a for a, o in zip(argv, is_override) if not o], [a for a, o in zip(argv, is_override) if o]
+
+
 def load_config(path: str | None = None, overrides: list[str] | None = None) -> RayflowConfig:
     """Read a recipe YAML (optional; its `base`s first), apply dotlist overrides, convert and validate."""
     base = _read_recipe(path) if path else OmegaConf.create({})
