@@ -601,7 +601,8 @@ BENCHMARKS = {"rollout": bench_rollout, "sync": bench_sync, "pipeline": bench_pi
 
 
 COUNT_MINIMUMS = {"repeats": 1, "rounds": 1, "steps": 1, "batch": 1, "learner_batch": 2, "throughput_requests": 1,
-                  "warmup": 0, "decode_batch_size": 0, "lora_rank": 1, "threads": 1, "eval_every": 1, "batches": 3}
+                  "warmup": 0, "decode_batch_size": 0, "lora_rank": 1, "threads": 1, "eval_every": 1, "batches": 3,
+                  "height": 1, "width": 1, "bucket_mb": 1e-3, "depth": 1, "size": 1, "colocated_devices": 1}
 """The least each count option may be, in whichever benchmark has it (learner_batch: one group, advantages need two;
 batches: the gradient noise scale's jackknife needs three)."""
 
@@ -610,8 +611,13 @@ def check_counts(args: argparse.Namespace) -> None:
     """Name a count below what its benchmark can run, before any work (a default of None is the benchmark's own)."""
     for name, minimum in COUNT_MINIMUMS.items():
         value = getattr(args, name, None)
-        if value is not None and value < minimum:
-            raise SystemExit(f"error: --{name.replace('_', '-')}: got {value}; allowed: integers >= {minimum}")
+        values = value if isinstance(value, list) else [value]  # --colocated-devices 1 2
+        if any(isinstance(v, (int, float)) and v < minimum for v in values):
+            allowed = "numbers > 0" if isinstance(minimum, float) else f"integers >= {minimum}"
+            raise SystemExit(f"error: --{name.replace('_', '-')}: got {value}; allowed: {allowed}")
+    steps, warmup = getattr(args, "steps", None), getattr(args, "warmup", None)
+    if steps is not None and warmup is not None and warmup >= steps:  # the medians would be of no step
+        raise SystemExit(f"error: --warmup: got {warmup}; allowed: fewer than --steps ({steps}), the steps measured")
 
 
 def main(argv: list[str] | None = None) -> None:
