@@ -208,7 +208,10 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"error: {e}")
     write_run_config(cfg)
     torch.set_num_threads(max(1, cfg.learner.threads_per_rank))
-    train(cfg)
+    try:
+        train(cfg)
+    except USER_ERRORS as e:  # a setting only the model can check (learner.lora_targets naming no module): one line
+        sys.exit(f"error: {e}")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """FlowGRPO on FLUX.1-dev (FluxPipeline); DiffusionNFT with --config recipes/diffusion_nft_flux.yaml.
 
     python recipes/flowgrpo_flux.py [--config YAML] [key=value ...]
-    ray job submit --working-dir . -- python recipes/flowgrpo_flux.py model.path=/models/FLUX.1-dev
+    ray job submit --working-dir . --runtime-env cluster/runtime_env.yaml -- \\
+        python recipes/flowgrpo_flux.py --config recipes/flowgrpo_flux_8gpu.yaml model.path=/models/FLUX.1-dev
 
 Without model.path: the tiny offline FLUX.1-dev twin on CPU (a few minutes on 2 cores). Joins the cluster at
 RAY_ADDRESS when set (as under `ray job submit`), else starts a local Ray on loopback.

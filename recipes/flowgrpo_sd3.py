@@ -1,7 +1,8 @@
 """FlowGRPO on Stable Diffusion 3.5 (StableDiffusion3Pipeline); DiffusionNFT with --config recipes/diffusion_nft_sd3.yaml.
 
     python recipes/flowgrpo_sd3.py [--config YAML] [key=value ...]
-    ray job submit --working-dir . -- python recipes/flowgrpo_sd3.py model.path=/models/stable-diffusion-3.5-medium
+    ray job submit --working-dir . --runtime-env cluster/runtime_env.yaml -- \\
+        python recipes/flowgrpo_sd3.py --config recipes/flowgrpo_sd3_8gpu.yaml model.path=/models/stable-diffusion-3.5-medium
 
 Without model.path: the tiny offline Stable Diffusion 3.5 twin on CPU (a few minutes on 2 cores). Joins the cluster at
 RAY_ADDRESS when set (as under `ray job submit`), else starts a local Ray on loopback.

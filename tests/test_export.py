@@ -151,6 +151,11 @@ def test_export_refuses_an_adapter_the_checkpoint_lacks(trained, tmp_path, capsy
     with pytest.raises(SystemExit):
         export_main([ckpt, "--out", str(tmp_path / "lora"), "--adapter", "old"])
     assert "has adapters ['default']" in capsys.readouterr().err
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
+    with pytest.raises(SystemExit):  # an --out that is a file: one line, not a NotADirectoryError traceback
+        export_main([ckpt, "--out", str(a_file)])
+    assert "a_file" in capsys.readouterr().err
 
 
 def test_generate_with_lora_samples_under_the_exported_adapter(tiny_model_dir, trained, tmp_path, capsys):

@@ -37,6 +37,10 @@ def test_plot_run_draws_the_logged_panels(tmp_path):
                           capture_output=True, text=True)
     assert done.returncode != 0 and f"run_dir {missing!r} is not a directory" in done.stderr, done.stderr
     assert "Traceback" not in done.stderr
+    nowhere = str(tmp_path / "no_such_dir" / "x.png")  # named before the events are read
+    done = subprocess.run([sys.executable, "tools/plot_run.py", str(run), "--out", nowhere], cwd=REPO,
+                          capture_output=True, text=True)
+    assert done.returncode == 2 and f"--out: {nowhere!r} is in no existing directory" in done.stderr, done.stderr
 
 
 def test_plot_run_grids_before_and_after(tmp_path):

@@ -257,3 +257,12 @@ def test_a_local_ray_without_the_dashboards_packages_starts_without_it_and_says_
     expected = ("without its dashboard: No module named 'opentelemetry' (pip install 'ray[default]' for it)" if missing
                 else "dashboard at http://127.0.0.1:8265")
     assert expected in caplog.text
+
+
+def test_the_reference_names_a_setting_only_the_model_can_check_in_one_line(tiny_model_dir, tmp_path):
+    """learner.lora_targets naming no module of the transformer passes the config's checks (the model is not
+    loaded before the run) and is refused by the model: one line, as the distributed run says it."""
+    result = run_from(tmp_path, "-m", "rayflow.reference", "--config", GRPO, f"model.path={tiny_model_dir}",
+                      f"trainer.output_dir={tmp_path}", "learner.lora_targets=[no_such_module]")
+    assert result.returncode != 0 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert result.stderr.strip().splitlines()[-1].startswith("error: ") and "no_such_module" in result.stderr

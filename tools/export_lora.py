@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> None:
             raise ValueError(f"--adapter {args.adapter}: {path} has adapters {meta['adapters']}")
         export = export_transformer if meta.get("sharded") else export_lora
         export(path, args.out, args.adapter)
-    except (FileNotFoundError, ValueError) as e:
+    except (OSError, ValueError) as e:  # OSError: also an --out that is a file
         parser.error(str(e))
     what = "transformer" if meta.get("sharded") else "adapter"
     print(f"wrote the {args.adapter!r} {what} of {path} (step {meta['step']}) to {args.out}")
