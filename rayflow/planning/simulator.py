@@ -302,7 +302,8 @@ def simulate(costs: Costs, shape: Shape, steps: int = 40, warmup: int = 5) -> Pr
     deltas = [b - a for a, b in zip(times[warmup - 1 : -1], times[warmup:])]
     step_s = sum(deltas) / len(deltas)
     # Every figure over the same window: from version `warmup` to the last.
-    (rollout_0, learner_0, batches_0), (rollout_1, learner_1, _) = sim.busy_at_versions[warmup - 1], sim.busy_at_versions[-1]
+    rollout_0, learner_0, batches_0 = sim.busy_at_versions[warmup - 1]
+    rollout_1, learner_1, _ = sim.busy_at_versions[-1]
     window = times[-1] - times[warmup - 1]
     staleness = sim.staleness[batches_0:]
     return Prediction(

@@ -66,7 +66,8 @@ def model_directory(cfg: RayflowConfig, arch: str | None, workdir: str) -> tuple
     if os.path.isfile(os.path.join(path, "model_index.json")):
         return path, path
     if os.path.exists(path):
-        raise ValueError(f"model.path: got {path!r}; allowed: a diffusers pipeline directory (it has no model_index.json)")
+        raise ValueError(f"model.path: got {path!r}; allowed: a diffusers pipeline directory (it has no "
+                         f"model_index.json)")
     arch = arch or cfg.model.tiny_arch
     if arch not in PUBLISHED:
         raise NoPublishedConfigs(
