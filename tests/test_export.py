@@ -199,7 +199,8 @@ def test_generate_refuses_a_checkpoint_of_another_model_and_names_bad_input(tiny
     generate_main(["--model", other, "--prompt", PROMPT, "--out", png, "--lora", ckpt, "--steps", "2"])
     assert "was trained on other weights of this architecture" in capsys.readouterr().err
     for argv, message in (
-        (["--steps", "0"], "sampling.num_steps"),
+        (["--steps", "0"], "--steps: got 0; allowed: an integer >= 1"),
+        (["--height", "33"], "--height: got 33; allowed: a positive multiple of 16"),
         (["--cfg-policy", "embedded"], "--cfg-policy: got 'embedded'"),
         (["--lora", ckpt, "--adapter", "old"], "has no adapter 'old'"),
         (["--adapter", "ema"], "--adapter ema: needs --lora"),

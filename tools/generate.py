@@ -38,6 +38,10 @@ from rayflow.types import RolloutRequest, SamplingParams
 LORA_WEIGHTS = "pytorch_lora_weights.safetensors"
 """What diffusers' save_lora_weights writes."""
 
+CONFIG_KEY_FLAGS = {"sampling.num_steps": "--steps", "sampling.guidance_scale": "--guidance", "sampling.height": "--height",
+                    "sampling.width": "--width", "model.path": "--model"}
+"""Config keys that the checks this tool calls name, as its flags."""
+
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -126,7 +130,10 @@ def main(argv: list[str] | None = None) -> None:
     try:
         sample(args)
     except (ValueError, FileNotFoundError, NotADirectoryError) as e:  # a setting or a file to fix: one line
-        raise SystemExit(f"error: {e}") from None
+        message = str(e)
+        for key, flag in CONFIG_KEY_FLAGS.items():
+            message = message.replace(key, flag)
+        raise SystemExit(f"error: {message}") from None
 
 
 def sample(args: argparse.Namespace) -> None:
