@@ -30,7 +30,8 @@ from rayflow.rewards.validation import check_prompt_file
 
 log = logging.getLogger("rayflow")
 CONFIG_FILE = "config.yaml"
-BREAKING = ("model.", "algorithm.", "learner.lora_", "sampling.", "cfg.", "reward.functions", "data.prompts", "trainer.seed")
+BREAKING = ("model.", "algorithm.", "learner.lora_", "sampling.", "cfg.", "reward.functions", "data.prompts", "data.shuffle",
+            "trainer.seed")
 """Dotted-key prefixes whose change makes a resumed run a different experiment."""
 IGNORED = ("model.cache_dir", "trainer.output_dir", "trainer.run_name", "trainer.logdir", "trainer.resume")
 """Keys that only locate the run (a copied run dir may be resumed from a new place)."""

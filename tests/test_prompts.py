@@ -154,3 +154,13 @@ def test_requests_split_a_group_into_micro_batches():
         assert r.prompts == ["a green tree"] * n and r.prompt_ids == [2] * n and r.group_ids == [6] * n
         assert r.params is params
         r.validate()
+
+
+@pytest.mark.parametrize("ext, body", [(".txt", b"a red cube\nb\n"), (".jsonl", b'{"prompt": "a red cube"}\n{"prompt": "b"}\n')])
+def test_a_byte_order_mark_is_not_part_of_the_first_prompt(tmp_path, ext, body):
+    """Windows editors start UTF-8 files with EF BB BF: a .txt's first prompt kept it (and reached the text encoder
+    and the per-prompt advantages as another prompt), a .jsonl failed on line 1."""
+    path = str(tmp_path / f"p{ext}")
+    with open(path, "wb") as f:
+        f.write(b"\xef\xbb\xbf" + body)
+    assert load_prompts(path) == ["a red cube", "b"]

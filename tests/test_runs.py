@@ -41,6 +41,7 @@ def test_a_complete_run_says_so(tiny_model_dir, finished_run):
 
 @pytest.mark.parametrize("override, key", [
     ("algorithm.group_size=2", "algorithm.group_size: 4 -> 2"),
+    ("data.shuffle=false", "data.shuffle: True -> False"),  # the pending groups would be redrawn with other prompts
     ("learner.lora_rank=4", "learner.lora_rank: 8 -> 4"),
     ("algorithm.name=diffusion_nft", "algorithm.name: 'flow_grpo' -> 'diffusion_nft'"),
 ])

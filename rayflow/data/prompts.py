@@ -28,6 +28,8 @@ def prompt_lines(path: str, max_chars: int = 4096, key: str = "data.prompts") ->
     prompts = []
     with open(path, "rb") as f:
         for lineno, raw in enumerate(f, start=1):
+            if lineno == 1 and raw.startswith(b"\xef\xbb\xbf"):  # a UTF-8 byte-order mark (Windows editors), not text
+                raw = raw[3:]
             text = _decode_line(raw, path, lineno).strip()
             if not text or (ext == ".txt" and text.startswith("#")):
                 continue
