@@ -198,3 +198,54 @@ def test_one_actor_of_each_kind_killed_during_a_synchronous_run_leaves_it_equal_
         assert_equal_to_undisturbed(trainer, undisturbed)
     finally:
         trainer.shutdown()
+
+
+def test_a_learner_death_rewinds_within_the_runs_own_timeline(ray_session, tiny_model_dir, tmp_path, undisturbed,
+                                                              monkeypatch, caplog):
+    """Started from another run's step-2 checkpoint in a directory that holds an older step of its own (step 1): a
+    learner killed after step 3, before this run's first save, rewinds to the step it started from, not to the
+    directory's step 1 (which it used to pick, slicing its history with a negative index), and the run ends equal to
+    the undisturbed one."""
+    other = small_cfg(GRPO, tiny_model_dir, tmp_path / "other", *SYNCHRONOUS)
+    reference.train(other, log=lambda *_: None)  # steps 2 and 4 saved
+    cfg = small_cfg(GRPO, tiny_model_dir, tmp_path / "run", *SYNCHRONOUS)
+    old = small_cfg(GRPO, tiny_model_dir, tmp_path / "run", *SYNCHRONOUS, "trainer.total_steps=1")
+    reference.train(old, log=lambda *_: None)  # the directory's own step 1
+    cfg.trainer.resume = step_dir(checkpoint_root(other.trainer.run_dir), 2)
+    trainer = Trainer(cfg)
+    try:
+        kill_after_steps(trainer, monkeypatch, {3: lambda: [trainer.learners.workers[0]]})
+        trainer.run()
+        assert trainer.learners.restarts == 1
+        assert "rewound to step 2 (step 3 is trained again)" in caplog.text
+        expected, adapters = undisturbed
+        assert [h["reward/mean"] for h in trainer.history] == [r.reward_mean for r in expected[2:]]
+        final = load_checkpoint(step_dir(checkpoint_root(cfg.trainer.run_dir), STEPS)).adapters
+        assert all(torch.equal(final[n][k], v) for n in adapters for k, v in adapters[n].items())
+    finally:
+        trainer.shutdown()
+
+
+def test_a_learner_death_in_the_push_to_a_replaced_weight_sync_actor_rewinds(ray_session, tiny_model_dir, tmp_path,
+                                                                             undisturbed, monkeypatch, caplog):
+    """With no step in flight, a replaced weight-sync actor gets the current version from the top of the loop; a
+    learner rank that dies in that push restarts and rewinds, as in any other push (it stopped the run)."""
+    trainer = Trainer(small_cfg(GRPO, tiny_model_dir, tmp_path, *SYNCHRONOUS))
+    check = trainer._check_sync_failure
+
+    def push_into_a_dead_learner(training_in_flight: bool) -> None:
+        if trainer.version == 3 and not training_in_flight and not getattr(push_into_a_dead_learner, "done", False):
+            push_into_a_dead_learner.done = True
+            ray.kill(trainer.learners.workers[0])
+            wait_until_dead(trainer.learners.workers[0])
+            trainer._push_weights()  # what _sync_failed does after replacing the actor
+        check(training_in_flight)
+
+    monkeypatch.setattr(trainer, "_check_sync_failure", push_into_a_dead_learner)
+    try:
+        trainer.run()
+        assert trainer.learners.restarts == 1
+        assert "rewound to step 2 (step 3 is trained again)" in caplog.text
+        assert_equal_to_undisturbed(trainer, undisturbed)
+    finally:
+        trainer.shutdown()

@@ -190,7 +190,7 @@ class LearnerConfig:
     step) stops the run loudly, naming the late ranks (continue from the last checkpoint with trainer.resume=auto)."""
     max_restarts: int = 3
     """Times the learner group is started again in its bundles after a rank died (within restart_window_s), the run
-    rewound to the newest checkpoint; then the run stops, naming the rank."""
+    rewound to the newest checkpoint of its own timeline; then the run stops, naming the rank."""
     restart_window_s: float = 3600.0
     """max_restarts counts restarts within any this many seconds (0: over the whole run)."""
 

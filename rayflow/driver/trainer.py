@@ -150,7 +150,12 @@ class Trainer:
             self.evaluator.run(0, self.monitor)
         clock = StepClock()
         while (self.version < cfg.trainer.total_steps and not self.out_of_time) or training:
-            self._check_sync_failure(training_in_flight=bool(training))
+            try:
+                self._check_sync_failure(training_in_flight=bool(training))
+            except LearnerError as e:  # a rank died in the push to a replaced weight-sync actor (none in flight)
+                self.learner_watchdog.forget("learners")
+                self._restart_learners(e)
+                continue
             if not self.out_of_time:
                 self._admit()
                 if not training or (len(training) == 1 and self._may_queue_behind(self.version + 1)):
@@ -394,11 +399,16 @@ class Trainer:
         ckpt.counters["regenerated_groups"] = self.queue.stats.regenerated  # the run's totals, as logged
         ckpt.counters["dropped_groups"] = self.queue.stats.dropped
         path = save_checkpoint(checkpoint_root(self.cfg.trainer.run_dir), ckpt, self.cfg.trainer.keep_checkpoints)
+        self.rewind_point = path
         log.info("saved %s", path)
 
     def _resume(self) -> None:
         self.resumed_from = resolve_resume(self.cfg.trainer.resume, checkpoint_root(self.cfg.trainer.run_dir))
         """The checkpoint the run started from (None: from the start)."""
+        self.rewind_point = self.resumed_from
+        """Where a learner death rewinds to: the newest checkpoint of this run's own timeline (the last one it saved,
+        else the one it started from), never one the run directory holds from an abandoned timeline (a later step
+        that a resume from an earlier checkpoint left behind, set aside only at the first save) or another run."""
         self.first_version = 0
         if self.resumed_from is not None:
             self._restore(self.resumed_from)
@@ -453,7 +463,7 @@ class Trainer:
         if not isinstance(died.__cause__, ray.exceptions.RayActorError):
             raise died
         self.learners.restart(died)
-        path = resolve_resume("auto", checkpoint_root(self.cfg.trainer.run_dir)) or self.resumed_from
+        path = self.rewind_point
         log.error("%s; learner group restarted (restart %d), rewinding from step %d to %s", died, self.learners.restarts,
                   self.version, path or "the start")
         self._drop_in_flight()
