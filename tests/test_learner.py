@@ -14,7 +14,7 @@ from torch.distributed.tensor import DTensor, Shard
 from rayflow import reference
 from rayflow.checkpoint import load_checkpoint, save_checkpoint
 from rayflow.distributed.process_group import Rendezvous, init_default_group
-from rayflow.models import lora
+from rayflow.models import load_model, lora
 from rayflow.learner.backend import LearnerBackend
 from rayflow.learner.model import load_policy_model
 from rayflow.learner.prefetch import TrajectoryCache
@@ -546,3 +546,17 @@ def test_autocast_full_fine_tuning_trains_fp32_master_weights_over_a_bf16_model(
     assert kept > 10_000 and in_bf16 == 0
     states = [s for state in backend.optimizer.state.values() for s in state.values() if torch.is_tensor(s) and s.ndim]
     assert states and {s.dtype for s in states} == {torch.float32}
+
+
+def test_fsdp_shards_flux_single_stream_blocks_too(mesh1, tiny_twin):
+    """FLUX.1's 38 single-stream blocks (half its weights) are FSDP2 groups of their own, not part of the root group
+    gathered whole through the forward and backward; only embeddings, norms and projections stay in the root."""
+    from rayflow.distributed.parallelize import apply_fsdp
+
+    model = load_model(tiny_twin("flux"))
+    t = model.transformer
+    assert len(t.single_transformer_blocks) > 0
+    apply_fsdp(t, mesh1)
+    assert all(isinstance(b, FSDPModule) for b in (*t.transformer_blocks, *t.single_transformer_blocks))
+    outside = [m for n, m in t.named_modules() if n and not n.startswith(("transformer_blocks", "single_transformer_blocks"))]
+    assert outside and not any(isinstance(m, FSDPModule) for m in outside)  # the root group: what no block owns

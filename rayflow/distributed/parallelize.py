@@ -40,9 +40,12 @@ def autocast(mode: str, device: torch.device) -> contextlib.AbstractContextManag
     return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
 
 
-def transformer_blocks(transformer: nn.Module) -> nn.ModuleList:
-    blocks = getattr(transformer, "transformer_blocks", None)
-    if not isinstance(blocks, nn.ModuleList) or len(blocks) == 0:
+def transformer_blocks(transformer: nn.Module) -> list[nn.Module]:
+    """Every repeated block of a diffusers transformer, in module order: the `*transformer_blocks` ModuleLists
+    (FLUX.1 has `single_transformer_blocks` beside `transformer_blocks`: 38 of its 57 blocks, half its weights)."""
+    blocks = [block for name, child in transformer.named_children()
+              if isinstance(child, nn.ModuleList) and name.endswith("transformer_blocks") for block in child]
+    if not blocks:
         raise ValueError(f"{type(transformer).__name__} has no `transformer_blocks` ModuleList to shard per block")
     return blocks
 
@@ -81,7 +84,7 @@ def apply_fsdp(
     for block in blocks:
         cast_parameters(block.parameters(), master_dtype)
         fully_shard(block, **kwargs)
-    in_blocks = {id(p) for p in blocks.parameters()}
+    in_blocks = {id(p) for block in blocks for p in block.parameters()}
     cast_parameters((p for p in transformer.parameters() if id(p) not in in_blocks), master_dtype)
     fully_shard(transformer, **kwargs)
 

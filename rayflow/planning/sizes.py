@@ -81,13 +81,14 @@ def measure_model(cfg: RayflowConfig, path: str, batches: set[tuple[int, bool]],
                   text_tokens: int = PLANNED_TEXT_TOKENS) -> ModelSizes:
     """ModelSizes of the pipeline at `path` for the config's LoRA, resolution and dtype."""
     from rayflow.models.lora import add_lora
+    from rayflow.distributed.parallelize import transformer_blocks
     from rayflow.learner.model import lora_targets
     from rayflow.models.random_init import meta_components, parameter_count, parameters_on_meta
 
     full = meta_components(path)
     parameters = {name: parameter_count(m) for name, m in full.items()}
     transformer = full["transformer"]
-    blocks = list(transformer.transformer_blocks)
+    blocks = transformer_blocks(transformer)  # FSDP2's groups: the gathered-block term takes the largest
     meta_model = _meta_model(path, transformer, cfg)
     targets = lora_targets(cfg.learner, meta_model)
     adapted = sum(m.weight.numel() for name, m in transformer.named_modules()
@@ -95,7 +96,10 @@ def measure_model(cfg: RayflowConfig, path: str, batches: set[tuple[int, bool]],
     with parameters_on_meta():
         add_lora(transformer, rank=cfg.learner.lora_rank, alpha=cfg.learner.lora_alpha, targets=targets)
     lora = sum(p.numel() for n, p in transformer.named_parameters() if ".lora_" in n)
-    forward = {key: _forward_cost(cfg, path, *key, len(blocks), math_attention, text_tokens) for key in sorted(batches)}
+    # Activations scale with the main stack (depths 1 and 2 set every stack's depth alike; FLUX.1's single-stream
+    # stack is twice as deep, which this scaling leaves approximate).
+    depth = len(transformer.transformer_blocks)
+    forward = {key: _forward_cost(cfg, path, *key, depth, math_attention, text_tokens) for key in sorted(batches)}
     latents, _ = meta_model.prepare_latents([0], cfg.sampling.height, cfg.sampling.width)
     text = full.get("text_encoder")
     text_config = text.config.get_text_config() if text is not None else None
@@ -105,7 +109,7 @@ def measure_model(cfg: RayflowConfig, path: str, batches: set[tuple[int, bool]],
         lora_parameters=lora,
         adapted_parameters=adapted,
         block_parameters=max(parameter_count(b) for b in blocks) if blocks else 0,
-        layers=len(blocks),
+        layers=depth,
         forward=forward,
         text={} if text_config is None else dict(
             hidden=text_config.hidden_size, layers=text_config.num_hidden_layers,
