@@ -28,6 +28,7 @@ from rayflow.checkpoint import (
     sharded_staging_dir,
 )
 from rayflow.config import RayflowConfig, load_config
+from rayflow.errors import ConfigError
 from rayflow.runs import USER_ERRORS, RunComplete, preflight, write_run_config
 from rayflow.data.prompts import GroupSampler, load_prompts
 from rayflow.models.lora import rollout_adapter_name
@@ -126,6 +127,11 @@ def rollout(run: Run) -> tuple[list[Trajectory], Advantages]:
 
 def learn(run: Run, trajectories: list[Trajectory]) -> tuple[dict[str, float], BatchResult]:
     """The batch's optimizer steps (algorithm.num_inner_epochs x num_minibatches), then version + 1."""
+    if run.cfg.learner.mixed_precision != "none":
+        # The learner's fp32 masters and bf16 compute are FSDP2's and autocast's (rayflow.learner.backend); trained
+        # here in model.dtype instead, a run would differ from the learner's while claiming to be its reference.
+        raise ConfigError("learner.mixed_precision", run.cfg.learner.mixed_precision,
+                          "'none' for the single-process reference trainer, which trains in model.dtype")
     algo = run.cfg.algorithm
     trajectories, filtered = learner_batch(trajectories, run.spec, run.step)
     plan = minibatch_plan(len(trajectories), run.cfg.trainer.seed, run.step, algo.num_inner_epochs, algo.num_minibatches)

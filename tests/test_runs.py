@@ -267,3 +267,16 @@ def test_the_reference_names_a_setting_only_the_model_can_check_in_one_line(tiny
                       f"trainer.output_dir={tmp_path}", "learner.lora_targets=[no_such_module]")
     assert result.returncode != 0 and "Traceback" not in result.stderr, result.stderr[-3000:]
     assert result.stderr.strip().splitlines()[-1].startswith("error: ") and "no_such_module" in result.stderr
+
+
+def test_the_reference_refuses_mixed_precision_it_does_not_implement(tiny_model_dir, tmp_path):
+    """The learner trains fp32 masters under bf16 compute (learner.mixed_precision); the reference trained in
+    model.dtype, silently another run than the learner's (bf16 LoRA updates lost to rounding)."""
+    from rayflow import reference
+    from rayflow.errors import ConfigError
+
+    cfg = small_cfg(GRPO, tiny_model_dir, tmp_path, "learner.mixed_precision=autocast", "model.dtype=bfloat16")
+    run = reference.build_run(cfg)  # evaluation builds it too, and samples as the rollouts do: allowed
+    trajectories, _ = reference.rollout(run)
+    with pytest.raises(ConfigError, match=r"^learner\.mixed_precision: got 'autocast'; allowed: 'none' for the"):
+        reference.learn(run, trajectories)
