@@ -203,6 +203,12 @@ def test_asynchronous_run_stays_within_the_bound_and_queues_the_next_batch_excep
     assert history[-1]["rollout/regenerated"] == 0
     assert all(0 <= h["perf/learner_idle"] <= 1 and 0 <= h["perf/rollout_idle"] <= 1 for h in history)
     assert any(name.startswith("events.out.tfevents") for name in os.listdir(cfg.trainer.logdir))
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(cfg.trainer.logdir, size_guidance={"scalars": 0})
+    events.Reload()
+    # eval_every=3 of 4 steps: step 3, and the last, whose policy is the run's result (it was left unevaluated)
+    assert [e.step for e in events.Scalars("eval/reward_mean")] == [3, 4]
     root = checkpoint_root(cfg.trainer.run_dir)
     assert [load_checkpoint(step_dir(root, s)).version for s in (2, 4)] == [2, 4]
 

@@ -530,7 +530,7 @@ class TrainerConfig:
     max_skipped_steps: int = 3
     """Stop the run after this many optimizer steps in a row skipped for a non-finite gradient norm (0: never)."""
     eval_every: int = 10
-    """Evaluate (ODE, fixed prompts and seeds, an image grid) every this many steps (0: never)."""
+    """Evaluate (ODE, fixed prompts and seeds, an image grid) every this many steps and after the last (0: never)."""
     eval_at_start: bool = False
     """Also evaluate the untrained policy, as step 0 of a new run: the baseline the eval curve starts from."""
     eval_num_steps: int | None = None

@@ -189,9 +189,10 @@ class Trainer:
                 and not is_save_step(version_after, t.save_every, t.total_steps))
 
     def _evaluates_at(self, version: int) -> bool:
-        """Whether the step that ends at `version` evaluates on trainer.eval_every's schedule."""
+        """Whether the step that ends at `version` evaluates on trainer.eval_every's schedule: every eval_every-th,
+        and the last (trainer.total_steps), whose policy is the run's result."""
         every = self.cfg.trainer.eval_every
-        return bool(every) and version % every == 0
+        return bool(every) and (version % every == 0 or version == self.cfg.trainer.total_steps)
 
     def _train(self, batch: list[TrajectoryRef], version: int) -> TrainStep:
         """Rewards → advantages → the learners' train step at `version` (algorithm.steps_per_batch optimizer steps,
