@@ -145,10 +145,12 @@ def random_init_spec(path: str) -> dict[str, Any] | None:
         return json.load(f)
 
 
-def meta_components(path: str, depth: int | None = None, skip: tuple[str, ...] = ()) -> dict[str, nn.Module]:
+def meta_components(path: str, depth: int | None = None, skip: tuple[str, ...] = (),
+                    transformer_config: dict[str, Any] | None = None) -> dict[str, nn.Module]:
     """The modules of the pipeline directory at `path` (weights on disk or not) built from its configs
     with meta parameters: shapes and parameter counts for free. `depth` sets every layer count named
-    by the published entry of the same pipeline class (rayflow.models.published)."""
+    by the published entry of the same pipeline class (rayflow.models.published); `transformer_config` sets
+    keys of the transformer's config (any family: the memory planner's stack depths)."""
     import diffusers
     import transformers
 
@@ -170,6 +172,8 @@ def meta_components(path: str, depth: int | None = None, skip: tuple[str, ...] =
         config = cls.load_config(sub) if library == "diffusers" else transformers.AutoConfig.from_pretrained(sub).to_dict()
         if depth is not None:
             config = _with_depth(config, depth_keys.get(name, ()), depth)
+        if name == "transformer" and transformer_config:
+            config = {**config, **transformer_config}
         with parameters_on_meta():
             if library == "diffusers":
                 modules[name] = cls.from_config(config)

@@ -21,6 +21,8 @@ from typing import Callable, Iterator
 import torch
 from torch import nn
 
+from rayflow.distributed.parallelize import transformer_blocks
+
 
 class _FusedAttention(torch.autograd.Function):
     """Shapes and saved tensors of flash / memory-efficient SDPA, for meta tensors."""
@@ -87,7 +89,7 @@ def measure_forward(transformer: nn.Module, forward: Callable[[], torch.Tensor],
             if isinstance(value, torch.Tensor):
                 inputs.setdefault(_storage(value), value.untyped_storage().nbytes())
 
-    blocks = list(transformer.transformer_blocks)
+    blocks = transformer_blocks(transformer)  # every stack's (FLUX.1's single-stream blocks too)
     handles = [b.register_forward_pre_hook(record_inputs, with_kwargs=True) for b in blocks]
     attention = contextlib.nullcontext() if math_attention else fused_attention()
     try:

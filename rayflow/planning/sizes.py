@@ -96,10 +96,7 @@ def measure_model(cfg: RayflowConfig, path: str, batches: set[tuple[int, bool]],
     with parameters_on_meta():
         add_lora(transformer, rank=cfg.learner.lora_rank, alpha=cfg.learner.lora_alpha, targets=targets)
     lora = sum(p.numel() for n, p in transformer.named_parameters() if ".lora_" in n)
-    # Activations scale with the main stack (depths 1 and 2 set every stack's depth alike; FLUX.1's single-stream
-    # stack is twice as deep, which this scaling leaves approximate).
-    depth = len(transformer.transformer_blocks)
-    forward = {key: _forward_cost(cfg, path, *key, depth, math_attention, text_tokens) for key in sorted(batches)}
+    forward = {key: _forward_cost(cfg, path, *key, math_attention, text_tokens) for key in sorted(batches)}
     latents, _ = meta_model.prepare_latents([0], cfg.sampling.height, cfg.sampling.width)
     text = full.get("text_encoder")
     text_config = text.config.get_text_config() if text is not None else None
@@ -109,7 +106,7 @@ def measure_model(cfg: RayflowConfig, path: str, batches: set[tuple[int, bool]],
         lora_parameters=lora,
         adapted_parameters=adapted,
         block_parameters=max(parameter_count(b) for b in blocks) if blocks else 0,
-        layers=depth,
+        layers=len(blocks),
         forward=forward,
         text={} if text_config is None else dict(
             hidden=text_config.hidden_size, layers=text_config.num_hidden_layers,
@@ -140,18 +137,31 @@ def _meta_model(path: str, transformer: nn.Module, cfg: RayflowConfig):
     return model_class(pipeline_class)(pipe, torch.device("meta"), getattr(torch, cfg.model.dtype))
 
 
-def _forward_cost(cfg: RayflowConfig, path: str, batch: int, checkpointing: bool, full_depth: int,
-                  math_attention: bool, text_tokens: int) -> ForwardCost:
-    """One forward with gradients at `batch`, measured at depths 1 and 2 and scaled to the full depth."""
+BASE_DEPTH = 2
+"""Blocks per stack in the smallest measured transformer: SD3's last block differs from the others (it has no context
+output), so an increment measured from 2 to 3 is a middle block's."""
+STACK_DEPTH_KEYS = ("num_layers", "num_single_layers")
+"""Transformer config keys that count a stack of repeated blocks (diffusers' names: every family's `num_layers`,
+FLUX.1's single-stream `num_single_layers` beside it)."""
+
+
+def _forward_cost(cfg: RayflowConfig, path: str, batch: int, checkpointing: bool, math_attention: bool,
+                  text_tokens: int) -> ForwardCost:
+    """One forward with gradients at `batch`: measured with every stack BASE_DEPTH blocks deep, then with each stack
+    in turn one block deeper; each stack's increment scaled to its depth in the model (FLUX.1: 19 double-stream, 38
+    single-stream)."""
     from rayflow.models.lora import add_lora
     from rayflow.learner.model import lora_targets
     from rayflow.models.random_init import meta_components, parameters_on_meta
     from rayflow.planning.activations import measure_forward
 
     dtype = getattr(torch, cfg.model.dtype)
-    measured = []
-    for depth in (1, 2):
-        transformer = meta_components(path, depth=depth, skip=("text_encoder", "vae"))["transformer"]
+    full = meta_components(path, skip=("text_encoder", "vae"))["transformer"].config
+    depths = {key: full[key] for key in STACK_DEPTH_KEYS if full.get(key)}
+
+    def measure(deeper: str | None):
+        stacks = {key: BASE_DEPTH + (key == deeper) for key in depths}
+        transformer = meta_components(path, skip=("text_encoder", "vae"), transformer_config=stacks)["transformer"]
         # meta: no copy (diffusers' own .to warns about fp32 modules); buffers built at init (SD3's positional
         # embedding) go to meta with the parameters
         nn.Module.to(transformer, "meta", dtype)
@@ -162,15 +172,18 @@ def _forward_cost(cfg: RayflowConfig, path: str, batch: int, checkpointing: bool
         latents, _ = model.prepare_latents(list(range(batch)), cfg.sampling.height, cfg.sampling.width)
         cond = model.planning_conditioning(batch, text_tokens)
         timestep = torch.full((batch,), 500.0, device="meta")
-        measured.append(measure_forward(transformer, lambda: model.predict_velocity(
-            latents, timestep, cond, cfg.sampling.height, cfg.sampling.width), math_attention=math_attention))
-    one, two = measured
-    per_block = two.saved - one.saved
-    outside = one.saved - per_block
+        return measure_forward(transformer, lambda: model.predict_velocity(
+            latents, timestep, cond, cfg.sampling.height, cfg.sampling.width), math_attention=math_attention)
+
+    one = measure(None)
+    deeper = {key: measure(key) for key in depths}
+    per_block = {key: m.saved - one.saved for key, m in deeper.items()}
+    outside = one.saved - BASE_DEPTH * sum(per_block.values())
+    largest = max(per_block.values())
     if checkpointing:
         # Each block keeps its inputs; the block being recomputed in backward keeps its full set.
-        per_input = two.block_inputs - one.block_inputs
-        saved = outside + full_depth * per_input + per_block
+        per_input = {key: m.block_inputs - one.block_inputs for key, m in deeper.items()}
+        saved = outside + sum(depths[key] * per_input[key] for key in depths) + largest
     else:
-        saved = outside + full_depth * per_block
-    return ForwardCost(saved=saved, block=per_block)
+        saved = outside + sum(depths[key] * per_block[key] for key in depths)
+    return ForwardCost(saved=saved, block=largest)
