@@ -33,6 +33,7 @@ from rayflow.learner.model import ema_copies
 from rayflow.learner.spec import LearnerSpec
 from rayflow.models.lora import EVAL_EMA_ADAPTER, TRAINED_ADAPTER, rollout_adapter_name
 from rayflow.models.weight_sets import using_weights
+from rayflow.paths import check_output_dirs
 from rayflow.runs import CONFIG_FILE, USER_ERRORS
 from rayflow.sampling.denoise import generate
 from rayflow.worlds.shapes import CATEGORIES, category_of, parse_prompt
@@ -162,8 +163,7 @@ def main(argv: list[str] | None = None) -> None:
     args.overrides = overrides
     if args.threads is not None and args.threads < 1:
         parser.error(f"--threads: got {args.threads}; allowed: an integer >= 1")
-    if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
-        parser.error(f"--json: {args.json!r} is in no existing directory")
+    check_output_dirs(parser, {"--json": args.json})
     try:
         cfg, checkpoint = run_config(args.target, args.overrides, args.base, args.checkpoint)
         seeds = cfg.data.eval_seeds if args.seeds is None else args.seeds

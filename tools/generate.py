@@ -31,6 +31,7 @@ from rayflow.learner.model import model_identity
 from rayflow.models import load_model, model_class, pipeline_class_of
 from rayflow.models.base import DiffusionModel
 from rayflow.models.lora import EMA_ADAPTER, EVAL_EMA_ADAPTER, TRAINED_ADAPTER
+from rayflow.paths import check_output_dirs
 from rayflow.sampling.denoise import generate
 from rayflow.types import RolloutRequest, SamplingParams
 
@@ -69,9 +70,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"--lora: {args.lora!r} is not a directory (a diffusers LoRA directory or a rayflow checkpoint)")
     if args.adapter and not args.lora:
         parser.error(f"--adapter {args.adapter}: needs --lora (a checkpoint whose adapter to load)")
-    for flag, path in (("--out", args.out), ("--save-latents", args.save_latents)):
-        if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
-            parser.error(f"{flag}: {path!r} is in no existing directory")
+    check_output_dirs(parser, {"--out": args.out, "--save-latents": args.save_latents})
     return args
 
 

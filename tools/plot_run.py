@@ -14,6 +14,8 @@ import io
 import os
 import sys
 
+from rayflow.paths import check_output_dirs
+
 PANELS = (
     ("reward", ("reward/mean", "eval/reward_mean")),
     ("accuracy", ("reward/shapes_accuracy", "eval/shapes_accuracy")),
@@ -126,9 +128,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", required=True, help="the PNG to write")
     parser.add_argument("--grids", default=None, help="also write the first and last eval/images grids side by side here")
     args = parser.parse_args(argv)
-    for flag, path in (("--out", args.out), ("--grids", args.grids)):
-        if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
-            parser.error(f"{flag}: {path!r} is in no existing directory")
+    check_output_dirs(parser, {"--out": args.out, "--grids": args.grids})
     if not os.path.isdir(args.run_dir):
         sys.exit(f"error: run_dir {args.run_dir!r} is not a directory; allowed: a run directory (outputs/<run>) or its "
                  "tensorboard/ directory")

@@ -153,7 +153,6 @@ class Trainer:
             try:
                 self._check_sync_failure(training_in_flight=bool(training))
             except LearnerError as e:  # a rank died in the push to a replaced weight-sync actor (none in flight)
-                self.learner_watchdog.forget("learners")
                 self._restart_learners(e)
                 continue
             if not self.out_of_time:
@@ -172,7 +171,6 @@ class Trainer:
                     self._finish(step, clock, queued=bool(training))
                 except LearnerError as e:  # a rank died in the step, or in the save, evaluation or push after it
                     training.clear()  # a step queued behind it trains again after the rewind
-                    self.learner_watchdog.forget("learners")  # its clock starts with the next step, not the restart
                     self._restart_learners(e)
             elif training and self.learner_watchdog.overdue():
                 self._learner_stalled(training[0].refs)
@@ -458,11 +456,12 @@ class Trainer:
     def _restart_learners(self, died: LearnerError) -> None:
         """A learner rank died. The learners hold the only copy of the optimizer state (sharded: the dead rank's
         part is gone), so the group is started again in its bundles (learner.max_restarts) and the run rewinds to
-        the newest checkpoint: the work in flight is dropped, the weight-sync actor replaced (no push of the dead
+        `rewind_point`: the work in flight is dropped, the weight-sync actor replaced (no push of the dead
         ranks can reach the rollouts), the rollout ranks forget later versions, and the steps after it are trained
         again. A rank that raised (not died) would raise again: the run stops."""
         if not isinstance(died.__cause__, ray.exceptions.RayActorError):
             raise died
+        self.learner_watchdog.forget("learners")  # its clock starts with the next step, not the restart
         self.learners.restart(died)
         path = self.rewind_point
         log.error("%s; learner group restarted (restart %d), rewinding from step %d to %s", died, self.learners.restarts,

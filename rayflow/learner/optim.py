@@ -78,8 +78,9 @@ def update_eval_ema(transformer: nn.Module, decay: float, every: int, optimizer_
     (trainer.ema_blends: flow_grpo calls it once per micro-batch, with the same global_step and weights until the
     next optimizer step)."""
     if (optimizer_steps + 1) % every == 0:
+        step_decay = train_ema_decay(optimizer_steps, decay)
         for _ in range(blends):
-            _blend_into(transformer, EVAL_EMA_ADAPTER, train_ema_decay(optimizer_steps, decay))
+            _blend_into(transformer, EVAL_EMA_ADAPTER, step_decay)
 
 
 def _blend_into(transformer: nn.Module, shadow: str, decay: float) -> None:

@@ -145,21 +145,16 @@ def random_init_spec(path: str) -> dict[str, Any] | None:
         return json.load(f)
 
 
-def meta_components(path: str, depth: int | None = None, skip: tuple[str, ...] = (),
+def meta_components(path: str, skip: tuple[str, ...] = (),
                     transformer_config: dict[str, Any] | None = None) -> dict[str, nn.Module]:
     """The modules of the pipeline directory at `path` (weights on disk or not) built from its configs
-    with meta parameters: shapes and parameter counts for free. `depth` sets every layer count named
-    by the published entry of the same pipeline class (rayflow.models.published); `transformer_config` sets
-    keys of the transformer's config (any family: the memory planner's stack depths)."""
+    with meta parameters: shapes and parameter counts for free. `transformer_config` sets keys of the
+    transformer's config (any family: the memory planner's stack depths)."""
     import diffusers
     import transformers
 
-    from rayflow.models.published import PUBLISHED
-
     with open(os.path.join(path, "model_index.json")) as f:
         index = json.load(f)
-    depth_keys = {name: c.depth_keys for entry in PUBLISHED.values() if entry.pipeline_class == index["_class_name"]
-                  for name, c in entry.components.items()}
     modules: dict[str, nn.Module] = {}
     for name, entry in sorted(index.items()):
         if name.startswith("_") or name in skip or entry is None or entry[0] is None:
@@ -170,8 +165,6 @@ def meta_components(path: str, depth: int | None = None, skip: tuple[str, ...] =
             continue  # schedulers and tokenizers
         sub = os.path.join(path, name)
         config = cls.load_config(sub) if library == "diffusers" else transformers.AutoConfig.from_pretrained(sub).to_dict()
-        if depth is not None:
-            config = _with_depth(config, depth_keys.get(name, ()), depth)
         if name == "transformer" and transformer_config:
             config = {**config, **transformer_config}
         with parameters_on_meta():
@@ -180,17 +173,6 @@ def meta_components(path: str, depth: int | None = None, skip: tuple[str, ...] =
             else:
                 modules[name] = cls(transformers.AutoConfig.for_model(config.pop("model_type"), **config))
     return modules
-
-
-def _with_depth(config: dict[str, Any], keys: tuple[str, ...], depth: int) -> dict[str, Any]:
-    config = json.loads(json.dumps(config))
-    for dotted in keys:
-        *parents, leaf = dotted.split(".")
-        node = config
-        for key in parents:
-            node = node[key]
-        node[leaf] = depth
-    return config
 
 
 def load_random_init_pipeline(path: str, device: torch.device | str, dtype: torch.dtype,

@@ -96,7 +96,8 @@ def measure_model(cfg: RayflowConfig, path: str, batches: set[tuple[int, bool]],
     with parameters_on_meta():
         add_lora(transformer, rank=cfg.learner.lora_rank, alpha=cfg.learner.lora_alpha, targets=targets)
     lora = sum(p.numel() for n, p in transformer.named_parameters() if ".lora_" in n)
-    forward = {key: _forward_cost(cfg, path, *key, math_attention, text_tokens) for key in sorted(batches)}
+    depths = {key: transformer.config[key] for key in STACK_DEPTH_KEYS if transformer.config.get(key)}
+    forward = {key: _forward_cost(cfg, path, *key, depths, math_attention, text_tokens) for key in sorted(batches)}
     latents, _ = meta_model.prepare_latents([0], cfg.sampling.height, cfg.sampling.width)
     text = full.get("text_encoder")
     text_config = text.config.get_text_config() if text is not None else None
@@ -145,19 +146,17 @@ STACK_DEPTH_KEYS = ("num_layers", "num_single_layers")
 FLUX.1's single-stream `num_single_layers` beside it)."""
 
 
-def _forward_cost(cfg: RayflowConfig, path: str, batch: int, checkpointing: bool, math_attention: bool,
-                  text_tokens: int) -> ForwardCost:
+def _forward_cost(cfg: RayflowConfig, path: str, batch: int, checkpointing: bool, depths: dict[str, int],
+                  math_attention: bool, text_tokens: int) -> ForwardCost:
     """One forward with gradients at `batch`: measured with every stack BASE_DEPTH blocks deep, then with each stack
-    in turn one block deeper; each stack's increment scaled to its depth in the model (FLUX.1: 19 double-stream, 38
-    single-stream)."""
+    in turn one block deeper; each stack's increment scaled to its depth in the model, `depths` (STACK_DEPTH_KEYS ->
+    blocks; FLUX.1: 19 double-stream, 38 single-stream)."""
     from rayflow.models.lora import add_lora
     from rayflow.learner.model import lora_targets
     from rayflow.models.random_init import meta_components, parameters_on_meta
     from rayflow.planning.activations import measure_forward
 
     dtype = getattr(torch, cfg.model.dtype)
-    full = meta_components(path, skip=("text_encoder", "vae"))["transformer"].config
-    depths = {key: full[key] for key in STACK_DEPTH_KEYS if full.get(key)}
 
     def measure(deeper: str | None):
         stacks = {key: BASE_DEPTH + (key == deeper) for key in depths}
