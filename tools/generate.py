@@ -149,9 +149,7 @@ def sample(args: argparse.Namespace) -> None:
     request = RolloutRequest("generate", [args.prompt], [0], [0], [args.seed], params)
     family = model_class(pipeline_class_of(args.model))
     policy = make_policy(args.cfg_policy or family.default_cfg_policy)
-    if policy.name == "embedded" and family.default_cfg_policy != "embedded":
-        raise ValueError(f"--cfg-policy: got 'embedded'; allowed: another policy for {family.pipeline_class} (its "
-                         f"transformer has no guidance input; 'embedded' is FLUX.1-dev's)")
+    family.check_cfg_policy(policy.name, key="--cfg-policy")
     if args.cfg_parallel_size > 1:
         (trajectory,) = generate_on_ray(args.model, request, policy, args.cfg_parallel_size)
     else:

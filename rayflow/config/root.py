@@ -100,11 +100,7 @@ class RayflowConfig:
         for key in ("height", "width"):
             value = getattr(self.sampling, key)
             _need(value % multiple == 0, f"sampling.{key}", value, f"a positive multiple of {multiple} (VAE scale x patch size of {pipeline})")
-        # Only a guidance-distilled family's transformer takes the guidance scale as an input.
-        embedded = model_class(pipeline).default_cfg_policy == "embedded"
-        _need(self.cfg.policy != "embedded" or embedded, "cfg.policy", self.cfg.policy,
-              f"a policy other than 'embedded' for {pipeline} (its transformer has no guidance input; 'embedded' is "
-              f"FLUX.1-dev's)")
+        model_class(pipeline).check_cfg_policy(self.cfg.policy)
 
     def _validate_algorithm(self) -> None:
         s = self.sampling

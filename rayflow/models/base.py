@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 from torch import nn
 
+from rayflow.errors import ConfigError
 from rayflow.models.tiny import resolve_model_path
 
 if TYPE_CHECKING:
@@ -91,6 +92,14 @@ class DiffusionModel(ABC):
     transformer: nn.Module
     device: torch.device
     dtype: torch.dtype
+
+    @classmethod
+    def check_cfg_policy(cls, policy: str, key: str = "cfg.policy") -> None:
+        """Refuse (ConfigError naming `key`) 'embedded' guidance for a family whose transformer takes no guidance
+        scale as an input: only a guidance-distilled one does (FLUX.1-dev)."""
+        if policy == "embedded" and cls.default_cfg_policy != "embedded":
+            raise ConfigError(key, policy, f"a policy other than 'embedded' for {cls.pipeline_class} (its transformer "
+                                           f"has no guidance input; 'embedded' is FLUX.1-dev's)")
 
     def __init__(self, pipe, device: torch.device, dtype: torch.dtype):
         """`pipe`: the family's diffusers pipeline (text encoders and VAE None when loaded transformer-only)."""
