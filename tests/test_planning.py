@@ -194,21 +194,44 @@ def test_pooled_families_are_planned_with_the_conditioning_their_pipelines_encod
     assert source == path and {role.role for role in plan} >= {"rollout rank", "learner rank"}
 
 
+def test_sd3_and_flux_8gpu_recipes_are_planned_from_their_published_configs():
+    """The SD3 and FLUX.1 8-GPU recipes on a head node without the model: planned from Stable Diffusion 3.5 Medium's
+    and FLUX.1-dev's published configs (their parameter counts: tests/test_random_init.py). Every text encoder is
+    resident on a rollout rank, and they encode one after another, so the encode phase is the largest one's: T5 XXL's
+    hidden states of 24 layers + the embeddings, and its gated MLP's two intermediates, at the positions the
+    pipeline pads a prompt to (SD3 256, FLUX.1 512); the CLIPs (77 positions) and no encoder's logits (no LM head)."""
+    bf16 = 2
+    clip_l, clip_bigg, t5_xxl = 123_650_304, 694_659_840, 4_762_310_656
+    clip_l_without_projection = clip_l - 768 * 768
+    expected = {"sd3": (2_243_171_520, clip_l + clip_bigg + t5_xxl, 256),
+                "flux": (11_901_408_320, clip_l_without_projection + t5_xxl, 512)}
+    for arch, (transformer, text_encoders, t5_tokens) in expected.items():
+        cfg = load_config(os.path.join(ROOT, "recipes", f"flowgrpo_{arch}_8gpu.yaml"))
+        assert not os.path.exists(cfg.model.path)
+        plan, source = plan_config(cfg)
+        assert source.startswith(f"published {arch} configs"), source
+        rollout = plan[0]
+        assert rollout.resident["transformer weights"] == transformer * bf16, arch
+        assert rollout.resident["text encoder weights"] == text_encoders * bf16, arch
+        sequences = cfg.rollout.micro_batch_size * (2 if arch == "sd3" else 1)  # SD3's two CFG branches
+        t5_encode = sequences * t5_tokens * (4096 * (24 + 1) + 2 * 10240) * bf16
+        assert rollout.phases["prompt encoding (text encoder forward)"] == t5_encode, arch
+        check_fits(cfg, plan, int(79.6 * GiB))
+
+
 def test_a_family_without_published_configs_is_not_planned_as_qwen_image(monkeypatch, caplog):
-    """The SD3 8-GPU recipe on a head node without the model: tools/plan.py names why it cannot plan, and the
-    start-up check goes on without a plan instead of sizing Qwen-Image's published configs."""
+    """A family rayflow holds no published configs of (here SD3, its entry taken out), on a head node without the
+    model: the planner names why it cannot plan, and the start-up check goes on without a plan instead of sizing
+    Qwen-Image's published configs."""
+    from rayflow.models.published import PUBLISHED
     from rayflow.planning import device_check
     from rayflow.planning.device_check import DeviceFacts, check_before_start
     from rayflow.planning.sizes import NoPublishedConfigs
 
+    monkeypatch.delitem(PUBLISHED, "sd3")
     cfg = load_config(os.path.join(ROOT, "recipes", "flowgrpo_sd3_8gpu.yaml"))
-    assert not os.path.exists(cfg.model.path)
     with pytest.raises(NoPublishedConfigs, match=r"no published configs of 'sd3'.*model\.tiny_arch"):
         plan_config(cfg)
-    tool = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "plan.py"), "--config",
-                           os.path.join(ROOT, "recipes", "flowgrpo_sd3_8gpu.yaml")],
-                          env=dict(os.environ, PYTHONPATH=ROOT), capture_output=True, text=True, timeout=300)
-    assert tool.returncode == 1 and "no published configs of 'sd3'" in tool.stderr, tool.stderr
     monkeypatch.setattr(device_check, "start_cluster_probe",
                         lambda: lambda: DeviceFacts("cuda", "H100", 80 * GiB, True, True))
     check_before_start(cfg)

@@ -12,6 +12,7 @@ on --device in --dtype, so a 20B model never passes through CPU memory on its wa
 
     python tools/make_tiny_model.py --arch qwen_image --size full --random-init --dtype bfloat16 --device cuda --out DIR
     python tools/make_tiny_model.py --arch qwen_image --size full --random-init --weights-at-load --out DIR
+    python tools/make_tiny_model.py --arch sd3 --size full --random-init --weights-at-load --out DIR   # SD3.5 Medium
 
 --weights-at-load writes configs and tokenizer only (kilobytes): rayflow's loader (model.path=DIR)
 then builds the weights on each rank's own device. --depth N sets every layer count (quick looks).
@@ -35,7 +36,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--arch", default="qwen_image", choices=sorted(set(ARCHS) | set(PUBLISHED)))
     parser.add_argument("--out", required=True, help="directory to write (must not exist or be empty)")
     parser.add_argument("--seed", type=int, default=0, help="weight seed; the same seed gives the same weights")
-    parser.add_argument("--size", default="tiny", choices=sorted(SPECS) + [FULL], help="small: qwen_image and sd3 only; full: qwen_image")
+    parser.add_argument("--size", default="tiny", choices=sorted(SPECS) + [FULL], help="small: qwen_image and sd3 only; full: the published architecture (sd3: SD3.5 Medium, flux: FLUX.1-dev)")
     parser.add_argument("--random-init", action="store_true", help="required with --size full: its weights are random")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="--size full only")
     parser.add_argument("--device", default="cpu", help="--size full only: where the weights are built (cpu, cuda, cuda:1)")

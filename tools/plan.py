@@ -4,7 +4,7 @@
 
 Exits 1 when a device does not fit (the message names the figure and the config key to change).
 When model.path is not on this machine, the published configs of --arch (default: the recipe's model.tiny_arch) are
-planned; rayflow holds Qwen-Image's (an SD3 or FLUX.1 recipe is planned where its model is).
+planned: Qwen-Image, Stable Diffusion 3.5 Medium or FLUX.1-dev (rayflow/models/published.py).
 """
 
 import argparse
@@ -12,6 +12,7 @@ import sys
 
 from rayflow.config import load_config
 from rayflow.errors import ConfigError
+from rayflow.models.published import PUBLISHED
 from rayflow.planning.memory import GiB, check_fits, format_plan, plan_config
 
 
@@ -20,7 +21,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", default=None, help="a recipe YAML")
     parser.add_argument("overrides", nargs="*", help="key=value overrides")
     parser.add_argument("--gpu-memory-gib", type=float, default=79.6, help="memory of one GPU (H100 80 GB: 79.6 GiB)")
-    parser.add_argument("--arch", default=None,
+    parser.add_argument("--arch", default=None, choices=sorted(PUBLISHED),
                         help="published architecture when model.path is not here (default: model.tiny_arch)")
     parser.add_argument("--math-attention", action="store_true", help="plan unfused attention (score matrices kept)")
     args = parser.parse_args(argv)
@@ -33,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     device_bytes = int(args.gpu_memory_gib * GiB)
     try:
         plan, source = plan_config(cfg, args.arch, math_attention=args.math_attention)
-    except ValueError as e:  # planning.sizes.NoPublishedConfigs; an --arch rayflow does not know
+    except ValueError as e:  # model.path not a pipeline; planning.sizes.NoPublishedConfigs
         sys.exit(f"error: {e}")
     print(format_plan(plan, device_bytes, source))
     try:

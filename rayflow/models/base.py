@@ -157,6 +157,12 @@ class DiffusionModel(ABC):
         planner, rayflow.planning), shaped as encode_prompt returns it."""
         raise NotImplementedError(f"{type(self).__name__} does not give the memory planner its conditioning shape")
 
+    def planning_text_tokens(self, tokens: int) -> dict[str, int]:
+        """Pipeline component name -> the tokens each of its text encoders runs on per prompt, when a prompt has
+        `tokens` tokens (the memory planner's encode phase). One encoder on the prompt as it is, unless a family
+        says otherwise."""
+        return {"text_encoder": tokens}
+
     def check_size(self, height: int, width: int) -> None:
         m = self.size_multiple()
         for key, value in (("height", height), ("width", width)):

@@ -15,7 +15,7 @@ import torch
 
 from rayflow.models import pooled
 from rayflow.models.base import JOINT_ATTENTION_TARGETS, PromptEmbeds, Schedule, register_model
-from rayflow.models.sd3 import decode_vae, load_pipeline
+from rayflow.models.sd3 import decode_vae, load_frozen
 
 # FluxPipeline.__call__'s default guidance_scale: the embedded guidance when no policy passes one.
 DEFAULT_EMBEDDED_GUIDANCE = 3.5
@@ -32,9 +32,7 @@ class FluxModel(pooled.PooledTextModel):
     @classmethod
     def load(cls, path: str, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
              transformer_only: bool = False) -> "FluxModel":
-        from diffusers import FluxPipeline
-
-        return cls(load_pipeline(FluxPipeline, path, device, dtype, transformer_only), torch.device(device), dtype)
+        return cls(load_frozen(path, device, dtype, transformer_only), torch.device(device), dtype)
 
     @torch.no_grad()
     def encode_prompt(self, prompts: list[str]) -> PromptEmbeds:
@@ -43,6 +41,9 @@ class FluxModel(pooled.PooledTextModel):
 
     def padded_text_tokens(self) -> int:
         return pooled.t5_tokens(self.pipe)  # CLIP gives only the pooled embedding
+
+    def planning_text_tokens(self, tokens: int) -> dict[str, int]:
+        return {"text_encoder": self.pipe.tokenizer_max_length, "text_encoder_2": pooled.t5_tokens(self.pipe)}
 
     def _latent_hw(self, height: int, width: int) -> tuple[int, int]:
         # The pipeline's own rounding: latent grid of the VAE, even for 2x2 packing.

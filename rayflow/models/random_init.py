@@ -121,7 +121,8 @@ def write_random_init_dir(arch: str, out: str, seed: int = 0, depth: int | None 
         index[name] = [component.library, component.class_name]
         config = spec.config(name, depth)
         if component.library == "diffusers":
-            build_module(component, config).save_config(os.path.join(out, name))  # meta: free
+            with torch.device("meta"):  # buffers too: only the config is kept (SD3.5's positional table takes seconds)
+                build_module(component, config).save_config(os.path.join(out, name))
         else:
             import transformers
 

@@ -13,25 +13,27 @@ import inspect
 import torch
 
 from rayflow.models import pooled
-from rayflow.models.base import PromptEmbeds, Schedule, register_model
+from rayflow.models.base import PromptEmbeds, Schedule, load_pipeline, pipeline_class_of, register_model
 
 # The text modules a learner (transformer_only) never loads.
 _TEXT_AND_VAE = ("text_encoder", "text_encoder_2", "text_encoder_3", "tokenizer", "tokenizer_2", "tokenizer_3", "vae")
 
 
-def load_pipeline(pipeline_cls, path: str, device: torch.device | str, dtype: torch.dtype, transformer_only: bool):
-    """`pipeline_cls.from_pretrained(path)` on `device`, frozen, quiet; text encoders and VAE skipped if asked."""
+def load_frozen(path: str, device: torch.device | str, dtype: torch.dtype, transformer_only: bool):
+    """The pipeline at `path` (weights on disk or built at load) on `device`, frozen, quiet; text encoders and VAE
+    skipped if asked."""
+    import diffusers
     import transformers
     from diffusers.utils import logging as diffusers_logging
 
     # Loading bars from every rank of every actor would bury the run's own progress bar.
     diffusers_logging.disable_progress_bar()
     transformers.utils.logging.disable_progress_bar()
+    pipeline_cls = getattr(diffusers, pipeline_class_of(path))
     components = inspect.signature(pipeline_cls.__init__).parameters
-    skipped = {name: None for name in _TEXT_AND_VAE if name in components} if transformer_only else {}
-    pipe = pipeline_cls.from_pretrained(path, dtype=dtype, **skipped)
+    skipped = tuple(name for name in _TEXT_AND_VAE if name in components) if transformer_only else ()
+    pipe = load_pipeline(path, torch.device(device), dtype, skip=skipped)
     pipe.set_progress_bar_config(disable=True)
-    pipe.to(torch.device(device))
     for name in ("transformer", *_TEXT_AND_VAE):
         module = getattr(pipe, name, None)
         if isinstance(module, torch.nn.Module):
@@ -75,9 +77,7 @@ class SD3Model(pooled.PooledTextModel):
     @classmethod
     def load(cls, path: str, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
              transformer_only: bool = False) -> "SD3Model":
-        from diffusers import StableDiffusion3Pipeline
-
-        return cls(load_pipeline(StableDiffusion3Pipeline, path, device, dtype, transformer_only), torch.device(device), dtype)
+        return cls(load_frozen(path, device, dtype, transformer_only), torch.device(device), dtype)
 
     @torch.no_grad()
     def encode_prompt(self, prompts: list[str]) -> PromptEmbeds:
@@ -88,6 +88,10 @@ class SD3Model(pooled.PooledTextModel):
 
     def padded_text_tokens(self) -> int:
         return self.pipe.tokenizer_max_length + pooled.t5_tokens(self.pipe)  # CLIP's 77 positions, then T5's
+
+    def planning_text_tokens(self, tokens: int) -> dict[str, int]:
+        clip = self.pipe.tokenizer_max_length
+        return {"text_encoder": clip, "text_encoder_2": clip, "text_encoder_3": pooled.t5_tokens(self.pipe)}
 
     def _latent_hw(self, height: int, width: int) -> tuple[int, int]:
         return height // self.pipe.vae_scale_factor, width // self.pipe.vae_scale_factor

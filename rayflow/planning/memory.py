@@ -20,7 +20,7 @@ import torch
 
 from rayflow.cfg.policy import guidance_policy
 from rayflow.config import RayflowConfig
-from rayflow.planning.sizes import PLANNED_TEXT_TOKENS, ModelSizes, measure_model, model_directory
+from rayflow.planning.sizes import ModelSizes, measure_model, model_directory
 from rayflow.sampling.denoise import decode_chunks
 
 GiB = 2**30
@@ -103,9 +103,10 @@ def rollout_rank(cfg: RayflowConfig, sizes: ModelSizes) -> RoleMemory:
     # Without gradients a block's tensors are freed as it goes: one block's working set bounds the live set.
     # The sampler keeps x, x' and the noise of each sample in fp32.
     denoise = sizes.forward[(forward_batch, False)].block + 3 * forward_batch * sizes.latent_elements * 4
-    t = sizes.text
+    # The encoders run one after another: the largest one's working set is the phase's.
     text_batch = r.micro_batch_size * n_branches
-    encode = text_batch * PLANNED_TEXT_TOKENS * (t["hidden"] * (t["layers"] + 1) + t["vocab"] + 2 * t["intermediate"]) * wb if t else 0
+    encode = max((text_batch * t.tokens * (t.hidden * (t.layers + 1) + t.vocab + 2 * t.intermediate) * wb
+                  for t in sizes.text.values()), default=0)
     decoded_at_once = decode_chunks(r.micro_batch_size, s.decode_batch_size)[0].stop  # the first chunk is the largest
     decode = VAE_LIVE_MAPS * decoded_at_once * s.height * s.width * sizes.vae_full_res_channels * wb
     role.phases = {"prompt encoding (text encoder forward)": encode, "denoising (transformer forward)": denoise,

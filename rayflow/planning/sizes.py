@@ -33,11 +33,22 @@ class ModelSizes:
     forward: dict[tuple[int, bool], "ForwardCost"]
     """(batch, checkpointing) -> activation bytes of one transformer forward with gradients (FlowGRPO
     replays every CFG branch with gradients: a training step keeps one per branch)."""
-    text: dict[str, int]
-    """Text encoder sizes: hidden, layers, vocab, intermediate."""
+    text: dict[str, "TextEncoderSize"]
+    """Text encoder component name -> its sizes (SD3 has three, FLUX.1 two, Qwen-Image one)."""
     vae_full_res_channels: int
     latent_elements: int
     """Elements of one sample's latents at the configured resolution."""
+
+
+@dataclass(frozen=True)
+class TextEncoderSize:
+    hidden: int
+    layers: int
+    intermediate: int
+    vocab: int
+    """Logits' width: the vocabulary where the encoder has an LM head (Qwen2.5-VL), else 0 (CLIP, T5)."""
+    tokens: int
+    """Positions it runs on per prompt (DiffusionModel.planning_text_tokens)."""
 
 
 @dataclass(frozen=True)
@@ -83,9 +94,9 @@ def measure_model(cfg: RayflowConfig, path: str, batches: set[tuple[int, bool]],
     from rayflow.models.lora import add_lora
     from rayflow.distributed.parallelize import transformer_blocks
     from rayflow.learner.model import lora_targets
-    from rayflow.models.random_init import meta_components, parameter_count, parameters_on_meta
+    from rayflow.models.random_init import parameter_count, parameters_on_meta
 
-    full = meta_components(path)
+    full = _meta_components(path)
     parameters = {name: parameter_count(m) for name, m in full.items()}
     transformer = full["transformer"]
     blocks = transformer_blocks(transformer)  # FSDP2's groups: the gathered-block term takes the largest
@@ -97,10 +108,10 @@ def measure_model(cfg: RayflowConfig, path: str, batches: set[tuple[int, bool]],
         add_lora(transformer, rank=cfg.learner.lora_rank, alpha=cfg.learner.lora_alpha, targets=targets)
     lora = sum(p.numel() for n, p in transformer.named_parameters() if ".lora_" in n)
     depths = {key: transformer.config[key] for key in STACK_DEPTH_KEYS if transformer.config.get(key)}
-    forward = {key: _forward_cost(cfg, path, *key, depths, math_attention, text_tokens) for key in sorted(batches)}
+    forward = _forward_costs(cfg, path, batches, depths, math_attention, text_tokens) if batches else {}
     latents, _ = meta_model.prepare_latents([0], cfg.sampling.height, cfg.sampling.width)
-    text = full.get("text_encoder")
-    text_config = text.config.get_text_config() if text is not None else None
+    text = {name: _text_encoder_size(full[name], tokens)
+            for name, tokens in meta_model.planning_text_tokens(text_tokens).items() if name in full}
     vae = full.get("vae")
     return ModelSizes(
         parameters=parameters,
@@ -109,12 +120,28 @@ def measure_model(cfg: RayflowConfig, path: str, batches: set[tuple[int, bool]],
         block_parameters=max(parameter_count(b) for b in blocks) if blocks else 0,
         layers=len(blocks),
         forward=forward,
-        text={} if text_config is None else dict(
-            hidden=text_config.hidden_size, layers=text_config.num_hidden_layers,
-            vocab=text_config.vocab_size, intermediate=text_config.intermediate_size),
+        text=text,
         vae_full_res_channels=0 if vae is None else _vae_full_res_channels(vae.config),
         latent_elements=latents.numel(),
     )
+
+
+def _meta_components(path: str, **kwargs) -> dict[str, nn.Module]:
+    """random_init.meta_components with the buffers on meta too: the planner measures shapes only, and computing them
+    for real takes seconds (SD3.5's positional table, 384² positions × 1536)."""
+    from rayflow.models.random_init import meta_components
+
+    with torch.device("meta"):
+        return meta_components(path, **kwargs)
+
+
+def _text_encoder_size(encoder: nn.Module, tokens: int) -> TextEncoderSize:
+    config = encoder.config.get_text_config()
+    lm_head = encoder.get_output_embeddings() is not None
+    return TextEncoderSize(
+        hidden=config.hidden_size, layers=config.num_hidden_layers,
+        intermediate=getattr(config, "intermediate_size", None) or config.d_ff,  # T5 names it d_ff
+        vocab=config.vocab_size if lm_head else 0, tokens=tokens)
 
 
 def _vae_full_res_channels(config) -> int:
@@ -146,43 +173,47 @@ STACK_DEPTH_KEYS = ("num_layers", "num_single_layers")
 FLUX.1's single-stream `num_single_layers` beside it)."""
 
 
-def _forward_cost(cfg: RayflowConfig, path: str, batch: int, checkpointing: bool, depths: dict[str, int],
-                  math_attention: bool, text_tokens: int) -> ForwardCost:
-    """One forward with gradients at `batch`: measured with every stack BASE_DEPTH blocks deep, then with each stack
-    in turn one block deeper; each stack's increment scaled to its depth in the model, `depths` (STACK_DEPTH_KEYS ->
-    blocks; FLUX.1: 19 double-stream, 38 single-stream)."""
+def _forward_costs(cfg: RayflowConfig, path: str, keys: set[tuple[int, bool]], depths: dict[str, int],
+                   math_attention: bool, text_tokens: int) -> dict[tuple[int, bool], ForwardCost]:
+    """(batch, checkpointing) -> one forward with gradients at that batch: measured with every stack BASE_DEPTH blocks
+    deep, then with each stack in turn one block deeper; each stack's increment scaled to its depth in the model,
+    `depths` (STACK_DEPTH_KEYS -> blocks; FLUX.1: 19 double-stream, 38 single-stream). Each depth is built once."""
     from rayflow.models.lora import add_lora
     from rayflow.learner.model import lora_targets
-    from rayflow.models.random_init import meta_components, parameters_on_meta
+    from rayflow.models.random_init import parameters_on_meta
     from rayflow.planning.activations import measure_forward
 
-    dtype = getattr(torch, cfg.model.dtype)
-
-    def measure(deeper: str | None):
+    def build(deeper: str | None):
         stacks = {key: BASE_DEPTH + (key == deeper) for key in depths}
-        transformer = meta_components(path, skip=("text_encoder", "vae"), transformer_config=stacks)["transformer"]
-        # meta: no copy (diffusers' own .to warns about fp32 modules); buffers built at init (SD3's positional
-        # embedding) go to meta with the parameters
-        nn.Module.to(transformer, "meta", dtype)
+        transformer = _meta_components(path, skip=("text_encoder", "vae"), transformer_config=stacks)["transformer"]
+        # meta: no copy (diffusers' own .to warns about fp32 modules)
+        nn.Module.to(transformer, "meta", getattr(torch, cfg.model.dtype))
         model = _meta_model(path, transformer, cfg)
         with parameters_on_meta():
             add_lora(transformer, rank=cfg.learner.lora_rank, alpha=cfg.learner.lora_alpha,
                      targets=lora_targets(cfg.learner, model))
+        return model
+
+    def measure(model, batch: int):
         latents, _ = model.prepare_latents(list(range(batch)), cfg.sampling.height, cfg.sampling.width)
         cond = model.planning_conditioning(batch, text_tokens)
         timestep = torch.full((batch,), 500.0, device="meta")
-        return measure_forward(transformer, lambda: model.predict_velocity(
+        return measure_forward(model.transformer, lambda: model.predict_velocity(
             latents, timestep, cond, cfg.sampling.height, cfg.sampling.width), math_attention=math_attention)
 
-    one = measure(None)
-    deeper = {key: measure(key) for key in depths}
-    per_block = {key: m.saved - one.saved for key, m in deeper.items()}
-    outside = one.saved - BASE_DEPTH * sum(per_block.values())
-    largest = max(per_block.values())
-    if checkpointing:
-        # Each block keeps its inputs; the block being recomputed in backward keeps its full set.
+    base = build(None)
+    deeper_models = {key: build(key) for key in depths}
+    costs = {}
+    for batch in sorted({batch for batch, _ in keys}):
+        one = measure(base, batch)
+        deeper = {key: measure(model, batch) for key, model in deeper_models.items()}
+        per_block = {key: m.saved - one.saved for key, m in deeper.items()}
+        outside = one.saved - BASE_DEPTH * sum(per_block.values())
+        largest = max(per_block.values())
+        # With checkpointing each block keeps its inputs; the block being recomputed in backward keeps its full set.
         per_input = {key: m.block_inputs - one.block_inputs for key, m in deeper.items()}
-        saved = outside + sum(depths[key] * per_input[key] for key in depths) + largest
-    else:
-        saved = outside + sum(depths[key] * per_block[key] for key in depths)
-    return ForwardCost(saved=saved, block=largest)
+        costs[(batch, True)] = ForwardCost(
+            saved=outside + sum(depths[key] * per_input[key] for key in depths) + largest, block=largest)
+        costs[(batch, False)] = ForwardCost(
+            saved=outside + sum(depths[key] * per_block[key] for key in depths), block=largest)
+    return {key: costs[key] for key in keys}
