@@ -41,8 +41,11 @@ def test_jsonl(tmp_path):
         ("p.jsonl", '{"prompt": "a"}\n\n{"prompt": "   "}\n', '{path}:3: expected {{"prompt": "<non-empty text>"}}'),
         ("p.jsonl", '{"prompt": 7}\n', '{path}:1: expected'),
         ("p.jsonl", '["a red apple"]\n', '{path}:1: expected'),
+        # old Mac line endings: without the check the whole file was one prompt
+        ("p.txt", "a red apple\ra green leaf\ra blue sky\r", "{path}:1: a carriage return inside the line"),
     ],
-    ids=["empty", "only-comments", "bad-json-line-3", "no-prompt-key", "empty-prompt", "prompt-not-text", "not-object"],
+    ids=["empty", "only-comments", "bad-json-line-3", "no-prompt-key", "empty-prompt", "prompt-not-text", "not-object",
+         "cr-line-endings"],
 )
 def test_bad_files_name_the_file_and_line(tmp_path, name, text, message):
     path = write(tmp_path, name, text)

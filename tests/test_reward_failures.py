@@ -33,9 +33,10 @@ def test_non_finite_score_raises_with_the_reward_name():
             make_reward("http", url=server.url)(IMAGES, ["a", "b"])
 
 
-@pytest.mark.parametrize("metric", ["color", "mean", "std", "color/normalized"])
+@pytest.mark.parametrize("metric", ["color", "mean", "std", "reward_mean", "color/normalized"])
 def test_a_metric_that_would_be_logged_over_the_rewards_own_scalars_is_refused(metric):
-    # reward/mean, reward/std and reward/<component>/normalized are the trainer's: a metric of that name overwrote them.
+    # reward/mean, reward/std, eval/reward_mean and reward/<component>/normalized are the trainer's: a metric of that
+    # name overwrote them. A reward may not be registered under those names either.
     @register_reward(f"test_metric_{metric}")
     def _reporting():
         return lambda images, prompts, metadata=None: RewardOutput(torch.zeros(len(prompts)), {metric: torch.ones(len(prompts))})
@@ -43,6 +44,9 @@ def test_a_metric_that_would_be_logged_over_the_rewards_own_scalars_is_refused(m
     reward = WeightedReward([RewardFnConfig("color"), RewardFnConfig(f"test_metric_{metric}")])
     with pytest.raises(ValueError, match=rf"reward metrics \['{metric}'\] would be logged over the reward's own scalars"):
         reward(IMAGES, ["a red x", "a red y"])
+    if metric != "color" and "/" not in metric:
+        with pytest.raises(ValueError, match=rf"register_reward: got '{metric}'"):
+            register_reward(metric)
 
 
 def test_huge_integer_from_a_server_is_a_clear_error():

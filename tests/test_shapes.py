@@ -40,6 +40,11 @@ def test_parse_reads_every_category():
     ("a purple circle", "unknown colour 'purple'"), ("two red hexagons", "unknown shape 'hexagons'"),
     ("two red circle", "mixes a count of 2"), ("many red circles", "unknown number word 'many'"),
     ("a red circle near a blue square", "cannot read object phrase"),
+    # objects the world never draws, which the reward could not tell apart or place
+    ("a red circle and a red circle", "both circles that no colour tells apart"),
+    ("a square and a red square", "both squares that no colour tells apart"),
+    ("two red circles on the left", "'two red circles' is on the left as a group"),
+    ("a red circle above two blue squares", "'two blue squares' is above as a group"),
 ])
 def test_parse_names_what_it_cannot_read(prompt, word):
     with pytest.raises(ValueError, match=word):
@@ -58,6 +63,16 @@ def test_scenes_are_deterministic_and_true_to_their_prompts():
     for seed in range(40):
         prompt, scene = sample_scene(seed)
         assert score(prompt, scene) == (1.0, 1.0) and score(prompt, scene, "flow_grpo") == (1.0, 1.0), (prompt, scene)
+
+
+@pytest.mark.parametrize("size", [24, 32, 48, 96])
+def test_true_scenes_score_1_at_other_sizes(size):
+    """Drawn at other sizes than 64 px, every scene still scores 1: at 24 and 48 px a circle fills only 2/3 of its
+    box, as much as a triangle, and is told from one by not narrowing to the top."""
+    for seed in range(30):
+        prompt, scene = sample_scene(seed)
+        out = make_reward("shapes")(torch.from_numpy(render(scene, size))[None], [prompt])
+        assert (float(out.scores[0]), float(out.metrics["shapes_accuracy"][0])) == (1.0, 1.0), (size, prompt, scene)
 
 
 def test_detect_finds_kind_colour_and_place():
@@ -84,6 +99,9 @@ def test_detect_finds_kind_colour_and_place():
     ("a green triangle above a yellow circle", [Placed("triangle", "green", 0, 1), Placed("circle", "yellow", 2, 1)],
      (1.0, 1.0)),
     ("a red circle on the left", [Placed("circle", "red", 1, 2)], (0.75, 0.0)),
+    # a second red circle on the right: the position must hold for every match (flow_grpo's and GenEval's rule), and
+    # there is one shape too many (2 of 4)
+    ("a red circle on the left", [Placed("circle", "red", 1, 0), Placed("circle", "red", 1, 2)], (0.5, 0.0)),
     ("a square", [Placed("triangle", "red", 1, 1)], (0.5, 0.0)),  # one shape, as asked, of the wrong kind
 ])
 def test_reward_on_known_answers(prompt, scene, expected):
@@ -133,6 +151,15 @@ def test_accuracy_is_logged_beside_the_reward_not_summed_into_it():
     total, parts = WeightedReward([RewardFnConfig(name="shapes", weight=2.0)])(images, ["a red circle", "a circle"])
     assert total.tolist() == pytest.approx([1.0, 2.0])  # flow_grpo's score by default: (1 + 0) / 2 and 1
     assert parts["shapes"].tolist() == pytest.approx([0.5, 1.0]) and parts["shapes_accuracy"].tolist() == [0.0, 1.0]
+
+
+def test_reward_refuses_images_that_are_not_uint8():
+    """Float images in [0, 1] would score plausibly (colour) or 0 (shapes), without an error."""
+    image = torch.from_numpy(render([Placed("circle", "red", 1, 1)]))[None]
+    reward = WeightedReward([RewardFnConfig(name="shapes")])
+    assert reward(image, ["a red circle"])[0].tolist() == [1.0]
+    with pytest.raises(ValueError, match=r"reward images: got torch\.float32 of shape \(1, 64, 64, 3\).*uint8"):
+        reward(image.float() / 255, ["a red circle"])
 
 
 def test_strict_reward_is_the_per_prompt_correct_and_a_bad_kwarg_is_named():

@@ -31,6 +31,9 @@ def prompt_lines(path: str, max_chars: int = 4096, key: str = "data.prompts") ->
             if lineno == 1 and raw.startswith(b"\xef\xbb\xbf"):  # a UTF-8 byte-order mark (Windows editors), not text
                 raw = raw[3:]
             text = _decode_line(raw, path, lineno).strip()
+            if "\r" in text:  # lines are split at \n only: a file of \r-ended lines would read as one prompt
+                raise ValueError(f"{path}:{lineno}: a carriage return inside the line (old Mac line endings?); "
+                                 f"allowed: one prompt per line, each ending in \\n or \\r\\n")
             if not text or (ext == ".txt" and text.startswith("#")):
                 continue
             if ext == ".jsonl":

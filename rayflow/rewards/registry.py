@@ -28,8 +28,15 @@ class RewardFn(Protocol):
 _REWARDS: dict[str, Callable[..., RewardFn]] = {}
 
 
+RESERVED_NAMES = ("mean", "std", "reward_mean")
+"""Logged by the trainer itself (reward/mean, reward/std, eval/reward_mean): no reward or reward metric may take them."""
+
+
 def register_reward(name: str):
     """Decorator: register a reward factory (a class or function taking the reward's kwargs)."""
+    if name in RESERVED_NAMES:
+        raise ValueError(f"register_reward: got {name!r}; allowed: any name but {list(RESERVED_NAMES)} (the trainer "
+                         f"logs its own scalars under them)")
 
     def wrap(factory: Callable[..., RewardFn]) -> Callable[..., RewardFn]:
         _REWARDS[name] = factory

@@ -2,12 +2,13 @@
 
 Shapes are found by colour segmentation (each pixel to the nearest palette colour or the background,
 within a distance) and 4-connected components; a component's kind comes from how it fills its bounding
-box (a triangle about half, a circle and a square most of it) and whether it fills the box's corners
-(a square does, a circle does not). The reward is the fraction of the prompt's requirements met:
+box (a triangle about half, narrowing to the top; a circle and a square most of it) and whether it fills the box's
+corners (a square does, a circle does not). The requirements of a prompt (`score: requirements` is the fraction met; the
+default score is flow_grpo's, `flow_grpo_score`):
 
     per object   its shape is there; in its colour (when named); as many as the number word says
-    position     an object of the first kind sits in that third of the image (left, right, top, bottom)
-    relation     an object of the first kind is above / below / left of / right of one of the second
+    position     the objects of the first kind sit in that third of the image (left, right, top, bottom)
+    relation     the objects of the first kind are above / below / left of / right of those of the second
     nothing else as many shapes in all as the prompt asks for ("a" is one): a scene of the world holds
                  the prompt's objects only, and without this a policy learns to tile the image with
                  shapes of every kind and colour, which meets every "a ..." and every position at once
@@ -58,11 +59,20 @@ def label_components(mask: np.ndarray) -> list[np.ndarray]:
         labels = smallest
 
 
+TRIANGLE_FILL = 0.68
+"""A component filling less of its bounding box than this may be a triangle (half its box); a circle fills π/4."""
+TRIANGLE_TAPER = 0.75
+"""... if its box's top half is filled less than this times its bottom half (an upward triangle: 0.29-0.50 drawn at
+16-136 px; a circle 1.0 where its fill drops below TRIANGLE_FILL, at 24 and 48 px)."""
+
+
 def classify(component: np.ndarray) -> str:
-    """The kind of one component [H, W] bool: by its fill of the bounding box and of the box's corners."""
+    """The kind of one component [H, W] bool: by its fill of the bounding box, its taper and the box's corners."""
     ys, xs = np.nonzero(component)
     box = component[ys.min() : ys.max() + 1, xs.min() : xs.max() + 1]
-    if box.mean() < 0.68:  # a triangle fills half its box; a circle π/4 of it
+    half = box.shape[0] // 2
+    tapered = box[:half].mean() < TRIANGLE_TAPER * box[box.shape[0] - half :].mean() if half else True
+    if box.mean() < TRIANGLE_FILL and tapered:
         return "triangle"
     k = max(1, min(box.shape) // 4)
     corners = np.concatenate([box[:k, :k].ravel(), box[:k, -k:].ravel(), box[-k:, :k].ravel(), box[-k:, -k:].ravel()])
@@ -106,12 +116,13 @@ def requirements_met(req: Requirements, found: list[Detection]) -> list[bool]:
             met.append(bool(matches))
         if spec.exact:
             met.append(len(matches) == spec.count)
+    # Every match must hold it, as in flow_grpo's score (and GenEval's): one extra shape on the wrong side fails it.
     first = _matches(req.objects[0], found)
     if req.position is not None:
-        met.append(any(_SIDE[req.position](d) for d in first))
+        met.append(bool(first) and all(_SIDE[req.position](d) for d in first))
     if req.relation is not None:
         second = _matches(req.objects[1], found)
-        met.append(any(_RELATION[req.relation](a, b) for a in first for b in second))
+        met.append(bool(first and second) and all(_RELATION[req.relation](a, b) for a in first for b in second))
     met.append(len(found) == sum(spec.count for spec in req.objects))
     return met
 

@@ -8,7 +8,7 @@ import torch
 
 from rayflow.config import RewardFnConfig
 from rayflow.rewards.normalize import component_names
-from rayflow.rewards.registry import RewardOutput, make_reward, reward_factory
+from rayflow.rewards.registry import RESERVED_NAMES, RewardOutput, make_reward, reward_factory
 from rayflow.types import Trajectory
 
 
@@ -35,6 +35,10 @@ class WeightedReward:
                  ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """images [B, H, W, 3] uint8 -> (total [B], {component or metric: [B]}). The metrics a reward reports
         (RewardOutput) are in the dict beside the components, and not in the total."""
+        if images.dtype != torch.uint8 or images.dim() != 4 or images.shape[-1] != 3 or len(images) != len(prompts):
+            raise ValueError(f"reward images: got {images.dtype} of shape {tuple(images.shape)} for {len(prompts)} "
+                             f"prompts; allowed: uint8 [B, H, W, 3], one image per prompt (a model's decode returns "
+                             f"them so)")
         parts, metrics = {}, {}
         for name, _, fn in self.components:
             out = fn(images, prompts, metadata)
@@ -44,10 +48,10 @@ class WeightedReward:
                 out = out.scores
             parts[name] = _checked(name, out, prompts)
         # Each is logged as reward/<name>, beside reward/mean, reward/std and reward/<component>/normalized.
-        clash = sorted(m for m in metrics if m in parts or m in ("mean", "std") or m.endswith("/normalized"))
+        clash = sorted(m for m in metrics if m in parts or m in RESERVED_NAMES or m.endswith("/normalized"))
         if clash:
             raise ValueError(f"reward metrics {clash} would be logged over the reward's own scalars (a component's name, "
-                             f"'mean', 'std', or a name ending in '/normalized'); rename the metrics")
+                             f"one of {list(RESERVED_NAMES)}, or a name ending in '/normalized'); rename the metrics")
         total = torch.zeros(len(prompts), dtype=torch.float32)
         for name, weight, _ in self.components:
             total += weight * parts[name]

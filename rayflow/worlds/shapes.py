@@ -136,7 +136,10 @@ def _parse_object(phrase: str, prompt: str) -> ObjectSpec:
 
 def parse_prompt(prompt: str) -> Requirements:
     """The requirements of a shapes prompt (see the module doc for the grammar); ValueError otherwise."""
-    text = " ".join(prompt.lower().strip().rstrip(".").split())
+    return _checked(_parse(" ".join(prompt.lower().strip().rstrip(".").split()), prompt), prompt)
+
+
+def _parse(text: str, prompt: str) -> Requirements:
     for relation in RELATIONS:
         first, sep, second = text.partition(f" {relation} ")
         if sep:
@@ -148,6 +151,22 @@ def parse_prompt(prompt: str) -> Requirements:
     if sep:
         return Requirements((_parse_object(first, prompt), _parse_object(second, prompt)))
     return Requirements((_parse_object(text, prompt),))
+
+
+def _checked(req: Requirements, prompt: str) -> Requirements:
+    """`req`, if the world can draw it and the reward tell its objects apart: a position or relation is of one shape
+    (which of two circles would be "on the left"?), and two objects of one shape differ in their named colours."""
+    counted = [o for o in req.objects if o.count > 1]
+    if (req.position or req.relation) and counted:
+        raise ValueError(f"shapes prompt {prompt!r}: {object_phrase(counted[0])!r} is {req.position or req.relation} "
+                         f"as a group; allowed: a position or relation of one object ('a' or 'one')")
+    if len(req.objects) == 2:
+        first, second = req.objects
+        if first.shape == second.shape and (None in (first.colour, second.colour) or first.colour == second.colour):
+            raise ValueError(f"shapes prompt {prompt!r}: its two objects are both {first.shape}s that no colour tells "
+                             f"apart; allowed: two shapes, or one shape in two named colours ('a red circle and a blue "
+                             f"circle')")
+    return req
 
 
 def category_of(req: Requirements) -> str:
