@@ -158,6 +158,7 @@ def save_checkpoint(root: str, ckpt: Checkpoint, keep: int) -> str:
         _write(tmp, MANIFEST, lambda f: _write_text(f, json.dumps({"format": FORMAT, "files": files}, indent=2)))
         seal_file(os.path.join(tmp, MANIFEST))
         for directory, _, _ in os.walk(tmp, topdown=False):
+            os.chmod(directory, 0o755)  # the sharded weights' directory was made by mkdtemp too (private)
             fsync_dir(directory)
         _replace_dir(tmp, final)
         fsync_dir(root)
@@ -313,7 +314,12 @@ def verify_checkpoint(path: str) -> None:
         raise CheckpointDamaged(path, MANIFEST, "missing (not written by a complete save)") from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
         raise CheckpointDamaged(path, MANIFEST, f"unreadable ({e!r})") from None
+    if not isinstance(files, dict):
+        raise CheckpointDamaged(path, MANIFEST, f"unreadable ('files' is {type(files).__name__}, not an object)")
     for name, entry in files.items():
+        if not (isinstance(entry, dict) and isinstance(entry.get("bytes"), int) and isinstance(entry.get("sha256"), str)):
+            raise CheckpointDamaged(path, MANIFEST, f"unreadable (the entry of {name!r} is {entry!r}, not "
+                                                    f"{{\"bytes\": int, \"sha256\": str}})")
         file = os.path.join(path, name)
         if not os.path.isfile(file):
             raise CheckpointDamaged(path, name, "missing")

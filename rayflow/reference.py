@@ -77,6 +77,9 @@ class Run:
     """Skipped optimizer steps; stops the run at trainer.max_skipped_steps in a row."""
     step: int = 0
     """Batches trained (= the policy version; algorithm.steps_per_batch optimizer steps each)."""
+    pending: list[int] = field(default_factory=list)
+    """Prompt groups drawn before a checkpoint but not trained on (a distributed run's checkpoint lists them): the
+    next batches take them first, as that run would have."""
 
 
 def build_run(cfg: RayflowConfig) -> Run:
@@ -99,7 +102,9 @@ def build_run(cfg: RayflowConfig) -> Run:
 def next_requests(run: Run) -> list[RolloutRequest]:
     """The rollout requests of the next batch's prompt groups."""
     cfg = run.cfg
-    groups = [run.sampler.next_group() for _ in range(cfg.algorithm.prompts_per_step)]
+    taken, run.pending = run.pending[: cfg.algorithm.prompts_per_step], run.pending[cfg.algorithm.prompts_per_step :]
+    groups = [run.sampler.group(gid) for gid in taken]
+    groups += [run.sampler.next_group() for _ in range(cfg.algorithm.prompts_per_step - len(groups))]
     sampling = window_params(cfg.sampling, cfg.trainer.seed, run.step)
     return [r for g in groups for r in g.requests(sampling, cfg.rollout.micro_batch_size)]
 
@@ -158,6 +163,7 @@ def resume(run: Run, path: str) -> None:
     ckpt = load_checkpoint(path, run.identity)
     restore_trained(run.model.transformer, run.optimizer, vars(ckpt))
     run.sampler.load_state_dict(ckpt.data)
+    run.pending = list(ckpt.data.get("pending_groups", []))
     set_rng_state(ckpt.rng["driver"])
     run.skips.load(ckpt.counters)
     run.step = ckpt.step

@@ -2,17 +2,21 @@
 
     <trainer.output_dir>/<trainer.run_name>/
         config.yaml     the resolved config the run (last) started with
+        inputs.json     what its input files held then (INPUTS_FILE)
         checkpoints/    step_00000050/ ... (rayflow.checkpoint)
         tensorboard/
 
 A resume is checked against the config the checkpoint's run was started with: a run that is already
 complete says so instead of training nothing; settings that change what the run means (model,
 algorithm, LoRA, sampling, CFG, rewards, prompts, batch and group sizes, seed) are refused, naming
-each; the others (total_steps, logging, eval, placement, ...) are allowed and listed.
+each; the others (total_steps, logging, eval, placement, ...) are allowed and listed. Input files are
+compared by what they hold, not where they are.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import os
 import tempfile
@@ -35,6 +39,14 @@ BREAKING = ("model.", "algorithm.", "learner.lora_", "sampling.", "cfg.", "rewar
 """Dotted-key prefixes whose change makes a resumed run a different experiment."""
 IGNORED = ("model.cache_dir", "trainer.output_dir", "trainer.run_name", "trainer.logdir", "trainer.resume")
 """Keys that only locate the run (a copied run dir may be resumed from a new place)."""
+
+
+INPUTS_FILE = "inputs.json"
+"""Beside config.yaml: a fingerprint of each input file or directory (input_paths) when the run last started. A resume
+compares what they hold, not their paths: a RayJob retry or a resubmission finds the recipe's files in another copy
+of its working directory (another path, the same files), and a prompt file edited in place is another run."""
+WHOLE_FILE_BYTES = 64 * 2**20
+"""Files up to this size are hashed whole; larger ones (a reward model's weights) by their size, head and tail."""
 
 
 class RunComplete(Exception):
@@ -75,22 +87,95 @@ def plan_resume(cfg: RayflowConfig) -> ResumePlan:
             f"run {t.run_name!r} is complete: {path} is step {step} and trainer.total_steps={t.total_steps}; nothing to "
             f"train. Continue it with a larger trainer.total_steps, or leave trainer.run_name unset to start a new run"
         )
-    saved_file = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(path))), CONFIG_FILE)
+    run_dir = os.path.dirname(os.path.dirname(os.path.abspath(path)))
+    saved_file = os.path.join(run_dir, CONFIG_FILE)
     if not os.path.isfile(saved_file):
         return ResumePlan(path, step, [f"(no {CONFIG_FILE} beside {path}: settings not compared)"])
     with open(saved_file) as f:
-        saved = _flatten(yaml.safe_load(f) or {})
-    current = _flatten(to_dict(cfg))
+        saved_config = yaml.safe_load(f) or {}
+    current_config = to_dict(cfg)
+    moved = _compare_inputs_by_content(saved_config, current_config, _read_inputs(run_dir))
+    saved, current = _flatten(saved_config), _flatten(current_config)
     diffs = [(key, saved.get(key), current.get(key)) for key in sorted(set(saved) | set(current))
              if saved.get(key) != current.get(key) and not key.startswith(IGNORED)]
     refused = [d for d in diffs if d[0].startswith(BREAKING)]
+    ema_saved, ema_now = float(saved.get("trainer.ema_decay") or 0), cfg.trainer.ema_decay
+    if (ema_saved > 0) != (ema_now > 0):  # the checkpoint holds the "ema" weights exactly when its run kept them
+        refused.append(("trainer.ema_decay", ema_saved, ema_now))
     if refused:
         raise ResumeRefused(
             f"cannot resume {path} under changed settings that change what the run means: "
             + "; ".join(f"{k}: {a!r} -> {b!r}" for k, a, b in refused)
             + f". Put them back, or leave trainer.run_name unset (and trainer.resume=auto) to start a new run"
         )
-    return ResumePlan(path, step, [f"{k}: {a!r} -> {b!r}" for k, a, b in diffs])
+    return ResumePlan(path, step, moved + [f"{k}: {a!r} -> {b!r}" for k, a, b in diffs])
+
+
+def input_paths(config: dict) -> dict[str, str]:
+    """Dotted key -> path of each file or directory the run reads: model.path, data.prompts, data.eval_prompts and
+    each reward's kwargs.path (reward.functions.<i>.kwargs.path)."""
+    found = {f"{section}.{key}": config.get(section, {}).get(key)
+             for section, key in (("model", "path"), ("data", "prompts"), ("data", "eval_prompts"))}
+    for i, fn in enumerate(config.get("reward", {}).get("functions") or []):
+        found[f"reward.functions.{i}.kwargs.path"] = (fn.get("kwargs") or {}).get("path")
+    return {key: path for key, path in found.items() if isinstance(path, str)}
+
+
+def fingerprint(path: str) -> str | None:
+    """What a file or directory holds: a file's sha256 (up to WHOLE_FILE_BYTES; beyond, of its size, first and last
+    MiB); a directory's, of its files' relative paths and fingerprints; None when nothing is there."""
+    h = hashlib.sha256()
+    if os.path.isfile(path):
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            if size <= WHOLE_FILE_BYTES:
+                h.update(f.read())
+            else:
+                h.update(str(size).encode() + f.read(2**20))
+                f.seek(-(2**20), os.SEEK_END)
+                h.update(f.read())
+        return h.hexdigest()
+    if os.path.isdir(path):
+        for folder, _, files in sorted(os.walk(path)):
+            for name in sorted(files):
+                file = os.path.join(folder, name)
+                h.update(f"{os.path.relpath(file, path)}:{fingerprint(file)}\n".encode())
+        return h.hexdigest()
+    return None
+
+
+def _read_inputs(run_dir: str) -> dict[str, dict]:
+    try:
+        with open(os.path.join(run_dir, INPUTS_FILE)) as f:
+            return json.load(f)
+    except FileNotFoundError:  # a run from before inputs.json: its paths are compared as text
+        return {}
+
+
+def _compare_inputs_by_content(saved: dict, current: dict, fingerprints: dict[str, dict]) -> list[str]:
+    """Where an input's path changed but what it holds did not, give `current` the saved path (in place), so the
+    comparison sees no change; where the same path holds something else now, mark the saved path as changed in
+    `saved`, so it does. Returns a line for each input found at a new path."""
+    moved = []
+    for key, path in input_paths(current).items():
+        old = fingerprints.get(key)
+        if not old:
+            continue
+        now = fingerprint(path)
+        if now == old["fingerprint"] and path != old["path"]:
+            moved.append(f"{key}: {old['path']!r} -> {path!r} (moved; the same content)")
+            _set(current, key, old["path"])
+        elif now != old["fingerprint"] and path == old["path"]:
+            _set(saved, key, f"{path} (as it was when the run last started; it has changed since)")
+    return moved
+
+
+def _set(config: dict, dotted: str, value: str) -> None:
+    *parents, leaf = dotted.split(".")
+    node = config
+    for part in parents:
+        node = node[int(part)] if isinstance(node, list) else node[part]
+    node[leaf] = value
 
 
 def preflight(cfg: RayflowConfig) -> list[str]:
@@ -139,6 +224,12 @@ def write_run_config(cfg: RayflowConfig) -> str:
     with os.fdopen(fd, "w") as f:
         f.write(to_yaml(cfg))
     os.chmod(tmp, 0o644)  # mkstemp files are private; a run's outputs are as readable as any other file
+    inputs = {key: {"path": path, "fingerprint": fingerprint(path)} for key, path in input_paths(to_dict(cfg)).items()}
+    fd, tmp_inputs = tempfile.mkstemp(prefix=".inputs-", dir=cfg.trainer.run_dir)
+    with os.fdopen(fd, "w") as f:
+        json.dump(inputs, f, indent=2)
+    os.chmod(tmp_inputs, 0o644)
+    os.replace(tmp_inputs, os.path.join(cfg.trainer.run_dir, INPUTS_FILE))
     os.replace(tmp, final)
     return final
 

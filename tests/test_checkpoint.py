@@ -4,6 +4,7 @@ another run's checkpoint, and no unpickling of code."""
 import dataclasses
 import os
 import pickle
+import stat
 
 import pytest
 import torch
@@ -223,6 +224,8 @@ def test_a_sharded_checkpoint_proves_itself_by_checksums_and_its_ranks_finite_ch
                           keep=2)
     with pytest.raises(CheckpointDamaged, match=r"weights/: holds non-finite"):
         verify_checkpoint(nan)
+    # Readable by others, as every other file of a run (the staging directory was private, as mkdtemp makes it).
+    assert {stat.S_IMODE(os.stat(folder).st_mode) for folder, _, _ in os.walk(nan)} == {0o755}
     with caplog.at_level(logging.WARNING, logger="rayflow"):
         assert resolve_resume("auto", root) == intact
     from rayflow.learner.sharded import missing_files

@@ -41,6 +41,14 @@ def truncate(file: str) -> None:
         f.truncate(os.path.getsize(file) // 2)
 
 
+def misname_a_manifest_key(file: str) -> None:
+    """One flipped bit in a key of the manifest's first entry ("bytes" -> "cytes")."""
+    with open(file) as f:
+        text = f.read()
+    with open(file, "w") as f:
+        f.write(text.replace('"bytes"', '"cytes"', 1))
+
+
 @pytest.mark.parametrize("damage, file, reason", [
     (flip_byte, "optimizer.pt", "sha256 differs from the manifest's"),
     (flip_byte, "adapter_default.safetensors", "sha256 differs from the manifest's"),
@@ -48,6 +56,7 @@ def truncate(file: str) -> None:
     (truncate, "meta.json", "bytes, the manifest says"),
     (os.remove, "manifest.json", "missing"),
     (os.remove, "rng.safetensors", "missing"),
+    (misname_a_manifest_key, "manifest.json", r"unreadable \(the entry of .* is \{'sha256': .*, 'cytes': \d+\}"),
 ])
 def test_resume_auto_names_the_damaged_file_and_falls_back_to_the_previous_checkpoint(tmp_path, caplog, damage, file, reason):
     root = str(tmp_path)

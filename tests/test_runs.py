@@ -3,6 +3,7 @@ training nothing, changed settings are listed and the ones that change the run's
 the recipes work from any working directory."""
 
 import os
+import shutil
 import subprocess
 import sys
 
@@ -44,6 +45,8 @@ def test_a_complete_run_says_so(tiny_model_dir, finished_run):
     ("data.shuffle=false", "data.shuffle: True -> False"),  # the pending groups would be redrawn with other prompts
     ("learner.lora_rank=4", "learner.lora_rank: 8 -> 4"),
     ("algorithm.name=diffusion_nft", "algorithm.name: 'flow_grpo' -> 'diffusion_nft'"),
+    # the checkpoint holds the "ema" weights exactly when its run kept them (restoring failed inside the actors)
+    ("trainer.ema_decay=0.9", "trainer.ema_decay: 0.0 -> 0.9"),
 ])
 def test_a_resume_that_changes_the_run_is_refused_naming_the_change(tiny_model_dir, finished_run, override, key):
     overrides = ["trainer.total_steps=5", override]
@@ -51,6 +54,33 @@ def test_a_resume_that_changes_the_run_is_refused_naming_the_change(tiny_model_d
         overrides += ["sampling.sde_type=ode", "sampling.guidance_scale=1.0", "algorithm.clip_range=0.0001"]
     with pytest.raises(ResumeRefused, match=key.replace("(", r"\(")):
         plan_resume(small_cfg(GRPO, tiny_model_dir, finished_run, *overrides))
+
+
+def test_input_files_are_compared_by_what_they_hold_not_where_they_are(tiny_model_dir, finished_run, tmp_path):
+    """A RayJob retry or a resubmission finds the recipe's files in another copy of its working directory: the same
+    files at other paths resume. A prompt file edited in place is another run, and is refused."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(finished_run, run_dir)
+    prompts = tmp_path / "first_copy" / "prompts.txt"
+    prompts.parent.mkdir()
+    prompts.write_text("a red apple\na green leaf\n")
+    write_run_config(small_cfg(GRPO, tiny_model_dir, run_dir, "trainer.total_steps=2", "trainer.save_every=1",
+                               f"data.prompts={prompts}"))  # the run as last started, from the first copy
+    moved = tmp_path / "second_copy" / "prompts.txt"
+    moved.parent.mkdir()
+    shutil.copy(prompts, moved)
+    model = tmp_path / "second_copy" / "model"
+    shutil.copytree(tiny_model_dir, model)
+    plan = plan_resume(small_cfg(GRPO, str(model), run_dir, "trainer.total_steps=5", "trainer.save_every=1",
+                                 f"data.prompts={moved}"))
+    assert plan.step == 2 and plan.changed == [
+        f"model.path: {tiny_model_dir!r} -> {str(model)!r} (moved; the same content)",
+        f"data.prompts: {str(prompts)!r} -> {str(moved)!r} (moved; the same content)",
+        "trainer.total_steps: 2 -> 5"]
+    prompts.write_text("a red apple\na blue sky\n")  # edited in place: the groups to come would be other prompts
+    with pytest.raises(ResumeRefused, match=rf"data\.prompts: '{prompts} \(as it was when the run last started; it "
+                                            rf"has changed since\)' -> '{prompts}'"):
+        plan_resume(small_cfg(GRPO, tiny_model_dir, run_dir, "trainer.total_steps=5", f"data.prompts={prompts}"))
 
 
 def run_from(cwd, *argv, timeout=120) -> subprocess.CompletedProcess:

@@ -77,6 +77,13 @@ def test_synchronous_run_equals_the_reference_trainer_and_resumes_exactly(ray_se
     assert [h["loss/policy"] for h in resumed] == [h["loss/policy"] for h in history[1:]]
     again = final_adapters(str(resumed_dir), STEPS)
     assert all(torch.equal(again[n][k], v) for n in distributed for k, v in distributed[n].items())
+    # The reference trainer resumes it too: the groups the distributed run drew before saving (the checkpoint's
+    # pending_groups) come first, and steps 2 and 3 are the same (it skipped them, training group 2 at step 2).
+    by_reference = tmp_path / "resumed-by-reference"
+    shutil.copytree(step_dir(checkpoint_root(cfg.trainer.run_dir), 1), step_dir(checkpoint_root(str(by_reference)), 1))
+    _, ref_resumed = reference.train(small_cfg(recipe, tiny_model_dir, by_reference, *overrides), log=lambda *_: None)
+    assert [r.reward_mean for r in ref_resumed] == [h["reward/mean"] for h in history[1:]]
+    assert [r.metrics["loss/policy"] for r in ref_resumed] == [h["loss/policy"] for h in history[1:]]
 
 
 def test_a_resumed_run_goes_on_from_its_checkpoints_regenerated_and_dropped_totals(ray_session, tiny_model_dir, tmp_path):
