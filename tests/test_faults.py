@@ -200,6 +200,23 @@ def test_one_actor_of_each_kind_killed_during_a_synchronous_run_leaves_it_equal_
         trainer.shutdown()
 
 
+def test_a_learner_and_a_rollout_rank_lost_together_rewind_and_replace_the_rank(ray_session, tiny_model_dir, tmp_path,
+                                                                                undisturbed, monkeypatch, caplog):
+    """One node lost in step 2's save: a learner rank and the rollout rank serving the next batch die together. The
+    requests in flight are dropped; the rewind finds the dead replica and replaces it before it asks every rank to
+    forget the newer versions (it asked the dead one, and the run stopped), and the run ends equal to an undisturbed
+    one."""
+    trainer = Trainer(small_cfg(GRPO, tiny_model_dir, tmp_path, *SYNCHRONOUS))
+    try:
+        kill_in_save(trainer, monkeypatch, 2, lambda: [trainer.learners.workers[0], trainer.rollout.replicas[0].workers[0]])
+        trainer.run()
+        assert trainer.learners.restarts == 1 and trainer.rollout.restarts == [1]
+        assert "rewound to step 0 (steps 1..2 are trained again)" in caplog.text
+        assert_equal_to_undisturbed(trainer, undisturbed)
+    finally:
+        trainer.shutdown()
+
+
 def test_a_learner_death_rewinds_within_the_runs_own_timeline(ray_session, tiny_model_dir, tmp_path, undisturbed,
                                                               monkeypatch, caplog):
     """Started from another run's step-2 checkpoint in a directory that holds an older step of its own (step 1): a

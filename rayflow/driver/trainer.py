@@ -431,7 +431,7 @@ class Trainer:
         if rewind:
             self.sync.rewind(version, self.rollout.replicas)
         self._push_weights()
-        self.sync.wait(self.version, timeout_s=self.sync.deadline_s)
+        self._wait_synced()
         # A rewind goes on from this process's totals (groups regenerated since the checkpoint were regenerated); a
         # resumed run from the checkpoint's.
         totals = self.queue.stats if rewind else QueueStats(regenerated=counters.get("regenerated_groups", 0),
@@ -467,6 +467,9 @@ class Trainer:
         log.error("%s; learner group restarted (restart %d), rewinding from step %d to %s", died, self.learners.restarts,
                   self.version, path or "the start")
         self._drop_in_flight()
+        # A rollout rank may have died with it (one node lost): an idle pool has not noticed, and the rewind asks every
+        # rank in service to forget the newer versions.
+        self.rollout.take_out_dead()
         lost = self.version
         self._restore(path, rewind=True)
         del self.history[self.version - self.first_version:]

@@ -205,12 +205,16 @@ class RolloutPool:
 
     # -- failures ------------------------------------------------------------------------------------
     def find_dead(self) -> None:
-        """The weight sync lost a receiver: ask every replica in service; take the dead ones out of service."""
-        dead = [r for r in self.replicas if r.alive and not r.check_alive()]
-        if not dead:
+        """The weight sync lost a receiver: take the dead replicas out of service; there must be one."""
+        if not self.take_out_dead():
             raise RuntimeError("weight sync lost a receiver, but every rollout replica answers")
+
+    def take_out_dead(self) -> list[RolloutReplica]:
+        """Ask every replica in service; take the dead ones out of service (each replaced while restarts last)."""
+        dead = [r for r in self.replicas if r.alive and not r.check_alive()]
         for replica in dead:
             self._out_of_service(replica)
+        return dead
 
     def _out_of_service(self, replica: RolloutReplica) -> None:
         """Leave a dead replica out of the weight sync and start its replacement (rollout.max_restarts)."""
