@@ -73,14 +73,21 @@ print(json.dumps([torch.backends.cpu.get_cpu_capability(), *first_steps()]))
 """
 
 
+FLOAT32_ULP = 2.0**-23
+"""One unit in the last place of a float32 in [1, 2): the pinned first steps' losses are the recorded ones to the bit
+on the CPUs the weights were built and rebuilt on (2026-11-25, 2026-11-28); on a Sapphire Rapids-class Xeon
+(avx512_fp16, 2026-11-29) the first VAE loss came out one unit lower, every other loss to the bit (README: Base)."""
+
+
 @pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"), reason="the script pins x86 AVX2 kernels")
-def test_the_script_pins_avx2_kernels_under_which_its_first_steps_reproduce_to_the_bit():
+def test_the_script_pins_avx2_kernels_under_which_its_first_steps_reproduce():
     env = {k: v for k, v in os.environ.items() if k not in PINNED_KERNELS}  # the script, not this test, sets them
     run = subprocess.run([sys.executable, "-c", PINNED_FIRST_STEPS], env=env, capture_output=True, text=True,
                          timeout=300, check=True)
     kernels, vae_losses, transformer_losses = json.loads(run.stdout.strip().splitlines()[-1])
     assert kernels == PINNED_CAPABILITY
-    assert vae_losses == VAE_LOSSES and transformer_losses == TRANSFORMER_LOSSES
+    assert vae_losses == pytest.approx(VAE_LOSSES, rel=2 * FLOAT32_ULP, abs=0)
+    assert transformer_losses == pytest.approx(TRANSFORMER_LOSSES, rel=2 * FLOAT32_ULP, abs=0)
 
 
 def trained_weights(pipe) -> dict[str, torch.Tensor]:

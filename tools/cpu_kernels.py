@@ -3,8 +3,10 @@
 Each CPU library that picks its kernels by the instruction set is held to AVX2: torch's own ops, oneDNN's
 convolutions, MKL's BLAS. A kernel for another instruction set rounds differently, and training turns a last bit into
 other weights (unpinned, the AVX-512 machines of 2026-11-28 built a VAE that differs from the shipped one in 36% of
-its values). Pinned, any x86 CPU with AVX2 rebuilds the shipped weights bit for bit. Torch-free, so that a script can
-pin before torch loads: each library reads its variable once.
+its values). Pinned, the x86 CPUs it was checked on (AVX-512 Xeons of 2026-11-25 and 2026-11-28) rebuild the shipped
+weights bit for bit; a Sapphire Rapids-class Xeon (avx512_fp16) still rounds one step another way and builds another
+VAE (README, Learning on the shapes world: Base). Torch-free, so that a script can pin before torch loads: each
+library reads its variable once.
 """
 
 import os
@@ -29,4 +31,4 @@ def unpinned_warning(script: str) -> str | None:
         return None
     return (f"{script}: torch runs {kernels} kernels, not the {PINNED_CAPABILITY} of {PINNED_KERNELS} that the shipped "
             f"weights were trained with: this base will differ from them (run the script as a program, on an x86 CPU "
-            f"with AVX2, to rebuild them bit for bit)")
+            f"with AVX2, to rebuild them)")

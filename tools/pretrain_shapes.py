@@ -30,8 +30,9 @@ stage in about 1/N of the time; it differs from the one-process default (whole b
 pretrained weights) only in rounding. Each of them trains the VAE whole, as one process does (see train_vae). Run as a
 program, the script holds torch, oneDNN and MKL to their AVX2 kernels (tools/cpu_kernels.py): the VAE stage turns a
 CPU's rounding into other weights (unpinned, the AVX-512 machines of 2026-11-28 built a 40.6% base, not the shipped
-48.1%), and pinned, one process rebuilds the shipped pretrained weights bit for bit on any x86 CPU with AVX2 (README,
-Learning on the shapes world: Base). The text encoder keeps its random weights (frozen). Weights are saved in float16
+48.1%), and pinned, one process rebuilds the shipped pretrained weights bit for bit on the x86 CPUs it was checked on
+(a Sapphire Rapids-class Xeon rounds one step another way and builds another VAE: README, Learning on the shapes
+world: Base). The text encoder keeps its random weights (frozen). Weights are saved in float16
 (a few MB) with a manifest of sha256 digests (rayflow_shapes.json, which also names the kernels) that rayflow checks
 before using the base.
 """
