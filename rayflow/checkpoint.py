@@ -49,7 +49,7 @@ MANIFEST = "manifest.json"
 SHARDED_DIR = "weights"
 """Full fine-tuning's sharded weights and optimizer state (torch.distributed.checkpoint), in a checkpoint directory."""
 _STEP_DIR = re.compile(r"^step_(\d+)$")
-_LEFTOVER_DIR = re.compile(r"^\.(tmp|old)-(step_\d+)-")
+_LEFTOVER_DIR = re.compile(r"^\.(tmp|old|del)-(step_\d+)-")
 log = logging.getLogger("rayflow")
 
 
@@ -232,9 +232,10 @@ def _is_healthy(path: str) -> bool:
 
 
 def remove_leftovers(root: str) -> None:
-    """Clear what saves killed midway left (.tmp-step_*, .old-step_*). An .old- copy of a step that has no step_*
-    directory is put back if it verifies: a re-save of that step killed between moving the old copy aside and renaming
-    the new one in left it as the step's only complete copy. Every other leftover is deleted."""
+    """Clear what saves killed midway left (.tmp-step_*, .old-step_*, .del-step_*). An .old- copy of a step that has
+    no step_* directory is put back if it verifies: a re-save of that step killed between moving the old copy aside and
+    renaming the new one in left it as the step's only complete copy. Every other leftover is deleted (.del-: a
+    checkpoint rotation was deleting)."""
     if not os.path.isdir(root):
         return
     for name in sorted(os.listdir(root)):
@@ -272,12 +273,12 @@ def _remove_dir(path: str) -> None:
     """Delete a checkpoint directory, first renamed out of the step_* names in one step: a process killed or
     interrupted (`ray job stop`) while the files go leaves a leftover that the next start removes, never a
     step_* directory with some of its files gone."""
-    shutil.rmtree(_move_aside(path))
+    shutil.rmtree(_move_aside(path, "del"))
 
 
 def _move_aside(path: str, kind: str = "old") -> str:
-    """Rename checkpoint directory `path` into a new .<kind>-<name>-* directory beside it (.old-: a leftover the next
-    start removes); that directory."""
+    """Rename checkpoint directory `path` into a new .<kind>-<name>-* directory beside it (.old-: a re-save's old copy,
+    which the next start puts back if the new one is missing; .del-: one being deleted); that directory."""
     aside = tempfile.mkdtemp(prefix=f".{kind}-{os.path.basename(path)}-", dir=os.path.dirname(path))
     os.rename(path, os.path.join(aside, "ckpt"))
     return aside

@@ -58,9 +58,12 @@ def test_a_write_that_fails_midway_leaves_the_previous_checkpoints_intact(tmp_pa
     assert load_checkpoint(latest_checkpoint(root)).data == fake_checkpoint(2).data
 
 
-def test_a_rotation_interrupted_midway_leaves_only_complete_checkpoints(tmp_path, monkeypatch):
+@pytest.mark.parametrize("files_gone", [1, 0])
+def test_a_rotation_interrupted_midway_leaves_only_complete_checkpoints(tmp_path, monkeypatch, files_gone):
     """`ray job stop` (SIGTERM, raised as KeyboardInterrupt) or a kill can land while rotation deletes an old
-    checkpoint's files: what is left is a leftover under a temporary name, never a step_* directory missing files."""
+    checkpoint's files: what is left is a leftover under a temporary name, never a step_* directory missing files, and
+    the next start deletes it, also when no file was gone yet (it was put back as a complete checkpoint, as a re-save's
+    old copy is)."""
     root = str(tmp_path)
     save_checkpoint(root, fake_checkpoint(1), keep=2)
     save_checkpoint(root, fake_checkpoint(2), keep=2)
@@ -70,7 +73,8 @@ def test_a_rotation_interrupted_midway_leaves_only_complete_checkpoints(tmp_path
         files = sorted(os.path.join(d, f) for d, _, names in os.walk(path) for f in names)
         if not files:  # the write's own temporary directory, already renamed into place
             return real_rmtree(path, *args, **kwargs)
-        os.remove(files[0])  # one file gone (adapter_default.safetensors), then the signal
+        for file in files[:files_gone]:  # adapter_default.safetensors gone, or none yet; then the signal
+            os.remove(file)
         raise KeyboardInterrupt("signal 15")
 
     monkeypatch.setattr(checkpoint.shutil, "rmtree", interrupted_rmtree)
@@ -79,7 +83,7 @@ def test_a_rotation_interrupted_midway_leaves_only_complete_checkpoints(tmp_path
     monkeypatch.setattr(checkpoint.shutil, "rmtree", real_rmtree)
     assert [load_checkpoint(p).step for p in list_checkpoints(root)] == [2, 3]  # each one complete
     leftovers = [name for name in os.listdir(root) if not name.startswith("step_")]
-    assert len(leftovers) == 1 and leftovers[0].startswith(".old-step_00000001-")
+    assert len(leftovers) == 1 and leftovers[0].startswith(".del-step_00000001-")
     checkpoint.remove_leftovers(root)  # what the next start does
     assert sorted(os.listdir(root)) == ["step_00000002", "step_00000003"]
 
