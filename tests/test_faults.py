@@ -217,6 +217,33 @@ def test_a_learner_and_a_rollout_rank_lost_together_rewind_and_replace_the_rank(
         trainer.shutdown()
 
 
+def test_a_learner_death_during_the_rewinds_restore_restarts_the_group_again(ray_session, tiny_model_dir, tmp_path,
+                                                                            undisturbed, monkeypatch, caplog):
+    """A learner rank killed after step 3, and a rank of the restarted group killed while it loads step 2's
+    checkpoint: the group restarts again (the second death escaped the first restart and stopped the run, restarts
+    left or not), and the run ends equal to an undisturbed one."""
+    trainer = Trainer(small_cfg(GRPO, tiny_model_dir, tmp_path, *SYNCHRONOUS))
+    restore = trainer.learners.restore
+
+    def dies_in_the_first_restore(ckpt):
+        if not getattr(dies_in_the_first_restore, "done", False):
+            dies_in_the_first_restore.done = True
+            ray.kill(trainer.learners.workers[0])
+            wait_until_dead(trainer.learners.workers[0])
+        return restore(ckpt)
+
+    monkeypatch.setattr(trainer.learners, "restore", dies_in_the_first_restore)
+    try:
+        kill_after_steps(trainer, monkeypatch, {3: lambda: [trainer.learners.workers[0]]})
+        trainer.run()
+        assert trainer.learners.restarts == 2
+        assert caplog.text.count("rewinding from step 3 to") == 2
+        assert "rewound to step 2 (step 3 is trained again)" in caplog.text
+        assert_equal_to_undisturbed(trainer, undisturbed)
+    finally:
+        trainer.shutdown()
+
+
 def test_a_learner_death_rewinds_within_the_runs_own_timeline(ray_session, tiny_model_dir, tmp_path, undisturbed,
                                                               monkeypatch, caplog):
     """Started from another run's step-2 checkpoint in a directory that holds an older step of its own (step 1): a

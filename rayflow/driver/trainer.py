@@ -458,20 +458,26 @@ class Trainer:
         part is gone), so the group is started again in its bundles (learner.max_restarts) and the run rewinds to
         `rewind_point`: the work in flight is dropped, the weight-sync actor replaced (no push of the dead
         ranks can reach the rollouts), the rollout ranks forget later versions, and the steps after it are trained
-        again. A rank that raised (not died) would raise again: the run stops."""
-        if not isinstance(died.__cause__, ray.exceptions.RayActorError):
-            raise died
-        self.learner_watchdog.forget("learners")  # its clock starts with the next step, not the restart
-        self.learners.restart(died)
-        path = self.rewind_point
-        log.error("%s; learner group restarted (restart %d), rewinding from step %d to %s", died, self.learners.restarts,
-                  self.version, path or "the start")
-        self._drop_in_flight()
-        # A rollout rank may have died with it (one node lost): an idle pool has not noticed, and the rewind asks every
-        # rank in service to forget the newer versions.
-        self.rollout.take_out_dead()
+        again. A rank that raised (not died) would raise again: the run stops. A rank that dies during the restore
+        restarts the group again (each restart counts against learner.max_restarts)."""
         lost = self.version
-        self._restore(path, rewind=True)
+        while True:
+            if not isinstance(died.__cause__, ray.exceptions.RayActorError):
+                raise died
+            self.learner_watchdog.forget("learners")  # its clock starts with the next step, not the restart
+            self.learners.restart(died)
+            path = self.rewind_point
+            log.error("%s; learner group restarted (restart %d), rewinding from step %d to %s", died,
+                      self.learners.restarts, lost, path or "the start")
+            self._drop_in_flight()
+            # A rollout rank may have died with it (one node lost): an idle pool has not noticed, and the rewind asks
+            # every rank in service to forget the newer versions.
+            self.rollout.take_out_dead()
+            try:
+                self._restore(path, rewind=True)
+                break
+            except LearnerError as again:  # a rank of the new group died in the restore: restart again, on budget
+                died = again
         del self.history[self.version - self.first_version:]
         self.monitor.rewind(self.version)
         redone = ("no finished step is lost" if lost == self.version else f"step {lost} is trained again"
