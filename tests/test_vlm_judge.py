@@ -127,6 +127,9 @@ def test_unparseable_answer_fails_loudly():
         with pytest.raises(RuntimeError, match=r"vlm_judge reward .*: no number score in the answer "
                                                r"'I cannot judge this image.' to prompt 'a red square'"):
             reward(images()[:1], PROMPTS[:1])
+    with RewardServer(lambda i, body: (200, completion("Score: 15"))) as server:  # another scale: not 1.5 in silence
+        with pytest.raises(RuntimeError, match=r"score 15 outside \[0, max_score=10\] in the answer 'Score: 15'"):
+            make_reward("vlm_judge", url=judge_url(server), model="judge")(images()[:1], PROMPTS[:1])
     with RewardServer(lambda i, body: (200, {"object": "error"})) as server:
         with pytest.raises(RuntimeError, match="not a chat completion"):
             make_reward("vlm_judge", url=judge_url(server), model="judge")(images()[:1], PROMPTS[:1])

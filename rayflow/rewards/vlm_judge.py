@@ -4,7 +4,7 @@ UnifiedReward).
 
 One request per image: a user message with the image as a base64 PNG data URL and the template with
 the prompt filled in. The score is read as
-    number:  the first number in the answer / max_score
+    number:  the first number in the answer / max_score (a number outside [0, max_score] is an error)
     yes_no:  P(yes) / (P(yes) + P(no)) from the first token's top_logprobs where the server returns
              them, else 1 for an answer starting "yes" and 0 for one starting "no"
 An answer with no score raises with the answer and the prompt (never a silent zero). Deadline,
@@ -121,7 +121,12 @@ class VlmJudge:
         if value is None:
             raise RuntimeError(f"vlm_judge reward {self.url}: no {self.score} score in the answer {answer[:200]!r} "
                                f"to prompt {prompt!r}")
-        return value if self.score == "yes_no" else value / self.max_score
+        if self.score == "yes_no":
+            return value
+        if not 0 <= value <= self.max_score:  # a judge that rated on another scale, or answered in a sentence
+            raise RuntimeError(f"vlm_judge reward {self.url}: score {value:g} outside [0, max_score={self.max_score:g}] "
+                               f"in the answer {answer[:200]!r} to prompt {prompt!r}")
+        return value / self.max_score
 
     def __call__(self, images: torch.Tensor, prompts: list[str], metadata: list[dict] | None = None) -> torch.Tensor:
         scores = list(self.pool.map(self.judge, images, prompts))
