@@ -70,7 +70,10 @@ class OcrReward:
         except ImportError:
             raise ImportError('ocr reward needs rapidocr-onnxruntime 1.4.x: pip install "rapidocr-onnxruntime>=1.4,<1.5"') from None
         cuda = _cuda_provider_present() if use_cuda is None else use_cuda
-        self.engine = RapidOCR(text_score=min_confidence, det_use_cuda=cuda, rec_use_cuda=cuda, cls_use_cuda=cuda)
+        # No angle classifier, as flow_grpo reads (PaddleOCR with use_angle_cls=False, ocr(..., cls=False)); onnxruntime
+        # on torch's thread count, which RewardWorker sets from reward.cpus_per_worker (its default, -1, took every core).
+        self.engine = RapidOCR(text_score=min_confidence, use_cls=False, det_use_cuda=cuda, rec_use_cuda=cuda,
+                               intra_op_num_threads=torch.get_num_threads())
 
     @staticmethod
     def check_kwargs(kwargs: dict, key: str = "reward.functions[ocr].kwargs") -> None:
