@@ -45,6 +45,19 @@ def test_real_ocr_right_word_high_wrong_word_lower_blank_zero():
     assert scores[3] == 0.0  # nothing read
 
 
+def test_the_engine_reads_as_flow_grpo_does_on_the_workers_threads():
+    """No text-angle classifier (flow_grpo: use_angle_cls=False, ocr(..., cls=False)); onnxruntime on torch's thread
+    count, which RewardWorker sets from reward.cpus_per_worker (RapidOCR's default took every core)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        engine = make_reward("ocr").engine
+    finally:
+        torch.set_num_threads(threads)
+    assert engine.use_cls is False
+    assert engine.text_det.infer.session.get_session_options().intra_op_num_threads == 1
+
+
 def test_prompt_without_quoted_target():
     with pytest.raises(ValueError, match="quotes no text"):
         ocr_target("a sign on a door")
