@@ -22,6 +22,7 @@ import os
 import tempfile
 from dataclasses import dataclass, field
 
+import torch
 import yaml
 
 from rayflow.checkpoint import CheckpointMismatch, check_train_mode, checkpoint_root, read_meta, resolve_resume
@@ -191,14 +192,33 @@ def preflight(cfg: RayflowConfig) -> list[str]:
         if not os.path.isdir(cfg.model.path):
             raise ConfigError("model.path", cfg.model.path, "a diffusers pipeline directory on this machine (a local run loads it here)")
         pipeline_class_of(cfg.model.path)  # a directory without a valid model_index.json, named before Ray starts
-    if cfg.model.path is None:
-        build_tiny_model_once(cfg)
+    model_dir = build_tiny_model_once(cfg) if cfg.model.path is None else cfg.model.path
+    if cfg.learner.lora_targets and cfg.learner.train_mode == "lora" and os.path.isdir(model_dir):
+        check_lora_targets(model_dir, cfg.learner.lora_targets)
     plan = plan_resume(cfg)
     if plan.path is not None:
         log.info("resuming run %r from %s (step %d)", cfg.trainer.run_name, plan.path, plan.step)
         for change in plan.changed:
             log.warning("resumed with a changed setting: %s", change)
     return prompts
+
+
+def check_lora_targets(model_dir: str, targets: list[str]) -> None:
+    """learner.lora_targets against the names of the transformer's modules, built on meta from its config (no weights
+    read): a name that binds none is named here, not by every learner rank after Ray started. Only for targets set
+    by hand (the models' own bind by construction), since it imports diffusers before Ray starts."""
+    from rayflow.models.lora import unbound_targets
+    from rayflow.models.random_init import shape_only_components
+
+    with open(os.path.join(model_dir, "model_index.json")) as f:
+        others = tuple(name for name in json.load(f) if name != "transformer")
+    transformer = shape_only_components(model_dir, skip=others)["transformer"]
+    names = [name for name, _ in transformer.named_modules()]
+    unbound = unbound_targets(targets, names)
+    if unbound:
+        linears = sorted({name.split(".")[-1] for name, m in transformer.named_modules() if isinstance(m, torch.nn.Linear)})
+        raise ConfigError("learner.lora_targets", targets, f"names that end modules of {type(transformer).__name__} "
+                                                           f"({unbound} end none; its linear layers end in {linears})")
 
 
 def build_tiny_model_once(cfg: RayflowConfig) -> str:

@@ -12,7 +12,8 @@ import pytest
 from rayflow import reference
 from rayflow.distributed.worker_imports import zygotes_wanted
 from rayflow.paths import REPO_ROOT
-from rayflow.runs import ResumeRefused, RunComplete, plan_resume, write_run_config
+from rayflow.errors import ConfigError
+from rayflow.runs import ResumeRefused, RunComplete, plan_resume, preflight, write_run_config
 from tiny_run import GRPO, small_cfg
 
 
@@ -81,6 +82,17 @@ def test_input_files_are_compared_by_what_they_hold_not_where_they_are(tiny_mode
     with pytest.raises(ResumeRefused, match=rf"data\.prompts: '{prompts} \(as it was when the run last started; it "
                                             rf"has changed since\)' -> '{prompts}'"):
         plan_resume(small_cfg(GRPO, tiny_model_dir, run_dir, "trainer.total_steps=5", f"data.prompts={prompts}"))
+
+
+def test_lora_targets_that_bind_no_module_are_named_before_ray_starts(tiny_model_dir, tmp_path):
+    """Checked against the transformer's module names (built on meta from its config), not only by every learner
+    rank once Ray has started them."""
+    cfg = small_cfg(GRPO, tiny_model_dir, tmp_path / "run", "learner.lora_targets=[to_q,to_qq]")
+    with pytest.raises(ConfigError, match=r"^learner\.lora_targets: got \['to_q', 'to_qq'\]; allowed: names that end "
+                                          r"modules of QwenImageTransformer2DModel \(\['to_qq'\] end none; its linear "
+                                          r"layers end in \[.*'to_q'"):
+        preflight(cfg)
+    preflight(small_cfg(GRPO, tiny_model_dir, tmp_path / "run", "learner.lora_targets=[to_q,attn.to_k]"))
 
 
 def run_from(cwd, *argv, timeout=120) -> subprocess.CompletedProcess:

@@ -50,7 +50,7 @@ def add_lora(
         raise ValueError(f"learner.lora_targets: {list(targets)} bind no module of {type(transformer).__name__} ({e})") from None
     tuner_layers = set(_tuner_layers(transformer))
     adapted = [name for name, m in transformer.named_modules() if m in tuner_layers]
-    unbound = [t for t in targets if not any(name == t or name.endswith("." + t) for name in adapted)]
+    unbound = unbound_targets(targets, adapted)
     if unbound:
         raise ValueError(
             f"learner.lora_targets: {unbound} bind no module of {type(transformer).__name__}; "
@@ -63,6 +63,11 @@ def add_lora(
         copy_adapter(transformer, src=TRAINED_ADAPTER, dst=shadow)
     activate(transformer, TRAINED_ADAPTER)
     return adapted
+
+
+def unbound_targets(targets: list[str] | tuple[str, ...], module_names: list[str]) -> list[str]:
+    """The LoRA targets no module name binds (peft's rule for a list: the name itself, or its last dotted parts)."""
+    return [t for t in targets if not any(name == t or name.endswith("." + t) for name in module_names)]
 
 
 def adapter_names(transformer: nn.Module) -> list[str]:

@@ -176,6 +176,14 @@ def meta_components(path: str, skip: tuple[str, ...] = (),
     return modules
 
 
+def shape_only_components(path: str, **kwargs) -> dict[str, nn.Module]:
+    """meta_components(path, **kwargs) with the buffers on meta too: for what needs shapes and names only (the memory
+    planner, start-up checks), where computing the buffers for real takes seconds (SD3.5's positional table, 384²
+    positions × 1536)."""
+    with torch.device("meta"):
+        return meta_components(path, **kwargs)
+
+
 def load_random_init_pipeline(path: str, device: torch.device | str, dtype: torch.dtype,
                               skip: tuple[str, ...] = ()):
     """The pipeline of a `write_random_init_dir` directory: each module built from the config in the

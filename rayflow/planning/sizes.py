@@ -94,9 +94,9 @@ def measure_model(cfg: RayflowConfig, path: str, batches: set[tuple[int, bool]],
     from rayflow.models.lora import add_lora
     from rayflow.distributed.parallelize import transformer_blocks
     from rayflow.learner.model import lora_targets
-    from rayflow.models.random_init import parameter_count, parameters_on_meta
+    from rayflow.models.random_init import parameter_count, parameters_on_meta, shape_only_components
 
-    full = _meta_components(path)
+    full = shape_only_components(path)
     parameters = {name: parameter_count(m) for name, m in full.items()}
     transformer = full["transformer"]
     blocks = transformer_blocks(transformer)  # FSDP2's groups: the gathered-block term takes the largest
@@ -124,15 +124,6 @@ def measure_model(cfg: RayflowConfig, path: str, batches: set[tuple[int, bool]],
         vae_full_res_channels=0 if vae is None else _vae_full_res_channels(vae.config),
         latent_elements=latents.numel(),
     )
-
-
-def _meta_components(path: str, **kwargs) -> dict[str, nn.Module]:
-    """random_init.meta_components with the buffers on meta too: the planner measures shapes only, and computing them
-    for real takes seconds (SD3.5's positional table, 384² positions × 1536)."""
-    from rayflow.models.random_init import meta_components
-
-    with torch.device("meta"):
-        return meta_components(path, **kwargs)
 
 
 def _text_encoder_size(encoder: nn.Module, tokens: int) -> TextEncoderSize:
@@ -180,12 +171,12 @@ def _forward_costs(cfg: RayflowConfig, path: str, keys: set[tuple[int, bool]], d
     `depths` (STACK_DEPTH_KEYS -> blocks; FLUX.1: 19 double-stream, 38 single-stream). Each depth is built once."""
     from rayflow.models.lora import add_lora
     from rayflow.learner.model import lora_targets
-    from rayflow.models.random_init import parameters_on_meta
+    from rayflow.models.random_init import parameters_on_meta, shape_only_components
     from rayflow.planning.activations import measure_forward
 
     def build(deeper: str | None):
         stacks = {key: BASE_DEPTH + (key == deeper) for key in depths}
-        transformer = _meta_components(path, skip=("text_encoder", "vae"), transformer_config=stacks)["transformer"]
+        transformer = shape_only_components(path, skip=("text_encoder", "vae"), transformer_config=stacks)["transformer"]
         # meta: no copy (diffusers' own .to warns about fp32 modules)
         nn.Module.to(transformer, "meta", getattr(torch, cfg.model.dtype))
         model = _meta_model(path, transformer, cfg)
