@@ -49,6 +49,17 @@ def test_a_metric_that_would_be_logged_over_the_rewards_own_scalars_is_refused(m
             register_reward(metric)
 
 
+def test_a_metric_two_rewards_report_is_refused_naming_both():
+    @register_reward("test_metric_twice")
+    def _reporting():
+        return lambda images, prompts, metadata=None: RewardOutput(torch.zeros(len(prompts)), {"hits": torch.ones(len(prompts))})
+
+    reward = WeightedReward([RewardFnConfig("test_metric_twice"), RewardFnConfig("test_metric_twice")])
+    with pytest.raises(ValueError, match=r"reward metric 'hits' is reported by 'test_metric_twice#0' and by "
+                                         r"'test_metric_twice#1'"):
+        reward(IMAGES, ["a red x", "a red y"])
+
+
 def test_huge_integer_from_a_server_is_a_clear_error():
     with RewardServer(lambda i, body: (200, {"rewards": [10**400, 0.5]})) as server:
         with pytest.raises(RuntimeError, match=re.escape(f"http reward {server.url}: value 0 (1000000000")):

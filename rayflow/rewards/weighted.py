@@ -39,12 +39,15 @@ class WeightedReward:
             raise ValueError(f"reward images: got {images.dtype} of shape {tuple(images.shape)} for {len(prompts)} "
                              f"prompts; allowed: uint8 [B, H, W, 3], one image per prompt (a model's decode returns "
                              f"them so)")
-        parts, metrics = {}, {}
+        parts, metrics, reported_by = {}, {}, {}
         for name, _, fn in self.components:
             out = fn(images, prompts, metadata)
             if isinstance(out, RewardOutput):
                 for metric, values in out.metrics.items():
-                    metrics[metric] = _checked(f"{name}'s metric {metric}", values, prompts)
+                    if metric in metrics:
+                        raise ValueError(f"reward metric {metric!r} is reported by {reported_by[metric]!r} and by "
+                                         f"{name!r}: one would be logged over the other; rename one of them")
+                    metrics[metric], reported_by[metric] = _checked(f"{name}'s metric {metric}", values, prompts), name
                 out = out.scores
             parts[name] = _checked(name, out, prompts)
         # Each is logged as reward/<name>, beside reward/mean, reward/std and reward/<component>/normalized.
