@@ -49,15 +49,18 @@ def test_a_metric_that_would_be_logged_over_the_rewards_own_scalars_is_refused(m
             register_reward(metric)
 
 
-def test_a_metric_two_rewards_report_is_refused_naming_both():
+def test_a_metric_two_rewards_report_with_other_values_is_refused_naming_both():
     @register_reward("test_metric_twice")
-    def _reporting():
-        return lambda images, prompts, metadata=None: RewardOutput(torch.zeros(len(prompts)), {"hits": torch.ones(len(prompts))})
+    def _reporting(hits: float = 1.0):
+        return lambda images, prompts, metadata=None: RewardOutput(torch.zeros(len(prompts)),
+                                                                    {"hits": torch.full((len(prompts),), hits)})
 
-    reward = WeightedReward([RewardFnConfig("test_metric_twice"), RewardFnConfig("test_metric_twice")])
+    same = WeightedReward([RewardFnConfig("test_metric_twice"), RewardFnConfig("test_metric_twice")])
+    assert same(IMAGES, ["a red x", "a red y"])[1]["hits"].tolist() == [1.0, 1.0]  # e.g. shapes with two scores
+    other = WeightedReward([RewardFnConfig("test_metric_twice"), RewardFnConfig("test_metric_twice", kwargs={"hits": 0.0})])
     with pytest.raises(ValueError, match=r"reward metric 'hits' is reported by 'test_metric_twice#0' and by "
-                                         r"'test_metric_twice#1'"):
-        reward(IMAGES, ["a red x", "a red y"])
+                                         r"'test_metric_twice#1' with other values"):
+        other(IMAGES, ["a red x", "a red y"])
 
 
 def test_huge_integer_from_a_server_is_a_clear_error():

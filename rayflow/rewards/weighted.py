@@ -44,10 +44,12 @@ class WeightedReward:
             out = fn(images, prompts, metadata)
             if isinstance(out, RewardOutput):
                 for metric, values in out.metrics.items():
-                    if metric in metrics:
+                    values = _checked(f"{name}'s metric {metric}", values, prompts)
+                    # The same metric twice is fine (shapes listed with two scores: one accuracy); two different not.
+                    if metric in metrics and not torch.equal(metrics[metric], values):
                         raise ValueError(f"reward metric {metric!r} is reported by {reported_by[metric]!r} and by "
-                                         f"{name!r}: one would be logged over the other; rename one of them")
-                    metrics[metric], reported_by[metric] = _checked(f"{name}'s metric {metric}", values, prompts), name
+                                         f"{name!r} with other values: one would be logged over the other; rename one")
+                    metrics[metric], reported_by[metric] = values, name
                 out = out.scores
             parts[name] = _checked(name, out, prompts)
         # Each is logged as reward/<name>, beside reward/mean, reward/std and reward/<component>/normalized.
