@@ -173,6 +173,48 @@ def test_user_interpolation_resolves(tmp_path):
          "their defaults lora_alpha=8.0, lora_init='gaussian' with learner.train_mode=full"),
         (["learner.train_mode=full"], "sync.mode", "lora", "'merged' with learner.train_mode=full"),
         (["recipes/flowgrpo_tiny.yaml"], "overrides", "recipes/flowgrpo_tiny.yaml", "KEY=VALUE, e.g. trainer.total_steps=10 (a recipe YAML is given with --config)"),
+        # A list is replaced whole: an item set by its index, or a mapping, is named with the syntax that works.
+        (["reward.functions.0.weight=2"], "reward.functions.0.weight", 2, "given whole, e.g. reward.functions=[...]"),
+        (["reward.functions={name: color}"], "reward.functions", {"name": "color"}, "a list is replaced whole"),
+        # A section given as a scalar is refused, not silently replaced by a later override's keys.
+        (["trainer=3", "trainer.output_dir=/runs"], "trainer", 3, "a mapping with keys ['total_steps'"),
+        (["rollout.resources=[1]"], "rollout.resources", [1], "a mapping"),
+        # Custom Ray resources: finite amounts >= 0, in every role.
+        (["rollout.resources={gpu_node: abc}"], "rollout.resources.gpu_node", "abc", "a finite number"),
+        (["rollout.resources={gpu_node:1}"], "rollout.resources.gpu_node:1", None, "write {gpu_node: 1}"),
+        (["rollout.resources={gpu_node: -1}"], "rollout.resources.gpu_node", -1.0, "a finite number >= 0"),
+        (["learner.resources={x: .inf}"], "learner.resources.x", float("inf"), "a finite number"),
+        (["reward.resources={x: -0.5}"], "reward.resources.x", -0.5, ">= 0"),
+        (["sync.resources={x: -1}"], "sync.resources.x", -1.0, ">= 0"),
+        (["placement.resources={x: -1}"], "placement.resources.x", -1.0, ">= 0"),
+        (["trainer.output_dir=''"], "trainer.output_dir", "", "a directory path (not empty)"),
+        (["trainer.logdir=''"], "trainer.logdir", "", "a directory path (not empty)"),
+        (["trainer.seed=100000000000000"], "trainer.seed", 100000000000000, "[0, 2**32) (sample seeds are trainer.seed x 1_000_003"),
+        (["trainer.seed=-1"], "trainer.seed", -1, "[0, 2**32)"),
+        # YAML 1.1 number forms would silently change the number: refused where the key holds numbers.
+        (["trainer.total_steps=010"], "trainer.total_steps", "010", "'010' is a YAML 1.1 form"),
+        (["trainer.time_limit_s=1:30"], "trainer.time_limit_s", "1:30", "that an override reads as 90"),
+        (["algorithm.group_size=0x10"], "algorithm.group_size", "0x10", "reads as 16"),
+        (["trainer.total_steps=1_000"], "trainer.total_steps", "1_000", "numbers in plain decimal"),
+        (["sampling.sde_step_indices=[0, 02]"], "sampling.sde_step_indices", "[0, 02]", "'02' is a YAML 1.1 form"),
+        (["rollout.resources={x: 010}"], "rollout.resources", "{x: 010}", "'010' is a YAML 1.1 form"),
+        # Keys nothing reads under the config's other settings keep their defaults.
+        (["sampling.sde_window_schedule=sliding"], "sampling.sde_window_schedule", "sliding",
+         "its default 'random' unless sampling.sde_window_size is set"),
+        (["algorithm.name=diffusion_nft", "sampling.sde_type=ode", "sampling.guidance_scale=1", "sampling.noise_level=0.3"],
+         "sampling.noise_level", 0.3, "its default 0.7 unless sampling.sde_type is 'sde' or 'cps'"),
+        (["algorithm.name=diffusion_nft", "sampling.sde_type=ode", "sampling.guidance_scale=1", "sampling.sde_step_indices=[0,1]"],
+         "sampling.sde_step_indices", [0, 1], "here sampling.sde_type='ode', so nothing reads it"),
+        (["algorithm.name=diffusion_nft", "sampling.sde_type=ode", "sampling.guidance_scale=1", "sampling.sde_window_size=2"],
+         "sampling.sde_window_size", 2, "unless sampling.sde_type is 'sde' or 'cps'"),
+        (["cfg.avoid_scale=3"], "cfg.avoid_scale", 3.0, "its default 1.0 unless cfg.policy is 'dual_negative'"),
+        (["cfg.avoid_prompt=ugly"], "cfg.avoid_prompt", "ugly", "here cfg.policy='true_cfg'"),
+        # A guidance scale the policy ignores; CFG-parallel ranks beyond the policy's branches.
+        (["cfg.policy=none"], "sampling.guidance_scale", 4.0, "1.0 with cfg.policy=none"),
+        (["cfg.policy=none", "sampling.guidance_scale=1", "trainer.eval_guidance_scale=3"], "trainer.eval_guidance_scale", 3.0,
+         "1.0 with cfg.policy=none"),
+        (["rollout.cfg_parallel_size=3"], "rollout.cfg_parallel_size", 3, "at most 2, the CFG branches cfg.policy=true_cfg builds"),
+        (["sampling.guidance_scale=1", "rollout.cfg_parallel_size=2"], "rollout.cfg_parallel_size", 2, "at most 1"),
         (["trainer.total_steps"], "overrides", "trainer.total_steps", "KEY=VALUE"),
     ],
 )
@@ -194,6 +236,57 @@ def test_a_leading_tilde_in_a_path_is_the_home_directory():
     cfg = load_config(None, ["trainer.output_dir=~/rayflow-runs", "data.prompts=~/p.txt"])
     home = os.path.expanduser("~")
     assert cfg.trainer.output_dir == os.path.join(home, "rayflow-runs") and cfg.data.prompts == os.path.join(home, "p.txt")
+    # The logdir too, given or interpolated from output_dir (TensorBoard would write into a directory named "~").
+    assert cfg.trainer.logdir == os.path.join(home, "rayflow-runs", cfg.trainer.run_name, "tensorboard")
+    assert load_config(None, ["trainer.logdir=~/tb"]).trainer.logdir == os.path.join(home, "tb")
+
+
+def test_a_text_key_keeps_the_text_yaml_would_read_as_a_number():
+    """trainer.run_name=12:30 is the run "12:30" (YAML 1.1 reads 750); a number key refuses such forms instead."""
+    assert load_config(None, ["trainer.run_name=12:30"]).trainer.run_name == "12:30"
+    assert load_config(None, ["trainer.run_name=010"]).trainer.run_name == "010"
+    assert load_config(None, ["sampling.negative_prompt=1e3"]).sampling.negative_prompt == "1e3"
+    cfg = load_config(None, ["learner.lr=1e-4", "trainer.total_steps=0", "trainer.total_steps=10", "sampling.shift=0.5"])
+    assert (cfg.learner.lr, cfg.trainer.total_steps, cfg.sampling.shift) == (1e-4, 10, 0.5)
+
+
+def test_cfg_parallel_ranks_may_split_the_evaluations_branches():
+    """CFG-free rollouts with CFG evaluation: two ranks split the evaluation's two branches."""
+    cfg = load_config(None, ["sampling.guidance_scale=1", "trainer.eval_guidance_scale=4", "rollout.cfg_parallel_size=2"])
+    assert cfg.rollout.cfg_parallel_size == 2
+    assert load_config(None, ["cfg.policy=dual_negative", "cfg.avoid_scale=2", "rollout.cfg_parallel_size=3"]).cfg.avoid_scale == 2
+
+
+def test_an_empty_or_scalar_section_in_a_recipe_is_refused_naming_the_file(tmp_path):
+    """A child recipe's `trainer:` with its keys commented out is null: merged, it would drop the base's trainer
+    section (silently, once an override set a trainer key). It is refused naming the file, with or without overrides."""
+    (tmp_path / "base.yaml").write_text("trainer:\n  total_steps: 150\n  eval_every: 25\n")
+    child = tmp_path / "child.yaml"
+    for body, value in (("trainer:\n#  total_steps: 10\n", None), ("trainer: 5\n", 5)):
+        child.write_text("base: base.yaml\n" + body)
+        for overrides in ([], ["trainer.run_name=x"]):
+            err = config_error(overrides, path=str(child))
+            assert (err.key, err.value) == (f"{child}: trainer", value)
+            assert err.allowed.startswith("a mapping with keys ['total_steps'")
+            assert ("give it keys or delete it" in err.allowed) == (value is None)
+    child.write_text("base: base.yaml\nreward:\n  functions: {name: color}\n")
+    err = config_error([], path=str(child))
+    assert (err.key, err.value) == (f"{child}: reward.functions", {"name": "color"}) and "given whole" in err.allowed
+    child.write_text("base: base.yaml\ntrainer:\n  run_name: x\n")
+    assert load_config(str(child), ["trainer.seed=3"]).trainer.total_steps == 150  # the base's keys stay
+
+
+def test_only_key_value_arguments_that_are_not_paths_are_overrides(tmp_path, monkeypatch):
+    """A run directory may have '=' in its name (runs/lr=1e-4): an existing path, or an argument that does not start
+    with a dotted key, stays a positional argument."""
+    from rayflow.config import split_overrides
+
+    run = tmp_path / "run=lr1"
+    run.mkdir()
+    monkeypatch.chdir(tmp_path)
+    argv = [str(run), "--seeds", "1", "trainer.seed=2", "run=lr1", "/no/such/run=x", "--json=out.json", "rollout.resources.a-b=1"]
+    assert split_overrides(argv) == ([str(run), "--seeds", "1", "run=lr1", "/no/such/run=x", "--json=out.json"],
+                                     ["trainer.seed=2", "rollout.resources.a-b=1"])
 
 
 def test_missing_yaml_file(tmp_path):

@@ -95,6 +95,15 @@ def test_a_run_without_a_checkpoint_points_to_base(tmp_path):
     assert "the run has no checkpoint yet" in str(stopped.value.code) and "--base" in str(stopped.value.code)
 
 
+def test_a_run_directory_with_an_equals_sign_in_its_path_is_the_target(tmp_path):
+    """runs/lr=1e-4 is an existing directory, not a KEY=VALUE override."""
+    cfg = load_config(recipe("flowgrpo_tiny.yaml"), [f"trainer.output_dir={tmp_path}", "trainer.run_name=run=lr1"])
+    write_run_config(cfg)
+    with pytest.raises(SystemExit) as stopped:
+        main([cfg.trainer.run_dir, "--seeds", "1"])
+    assert "the run has no checkpoint yet" in str(stopped.value.code)
+
+
 def test_the_standard_error_is_the_seeds_spread_about_each_prompts_mean():
     """P = 3 prompts, n = 2 seeds: sample variances 0.5, 0 and 0.02; SE = sqrt((0.5 + 0 + 0.02) / 2) / 3."""
     assert seed_standard_error([[1.0, 0.0], [1.0, 1.0], [0.3, 0.5]]) == pytest.approx(math.sqrt(0.52 / 2) / 3)

@@ -39,6 +39,13 @@ def test_summary_reports_start_end_best_and_the_training_time_the_target_was_fir
     (["rollout", "--height", "0"], "--height: got 0; allowed: integers >= 1"),
     (["pipeline", "--colocated-devices", "0"], "--colocated-devices: got [0]; allowed: integers >= 1"),
     (["gpu", "--depth", "0"], "--depth: got 0; allowed: integers >= 1"),
+    # A recipe that is not there is named by its flag, before any work.
+    (["pipeline", "--recipe", "/nope.yaml"], "error: --recipe: got '/nope.yaml'; allowed: an existing recipe YAML file"),
+    (["costs", "--recipe", "/nope.yaml"], "error: --recipe: got '/nope.yaml'; allowed: an existing recipe YAML file"),
+    (["simulator", "--recipe", "/nope.yaml"], "error: --recipe: got '/nope.yaml'; allowed: an existing recipe YAML file"),
+    (["startup", "--config", "/nope.yaml"], "error: --config: got '/nope.yaml'; allowed: an existing recipe YAML file"),
+    # A config key to fix is one line, as the recipes' launchers print it.
+    (["costs", "trainer.bogus=1"], "error: trainer.bogus: got 1; allowed: a known key"),
 ])
 def test_inputs_that_cannot_be_met_are_named(argv, message):
     with pytest.raises(SystemExit, match=re.escape(message)):

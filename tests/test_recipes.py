@@ -48,6 +48,7 @@ def test_nft_recipe_runs_end_to_end_from_any_directory_on_loopback_only(tiny_mod
         f"model.path={tiny_model_dir}", f"trainer.output_dir={tmp_path}", "trainer.run_name=nft",
         "trainer.total_steps=2", "trainer.eval_every=1", "algorithm.prompts_per_step=1", "algorithm.group_size=2",
         "learner.micro_batch_size=1", "learner.world_size=2", "rollout.cfg_parallel_size=2", "rollout.micro_batch_size=2",
+        "trainer.eval_guidance_scale=4.0",  # CFG-free rollouts: the two CFG ranks split the evaluation's two branches
         "logging.progress_bar=false",
     ], cwd=tmp_path, env=env, stdout=open(tmp_path / "run.log", "w"), stderr=subprocess.STDOUT)
     try:

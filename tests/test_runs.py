@@ -173,6 +173,27 @@ def test_resources_beyond_the_cluster_are_refused_naming_roles_and_keys():
             check_fits(zero_cpus, {"CPU": 2.0}, autoscaler_max=autoscaler_max)
 
 
+def test_a_strict_placement_strategy_the_nodes_can_never_meet_is_refused():
+    """Without an autoscaler the nodes there are are all there will be: STRICT_SPREAD with more ranks than nodes, or
+    STRICT_PACK with more than any node holds, waited out the placement timeout (600 s) instead."""
+    from rayflow.config import load_config
+    from rayflow.distributed.resources import check_strategies
+    from rayflow.errors import ConfigError
+
+    two_learners = ["learner.world_size=2", "learner.micro_batch_size=4"]
+    one_node = [{"CPU": 2.0}]
+    with pytest.raises(ConfigError, match=r"^learner\.placement_strategy: got 'STRICT_SPREAD'; allowed: PACK, SPREAD or "
+                                          r"STRICT_PACK for 2 learner bundles on a cluster of 1 node"):
+        check_strategies(load_config(GRPO, [*two_learners, "learner.placement_strategy=STRICT_SPREAD"]), one_node)
+    check_strategies(load_config(GRPO, [*two_learners, "learner.placement_strategy=STRICT_SPREAD"]), one_node * 2)
+    with pytest.raises(ConfigError, match=r"^rollout\.placement_strategy: got 'STRICT_PACK'; allowed: PACK or SPREAD: "
+                                          r"STRICT_PACK puts the 2 rollout bundles \(CPU 1\) on one node"):
+        check_strategies(load_config(GRPO, ["rollout.cfg_parallel_size=2", "rollout.placement_strategy=STRICT_PACK"]),
+                         [{"CPU": 0.5}, {"CPU": 0.5}])
+    check_strategies(load_config(GRPO, ["rollout.cfg_parallel_size=2", "rollout.placement_strategy=STRICT_PACK"]),
+                     [{"CPU": 1.0}])
+
+
 def test_a_failure_inside_an_actor_is_reported_as_its_root_cause_in_one_line(ray_session):
     from rayflow.driver.launch import describe_failure, root_cause
     from rayflow.errors import ConfigError

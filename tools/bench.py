@@ -59,6 +59,7 @@ import torch
 
 from rayflow.cfg.policy import make_policy
 from rayflow.config import ModelConfig, RolloutConfig
+from rayflow.errors import ConfigError
 from rayflow.models import model_class, pipeline_class_of
 from rayflow.models.tiny import ARCHS, resolve_model_path
 from rayflow.paths import recipe
@@ -383,7 +384,8 @@ def bench_pipeline(args: argparse.Namespace) -> dict:
 
     overrides = [f"trainer.total_steps={args.steps}", "trainer.eval_every=0", "trainer.save_every=0",
                  "logging.progress_bar=false", "logging.tensorboard=false", *args.overrides]
-    cfg = load_config(args.recipe, [*overrides, "trainer.output_dir=/tmp/rayflow-bench/reference", "trainer.resume=never"])
+    cfg = load_config(args.recipe, [*overrides, "trainer.output_dir=/tmp/rayflow-bench/reference", "trainer.resume=never"],
+                      key="--recipe")
     torch.set_num_threads(1)  # as one rank of the distributed run
     from rayflow import reference
 
@@ -398,7 +400,7 @@ def bench_pipeline(args: argparse.Namespace) -> dict:
                 f"rollout.num_replicas={devices // cfg.rollout.cfg_parallel_size}",
                 f"placement.cpus_per_device={cfg.learner.cpus_per_rank}"]
     run_cfgs = {name: load_config(args.recipe, [*overrides, *variant, f"trainer.output_dir=/tmp/rayflow-bench/{name}",
-                                                "trainer.resume=never"])
+                                                "trainer.resume=never"], key="--recipe")
                 for name, variant in variants.items()}
     cpus = max(required_cpus(c) for c in run_cfgs.values())
     ray = start_local_ray(num_cpus=max(os.cpu_count() or 1, int(cpus + 0.999)))
@@ -620,10 +622,26 @@ def check_counts(args: argparse.Namespace) -> None:
         raise SystemExit(f"error: --warmup: got {warmup}; allowed: fewer than --steps ({steps}), the steps measured")
 
 
+RECIPE_FLAGS = {"recipe": "--recipe", "config": "--config"}
+"""Options naming one recipe YAML (gradients' --recipe takes several and checks them itself)."""
+
+
+def check_recipes(args: argparse.Namespace) -> None:
+    """Name a recipe option whose file does not exist, before any work (a Ray start, a subprocess)."""
+    for name, flag in RECIPE_FLAGS.items():
+        path = getattr(args, name, None)
+        if isinstance(path, str) and not os.path.isfile(path):
+            raise SystemExit(f"error: {flag}: got {path!r}; allowed: an existing recipe YAML file")
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     check_counts(args)
-    result = BENCHMARKS[args.benchmark](args)
+    check_recipes(args)
+    try:
+        result = BENCHMARKS[args.benchmark](args)
+    except ConfigError as e:  # a recipe key or override to fix: one line, as the recipes' launchers print it
+        sys.exit(f"error: {e}")
     text = json.dumps(result, indent=2)
     print(text)
     if args.json:

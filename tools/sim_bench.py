@@ -76,7 +76,7 @@ def measure_costs(cfg: RayflowConfig, steps: int, warmup: int) -> dict[str, floa
 
 
 def bench_costs(args) -> dict:
-    cfg = load_config(args.recipe, [*run_overrides(args), "trainer.output_dir=/tmp/rayflow-bench/costs"])
+    cfg = load_config(args.recipe, [*run_overrides(args), "trainer.output_dir=/tmp/rayflow-bench/costs"], key="--recipe")
     measured = measure_costs(cfg, args.steps, args.warmup)
     return {"benchmark": "costs", **measured,
             "setup": {"recipe": args.recipe, "overrides": args.overrides, "steps": args.steps, "warmup": args.warmup,
@@ -100,11 +100,11 @@ def bench_simulator(args, start_local_ray: Callable) -> dict:
     """Measured costs, a calibration run, then predicted against measured step time for the other shapes."""
     load_before = os.getloadavg()[0]
     base = run_overrides(args)
-    measured = measure_costs(load_config(args.recipe, [*base, "trainer.output_dir=/tmp/rayflow-bench/costs"]),
+    measured = measure_costs(load_config(args.recipe, [*base, "trainer.output_dir=/tmp/rayflow-bench/costs"], key="--recipe"),
                              args.steps, args.warmup)
     configs = {
         (r, s): load_config(args.recipe, [*base, f"rollout.num_replicas={r}", f"async.max_staleness={s}",
-                                          f"trainer.output_dir=/tmp/rayflow-bench/sim-r{r}-s{s}"])
+                                          f"trainer.output_dir=/tmp/rayflow-bench/sim-r{r}-s{s}"], key="--recipe")
         for r, s in SHAPES
     }
     from rayflow.distributed.resources import required_cpus

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import re
 import time
 import types
 import typing
@@ -55,15 +56,31 @@ def _convert(tp: Any, value: Any, key: str) -> Any:
             raise ConfigError(key, value, _describe(tp))
         (item,) = typing.get_args(tp)
         return [_convert(item, v, f"{key}[{i}]") for i, v in enumerate(value)]
-    if origin is dict or tp is Any:
-        if tp is not Any and not isinstance(value, dict):
-            raise ConfigError(key, value, _describe(tp))
+    if tp is Any:
         return value
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(key, value, _describe(tp))
+        return {name: _convert_entry(tp, name, v, key) for name, v in value.items()}
     if tp is float and isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
         return float(value)  # .inf / .nan would pass every range check below and poison the run
     if tp in (int, str, bool) and type(value) is tp:
         return value
     raise ConfigError(key, value, _describe(tp))
+
+
+def _convert_entry(tp: Any, name: Any, value: Any, key: str) -> Any:
+    """One entry of a `dict[K, V]` key (a role's `resources`, a reward's kwargs), converted as V."""
+    key_type, value_type = typing.get_args(tp)
+    if not isinstance(name, key_type):
+        raise ConfigError(key, {name: value}, f"{_describe(tp)} with {_describe(key_type)} keys")
+    try:
+        return _convert(value_type, value, f"{key}.{name}")
+    except ConfigError as e:
+        if value is None and isinstance(name, str) and ":" in name:  # {gpu_node:1} is the key 'gpu_node:1' in YAML
+            raise ConfigError(e.key, value, f"{e.allowed} (write {{{name.replace(':', ': ', 1)}}}: YAML needs a space "
+                                            f"after the colon)") from None
+        raise
 
 
 REMOVED_KEYS = {
@@ -114,6 +131,10 @@ def _read_recipe(path: str, key: str = "--config", including: tuple[str, ...] = 
     here = os.path.dirname(os.path.abspath(path))
     data = OmegaConf.to_container(data, resolve=False)
     base = data.pop(BASE_KEY, None)
+    try:
+        _check_containers(RayflowConfig, data, "")
+    except ConfigError as e:  # named with its file: with bases, which of them says so
+        raise ConfigError(f"{path}: {e.key}", e.value, e.allowed) from None
     data = OmegaConf.create(_relative_to(data, here))
     if base is None:
         return data
@@ -123,28 +144,154 @@ def _read_recipe(path: str, key: str = "--config", including: tuple[str, ...] = 
     base_path = os.path.normpath(os.path.join(here, base))
     if base_path in including + (os.path.abspath(path),):
         raise ConfigError(base_key, base, "a recipe that does not include itself through its bases")
-    return OmegaConf.merge(_read_recipe(base_path, base_key, including + (os.path.abspath(path),)), data)
+    return _merge(_read_recipe(base_path, base_key, including + (os.path.abspath(path),)), data, path)
+
+
+def _container_type(tp: Any) -> type | None:
+    """dict or list when a key of type `tp` holds a mapping or a list (null aside); None for a scalar or Any."""
+    union = typing.get_origin(tp) in (typing.Union, types.UnionType)
+    args = [a for a in typing.get_args(tp) if a is not type(None)] if union else [tp]
+    if len(args) != 1:
+        return None
+    (tp,) = args
+    if dataclasses.is_dataclass(tp) or typing.get_origin(tp) is dict:
+        return dict
+    return list if typing.get_origin(tp) is list else None
+
+
+def _check_containers(cls: type, data: dict, prefix: str) -> None:
+    """Refuse, in one layer (a recipe file or one override) before it is merged, a mapping key given as anything but
+    a mapping, and a list key given as a mapping. Merged, a section given as null or a scalar would replace what the
+    layers below it set, or be silently replaced by a later override's mapping; a mapping stops omegaconf's merge into
+    a list with a TypeError."""
+    hints = typing.get_type_hints(cls)
+    fields = {yaml_key(f.name): f.name for f in dataclasses.fields(cls)}
+    for name, value in data.items():
+        if name not in fields or (isinstance(value, str) and "${" in value):
+            continue  # an unknown key is named by _build; an interpolation by its resolution
+        key, tp = f"{prefix}.{name}" if prefix else str(name), hints[fields[name]]
+        container = _container_type(tp)
+        if container is None or (value is None and type(None) in typing.get_args(tp)) or isinstance(value, container):
+            if dataclasses.is_dataclass(tp) and isinstance(value, dict):
+                _check_containers(tp, value, key)
+            continue
+        if container is list and isinstance(value, dict):
+            raise ConfigError(key, value, f"{_describe(tp)}, given whole, e.g. {key}=[...] (a list is replaced whole: "
+                                          f"its items cannot be set one by one, as {key}.0.KEY=VALUE)")
+        empty = " (a key with nothing after it is null: give it keys or delete it)" if value is None else ""
+        raise ConfigError(key, value, _describe(tp) + empty)
+
+
+def _merge(below: DictConfig, above: DictConfig, source: str) -> DictConfig:
+    """`above` merged over `below`; `source` (a recipe, an override) is named if omegaconf refuses."""
+    try:
+        return OmegaConf.merge(below, above)
+    except (OmegaConfBaseException, TypeError, ValueError) as e:  # _check_containers leaves none known: a safety net
+        raise ConfigError(source, " ".join(str(e).split()), "values of the types the keys hold (a mapping for a "
+                                                            "section, a whole list for a list)") from None
+
+
+OVERRIDE = re.compile(r"[A-Za-z_][\w.\[\]-]*=")
+"""How a KEY=VALUE override starts: a dotted key, then '='."""
+
+
+def is_override(arg: str) -> bool:
+    """Whether a command-line argument is a KEY=VALUE override: it starts with a dotted key and '=', and is not an
+    existing file or directory (a run directory may have '=' in its name, e.g. runs/lr=1e-4)."""
+    return bool(OVERRIDE.match(arg)) and not os.path.exists(arg)
 
 
 def split_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
     """(the other arguments, the KEY=VALUE overrides) of a tool's command line, so that overrides may come anywhere:
     argparse gives one after `--staleness 0 1` to that option, and refuses one after an option once the
     positionals are taken."""
-    is_override = [("=" in a and not a.startswith("-")) for a in argv]
-    return [a for a, o in zip(argv, is_override) if not o], [a for a, o in zip(argv, is_override) if o]
+    flags = [is_override(a) for a in argv]
+    return [a for a, o in zip(argv, flags) if not o], [a for a, o in zip(argv, flags) if o]
 
 
-def load_config(path: str | None = None, overrides: list[str] | None = None) -> RayflowConfig:
-    """Read a recipe YAML (optional; its `base`s first), apply dotlist overrides, convert and validate."""
-    base = _read_recipe(path) if path else OmegaConf.create({})
-    for text in overrides or []:
-        if "=" not in text:  # omegaconf would read it as a key set to null, reported as an unknown key at best
-            hint = " (a recipe YAML is given with --config)" if text.endswith((".yaml", ".yml")) else ""
-            raise ConfigError("overrides", text, f"KEY=VALUE, e.g. trainer.total_steps=10{hint}")
+YAML11_NUMBER = re.compile(r"""[-+]?(
+      0[0-9_]+                                     # a leading 0: octal, 010 is 8
+    | 0[xXoObB][0-9a-fA-F_]*                       # 0x10 is 16, 0b11 is 3 (0o7 stays text)
+    | [0-9][0-9_]*(:[0-5]?[0-9])+(\.[0-9_]*)?      # base 60: 1:30 is 90
+    | (?=[0-9._]*[0-9])[0-9._]*_[0-9._]*([eE][-+]?[0-9]+)?  # 1_000 is 1000
+)""", re.X)
+"""Plain scalars that the YAML 1.1 reader of overrides turns into another number than they read as (YAML 1.2 reads
+them as text or in decimal): refused where a key holds numbers."""
+
+
+def _key_type(key: str) -> Any:
+    """The declared type of a dotted key (trainer.seed: int; rollout.resources.x: float), or None where the config
+    does not say (an unknown key, a list's item)."""
+    tp: Any = RayflowConfig
+    for part in key.split("."):
+        if typing.get_origin(tp) is dict:
+            tp = typing.get_args(tp)[1]
+            continue
+        if not dataclasses.is_dataclass(tp):
+            return None
+        fields = {yaml_key(f.name): f.name for f in dataclasses.fields(tp)}
+        if part not in fields:
+            return None
+        tp = typing.get_type_hints(tp)[fields[part]]
+    return tp
+
+
+def _is_text(tp: Any) -> bool:
+    """Whether a key of type `tp` holds text only (str, or str or null)."""
+    return tp is str or set(typing.get_args(tp)) - {type(None)} == {str}
+
+
+def _parse_override(text: str) -> DictConfig:
+    """One KEY=VALUE override as a config layer. A text key keeps the text YAML would read as a number
+    (trainer.run_name=12:30 is "12:30", not 750); a YAML 1.1 number form is refused elsewhere, where it would
+    silently become another number (trainer.total_steps=010 is 8)."""
+    if "=" not in text:  # omegaconf would read it as a key set to null, reported as an unknown key at best
+        hint = " (a recipe YAML is given with --config)" if text.endswith((".yaml", ".yml")) else ""
+        raise ConfigError("overrides", text, f"KEY=VALUE, e.g. trainer.total_steps=10{hint}")
     try:
-        data = OmegaConf.to_container(OmegaConf.merge(base, OmegaConf.from_dotlist(list(overrides or []))), resolve=False)
+        layer = OmegaConf.from_dotlist([text])
     except (OmegaConfBaseException, ValueError, yaml.YAMLError) as e:
         raise ConfigError("overrides", str(e).splitlines()[0], "KEY=VALUE overrides with valid YAML values") from None
+    key, raw = text.split("=", 1)
+    data = value = OmegaConf.to_container(layer, resolve=False)
+    for part in key.split("."):
+        value = value.get(part) if isinstance(value, dict) else None
+    tp = _key_type(key)
+    if tp is not None and _is_text(tp):
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            OmegaConf.update(layer, key, raw.strip(), merge=False)
+    else:
+        _refuse_yaml11_numbers(key, raw)
+    try:
+        _check_containers(RayflowConfig, data, "")
+    except ConfigError as e:
+        if key.startswith(f"{e.key}."):  # reward.functions.0.weight=2: named as typed
+            raise ConfigError(key, value, e.allowed) from None
+        raise
+    return layer
+
+
+def _refuse_yaml11_numbers(key: str, raw: str) -> None:
+    """ConfigError naming `key` when a plain scalar of its override value is one of YAML11_NUMBER's forms."""
+    try:
+        scalars = [t.value for t in yaml.scan(raw) if isinstance(t, yaml.ScalarToken) and t.plain]
+    except yaml.YAMLError:
+        return  # from_dotlist read it; nothing to add
+    for scalar in scalars:
+        if YAML11_NUMBER.fullmatch(scalar):
+            read = yaml.safe_load(scalar)
+            raise ConfigError(key, raw, f"numbers in plain decimal ({scalar!r} is a YAML 1.1 form, a leading 0, a "
+                                        f"0x/0o/0b prefix, ':' or '_', that an override reads as {read!r}): write the "
+                                        f"number meant, e.g. 10 not 010, 90 not 1:30")
+
+
+def load_config(path: str | None = None, overrides: list[str] | None = None, key: str = "--config") -> RayflowConfig:
+    """Read a recipe YAML (optional; its `base`s first), apply dotlist overrides, convert and validate. `key`: the
+    flag that named the recipe (a missing file is reported under it)."""
+    merged = _read_recipe(path, key) if path else OmegaConf.create({})
+    for layer in [_parse_override(text) for text in overrides or []]:  # every override checked before any merge
+        merged = _merge(merged, layer, "overrides")
+    data = OmegaConf.to_container(merged, resolve=False)
     # Unknown keys and wrong types are reported as given, before the defaults are merged in.
     _build(RayflowConfig, _strip_interpolations(data), "")
     if isinstance(data.get("trainer"), dict) and data["trainer"].get("run_name") is None:
@@ -159,7 +306,8 @@ def load_config(path: str | None = None, overrides: list[str] | None = None) -> 
     return from_dict(_expand_home(resolved))
 
 
-PATH_KEYS = (("model", "path"), ("data", "prompts"), ("data", "eval_prompts"), ("trainer", "output_dir"), ("trainer", "resume"))
+PATH_KEYS = (("model", "path"), ("data", "prompts"), ("data", "eval_prompts"), ("trainer", "output_dir"),
+             ("trainer", "logdir"), ("trainer", "resume"))
 """Keys that hold paths; a relative one in a recipe YAML is relative to the YAML's directory."""
 
 

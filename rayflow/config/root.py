@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from rayflow.config.sections import (
     AlgorithmConfig, AsyncConfig, CFGConfig, DataConfig, LearnerConfig, LoggingConfig, ModelConfig, PlacementConfig,
@@ -17,6 +19,21 @@ from rayflow.types import SamplingParams
 def yaml_key(field_name: str) -> str:
     """YAML key of a dataclass field ("async" is a Python keyword, so its field is async_)."""
     return field_name[:-1] if field_name.endswith("_") else field_name
+
+
+READ_ONLY_WHEN: tuple[tuple[tuple[str, ...], str, Callable[[Any], bool], str], ...] = (
+    (("sampling.noise_level", "sampling.sde_step_indices", "sampling.sde_window_size"), "sampling.sde_type",
+     lambda sde_type: sde_type != "ode", "'sde' or 'cps' (an ODE rollout has no stochastic step)"),
+    (("sampling.sde_window_schedule",), "sampling.sde_window_size", lambda size: size is not None,
+     "set (the schedule places that window)"),
+    (("cfg.avoid_prompt", "cfg.avoid_scale"), "cfg.policy", lambda policy: policy == "dual_negative",
+     "'dual_negative' (the only policy with an avoid branch)"),
+    (("trainer.ema_every", "trainer.ema_blends"), "trainer.ema_decay", lambda decay: decay > 0,
+     "> 0 (0: no EMA to update)"),
+)
+"""(keys, the key that decides whether they are read, whether they are at its value, the condition in words): beside
+READ_BY_ONE_ALGORITHM, keys nothing reads unless a condition holds. Set away from its default otherwise, a key would
+be a setting that silently does nothing."""
 
 
 @dataclass
@@ -42,6 +59,8 @@ class RayflowConfig:
                 section.validate(prefix=yaml_key(f.name))
         self._validate_size()
         self._validate_algorithm()
+        self._validate_read()
+        self._validate_guidance()
         self._validate_placement()
         _need(
             self.learner.train_mode == "lora" or self.sync.mode == "merged" or self.placement.colocated,
@@ -67,6 +86,41 @@ class RayflowConfig:
             f"a divisor of the per-rank mini-batch (algorithm.group_size x prompts_per_step / num_minibatches / learner.world_size "
             f"= {self.algorithm.batch_size} / {self.algorithm.num_minibatches} / {self.learner.world_size})",
         )
+
+    def _get(self, key: str) -> Any:
+        section, name = key.split(".")
+        return getattr(getattr(self, section + ("_" if section == "async" else "")), name)
+
+    def _validate_read(self) -> None:
+        """Keys of READ_ONLY_WHEN keep their defaults unless what reads them is on."""
+        defaults = RayflowConfig()
+        for keys, decider, reads, condition in READ_ONLY_WHEN:
+            if reads(self._get(decider)):
+                continue
+            for key in keys:
+                value, default = self._get(key), defaults._get(key)
+                _need(value == default, key, value, f"its default {default!r} unless {decider} is {condition}; "
+                                                    f"here {decider}={self._get(decider)!r}, so nothing reads it")
+
+    def _validate_guidance(self) -> None:
+        """A guidance scale the policy ignores, and CFG-parallel ranks beyond the branches the policy builds."""
+        from rayflow.cfg.policy import NoCFG, guidance_policy
+
+        s, t = self.sampling, self.trainer
+        if self.cfg.policy == NoCFG.name:
+            scales = {"sampling.guidance_scale": s.guidance_scale, "trainer.eval_guidance_scale": t.eval_guidance_scale}
+            for key, scale in scales.items():
+                _need(scale is None or scale == 1.0, key, scale,
+                      f"1.0 with cfg.policy={NoCFG.name} (it runs the conditional branch alone whatever the scale), "
+                      f"or a cfg.policy that guides")
+        policy = guidance_policy(self.cfg)
+        scales = sorted({s.guidance_scale, t.eval_guidance_scale or s.guidance_scale})  # rollouts' and evaluation's
+        branches = max(len(policy.conditioning_prompts(["x"], s.negative_prompt, scale)) for scale in scales)
+        # A rank beyond the branches runs none (cfg/parallel.py) but holds a device all run long.
+        _need(self.rollout.cfg_parallel_size <= branches, "rollout.cfg_parallel_size", self.rollout.cfg_parallel_size,
+              f"at most {branches}, the CFG branches cfg.policy={self.cfg.policy} builds at guidance scale "
+              f"{' and '.join(f'{x:g}' for x in scales)} (sampling.guidance_scale, trainer.eval_guidance_scale); "
+              f"more rollout ranks: rollout.num_replicas")
 
     def _validate_placement(self) -> None:
         from rayflow.distributed.resources import check_bundles_reserve_something

@@ -6,6 +6,7 @@ sections live with the root (rayflow.config.root).
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -409,6 +410,7 @@ class RewardConfig:
         _need(self.stall_timeout_s > 0, f"{prefix}.stall_timeout_s", self.stall_timeout_s, "seconds > 0")
         _need(self.stall_factor >= 1, f"{prefix}.stall_factor", self.stall_factor, "a number >= 1")
         _need(self.max_outage_s >= 0, f"{prefix}.max_outage_s", self.max_outage_s, "a number of seconds >= 0")
+        _validate_custom_resources(self.resources, f"{prefix}.resources")
 
 
 OVER_STALE = ("regenerate", "drop")
@@ -460,6 +462,7 @@ class SyncConfig:
         _need(self.bucket_mb > 0, f"{prefix}.bucket_mb", self.bucket_mb, "a float > 0")
         _need(self.cpus >= 0, f"{prefix}.cpus", self.cpus, "a float >= 0")
         _need(self.gpus is None or self.gpus >= 0, f"{prefix}.gpus", self.gpus, "null or a float >= 0")
+        _validate_custom_resources(self.resources, f"{prefix}.resources")
         _validate_restarts(self, prefix)
 
 
@@ -485,6 +488,7 @@ class PlacementConfig:
         _need(self.cpus_per_device >= 0, f"{prefix}.cpus_per_device", self.cpus_per_device, "a float >= 0")
         _need(self.gpus_per_device is None or self.gpus_per_device >= 0, f"{prefix}.gpus_per_device",
               self.gpus_per_device, "null or a float >= 0")
+        _validate_custom_resources(self.resources, f"{prefix}.resources")
 
     @property
     def colocated(self) -> bool:
@@ -510,10 +514,14 @@ class DataConfig:
         _need(self.eval_seeds >= 1, f"{prefix}.eval_seeds", self.eval_seeds, "an integer >= 1")
 
 
+SEED_LIMIT = 2**32
+"""trainer.seed is below this (see TrainerConfig.validate)."""
+
+
 @dataclass
 class TrainerConfig:
     total_steps: int = 100
-    """Optimizer steps."""
+    """Batches trained (policy versions); each is algorithm.num_inner_epochs x num_minibatches optimizer steps."""
     seed: int = 0
     """The run seed: prompt order, sample seeds, LoRA init."""
     output_dir: str = "outputs"
@@ -568,6 +576,13 @@ class TrainerConfig:
         return os.path.join(self.output_dir, self.run_name) if self.run_name else self.output_dir
 
     def validate(self, prefix: str = "trainer") -> None:
+        # An empty output_dir puts the run in the working directory but its TensorBoard under / (the logdir template).
+        _need(self.output_dir.strip() != "", f"{prefix}.output_dir", self.output_dir, "a directory path (not empty)")
+        _need(self.logdir.strip() != "", f"{prefix}.logdir", self.logdir, "a directory path (not empty)")
+        # Below 2**32, seed x 1_000_003 + the sample counter stays under 2**63 however many samples a run draws.
+        _need(0 <= self.seed < SEED_LIMIT, f"{prefix}.seed", self.seed,
+              f"an integer in [0, 2**32) (sample seeds are trainer.seed x 1_000_003 + a sample counter, and torch "
+              f"seeds must fit in 64 bits)")
         _need(
             self.run_name is None or (self.run_name not in ("", ".", "..") and "/" not in self.run_name),
             f"{prefix}.run_name", self.run_name, "null or a directory name (no '/')",
@@ -627,7 +642,15 @@ def _validate_restarts(section: Any, prefix: str) -> None:
     _need(section.restart_window_s >= 0, f"{prefix}.restart_window_s", section.restart_window_s, "seconds >= 0 (0: the whole run)")
 
 
+def _validate_custom_resources(resources: dict[str, float], key: str) -> None:
+    """A role's custom Ray resources: finite amounts >= 0 per bundle (Ray would fail the bundle, or wait forever)."""
+    for name, amount in resources.items():
+        _need(isinstance(amount, (int, float)) and not isinstance(amount, bool) and math.isfinite(amount) and amount >= 0,
+              f"{key}.{name}", amount, "a finite number >= 0 (the amount of that custom Ray resource per bundle)")
+
+
 def _validate_resources(section: Any, prefix: str) -> None:
+    _validate_custom_resources(section.resources, f"{prefix}.resources")
     _need(section.gpus_per_rank is None or section.gpus_per_rank >= 0, f"{prefix}.gpus_per_rank", section.gpus_per_rank, "null or a float >= 0")
     _need(section.cpus_per_rank >= 0, f"{prefix}.cpus_per_rank", section.cpus_per_rank, "a float >= 0")
     _need(section.threads_per_rank >= 1, f"{prefix}.threads_per_rank", section.threads_per_rank, "an integer >= 1")

@@ -143,7 +143,7 @@ class Trainer:
 
     # -- the loop ----------------------------------------------------------------------------------
     def run(self) -> list[dict[str, float]]:
-        """Train until trainer.total_steps optimizer steps; returns each step's logged scalars."""
+        """Train until trainer.total_steps batches (policy versions); returns each step's logged scalars."""
         cfg = self.cfg
         training: collections.deque[TrainStep] = collections.deque()  # in the learners' order: at most two
         if cfg.trainer.eval_at_start and self.version == 0:
