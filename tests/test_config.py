@@ -216,6 +216,11 @@ def test_user_interpolation_resolves(tmp_path):
         (["rollout.cfg_parallel_size=3"], "rollout.cfg_parallel_size", 3, "at most 2, the CFG branches cfg.policy=true_cfg builds"),
         (["sampling.guidance_scale=1", "rollout.cfg_parallel_size=2"], "rollout.cfg_parallel_size", 2, "at most 1"),
         (["trainer.total_steps"], "overrides", "trainer.total_steps", "KEY=VALUE"),
+        # FLUX.1's scheduler takes its mu from the image size: refused here, not at the first rollout.
+        (["model.tiny_arch=flux", "cfg.policy=embedded", "sampling.guidance_scale=3.5", "rollout.cfg_parallel_size=1",
+          "sampling.shift=3.0"], "sampling.shift", 3.0, "null for FluxPipeline"),
+        # float16 AdamW: eps 1e-8 is 0, and the first LoRA step is 0/0 (the adapters NaN, the step not even skipped).
+        (["model.dtype=float16"], "learner.mixed_precision", "none", "'autocast' with model.dtype=float16"),
     ],
 )
 def test_errors_name_key_value_and_allowed(overrides, key, value, allowed):

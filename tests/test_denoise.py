@@ -172,6 +172,21 @@ def test_finish_before_done_and_bad_size_raise(tiny_model):
         start_rollout(tiny_model, request([0], height=72), POLICY)
 
 
+def test_a_sample_that_ends_non_finite_is_an_error_naming_it(tiny_model, monkeypatch):
+    """Decoded and scored, a NaN sample got a finite reward (an evaluation logged it as one); it is refused instead."""
+    velocity = tiny_model.predict_velocity
+
+    def nan_for_the_second_sample(latents, *args, **kwargs):
+        v = velocity(latents, *args, **kwargs).clone()
+        v[1::2] = float("nan")  # the second sample of each CFG half
+        return v
+
+    monkeypatch.setattr(tiny_model, "predict_velocity", nan_for_the_second_sample)
+    with pytest.raises(FloatingPointError, match=r"^rollout r: samples \[1\] \(seeds \[8\]\) ended with non-finite "
+                                                 r"latents or log-probabilities under policy version \[0\]"):
+        run(tiny_model, [7, 8])
+
+
 def test_a_trajectory_pickles_its_own_sample_not_its_whole_batch(tiny_model):
     """Trajectories cross actors one request at a time: a sample of an 8-sample request pickles to what a sample of
     a 1-sample request does (a row of a batch tensor would carry the whole batch's storage with it)."""

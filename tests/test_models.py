@@ -145,6 +145,25 @@ def test_schedule_static_shift(tiny_model, tiny_pipeline):
     torch.testing.assert_close(schedule.timesteps, scheduler.timesteps, rtol=0, atol=1e-3)
 
 
+def test_a_schedule_that_does_not_fall_from_1_to_0_is_refused_naming_the_keys(tiny_model, tiny_twin):
+    """One step under Qwen-Image's shift_terminal stretch divides by 0 (sigmas [nan, 0]); it sampled NaN trajectories
+    and trained NaN steps. A static shift whose first sigma rounds to 1 ± 6e-7 in float32 (SD3, shift 0.2) is set to
+    exactly 1, where the SDE's sigma-tilde rule and DPM-Solver need it (1.0000006 was the square root of a negative
+    number; 0.99999982 a noise 1800 times too large)."""
+    from rayflow.models import load_model
+    from rayflow.sampling.flow_sde import sde_std_dev
+
+    with pytest.raises(ValueError, match=r"^sampling\.num_steps / sampling\.shift .*the sigmas \[nan, 0\.0\] for 1 "
+                                         r"steps; allowed: .*fall from 1 to 0"):
+        tiny_model.schedule(1, 64, 64)
+    sd3 = load_model(tiny_twin("sd3"))
+    for shift in (0.2, 0.35):
+        sigmas = sd3.schedule(4, 64, 64, shift=shift).sigmas
+        assert sigmas[0] == 1 and torch.isfinite(sde_std_dev(sigmas[:-1], 0.7, sigmas[1])).all()
+        s = float(sde_std_dev(sigmas[:1], 0.7, sigmas[1]))
+        assert s == pytest.approx(0.7 * (1 / (1 - float(sigmas[1]))) ** 0.5)  # README: a·sqrt(σ / (1 − σ_max))
+
+
 @pytest.mark.parametrize("height, width, bad", [(60, 64, "height"), (64, 72, "width"), (0, 64, "height")])
 def test_check_size(tiny_model, height, width, bad):
     tiny_model.check_size(64, 128)

@@ -61,6 +61,11 @@ class RayflowConfig:
         self._validate_algorithm()
         self._validate_read()
         self._validate_guidance()
+        # float16 trained in place: AdamW's eps (1e-8) is 0 in float16, and the first step of a LoRA (its B at 0, so A's
+        # gradient 0) divides 0 by 0 into every adapter weight. autocast keeps the trained weights and AdamW in fp32.
+        _need(self.model.dtype != "float16" or self.learner.mixed_precision == "autocast", "learner.mixed_precision",
+              self.learner.mixed_precision, "'autocast' with model.dtype=float16 (fp32 trained weights and AdamW state: "
+              "in float16 AdamW's eps of 1e-8 is 0, and its first step turns the adapters into NaN)")
         self._validate_placement()
         _need(
             self.learner.train_mode == "lora" or self.sync.mode == "merged" or self.placement.colocated,
@@ -150,6 +155,7 @@ class RayflowConfig:
         from rayflow.models.tiny import TINY_PIPELINES
 
         pipeline = TINY_PIPELINES[self.model.tiny_arch] if self.model.path is None else pipeline_class_of(self.model.path)
+        model_class(pipeline).check_shift(self.sampling.shift)
         multiple = model_class(pipeline).size_multiple()
         for key in ("height", "width"):
             value = getattr(self.sampling, key)

@@ -62,12 +62,33 @@ class PromptEmbeds:
         return PromptEmbeds(stacked, mask)
 
 
+SIGMA_ROUNDING = 1e-5
+"""A first sigma this close to 1 is 1 rounded in float32 (a static shift s maps 1 to s / (1 + (s - 1)), which rounds to
+1 ± 6e-7 for some s): it is set to 1, where the SDE's sigma-tilde rule and DPM-Solver's log-SNR need it exactly."""
+
+
 @dataclass
 class Schedule:
-    """The sigma schedule of one generation: sigmas [T+1] float32 ending in 0, timesteps [T]."""
+    """The sigma schedule of one generation: sigmas [T+1] float32 falling from 1 to 0, timesteps [T]. Checked on
+    construction: a scheduler config and step count that give anything else (NaN sigmas for one step under a
+    shift_terminal stretch; repeated sigmas, a zero-length step, under an extreme shift) are refused, naming the keys,
+    not sampled into NaN trajectories."""
 
     sigmas: torch.Tensor
     timesteps: torch.Tensor
+
+    def __post_init__(self) -> None:
+        sigmas = self.sigmas
+        if len(sigmas) > 1 and sigmas[0] != 1 and abs(float(sigmas[0]) - 1) < SIGMA_ROUNDING:
+            self.sigmas = sigmas = torch.cat([sigmas.new_ones(1), sigmas[1:]])
+        steps = len(sigmas) - 1
+        falling = steps >= 1 and bool((sigmas[1:] < sigmas[:-1]).all())
+        if not (torch.isfinite(sigmas).all() and torch.isfinite(self.timesteps).all() and falling
+                and sigmas[0] == 1 and sigmas[-1] == 0):
+            raise ValueError(f"sampling.num_steps / sampling.shift (or trainer.eval_num_steps): the scheduler gives the "
+                             f"sigmas {[round(float(x), 6) for x in sigmas]} for {steps} steps; allowed: settings whose "
+                             f"sigmas are finite and fall from 1 to 0 step by step (a scheduler with shift_terminal "
+                             f"needs 2 steps or more; an extreme shift repeats sigmas)")
 
 
 JOINT_ATTENTION_TARGETS = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out")
@@ -100,6 +121,12 @@ class DiffusionModel(ABC):
         if policy == "embedded" and cls.default_cfg_policy != "embedded":
             raise ConfigError(key, policy, f"a policy other than 'embedded' for {cls.pipeline_class} (its transformer "
                                            f"has no guidance input; 'embedded' is FLUX.1-dev's)")
+
+    @classmethod
+    def check_shift(cls, shift: float | None, key: str = "sampling.shift") -> None:
+        """Refuse (ConfigError naming `key`) a static shift the family's scheduler never takes, before anything starts.
+        Whether a scheduler config takes one is decided by `schedule`; this refuses only what no config of the family
+        takes."""
 
     def __init__(self, pipe, device: torch.device, dtype: torch.dtype):
         """`pipe`: the family's diffusers pipeline (text encoders and VAE None when loaded transformer-only)."""

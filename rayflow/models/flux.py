@@ -13,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from rayflow.errors import ConfigError
 from rayflow.models import pooled
 from rayflow.models.base import JOINT_ATTENTION_TARGETS, PromptEmbeds, Schedule, register_model
 from rayflow.models.sd3 import decode_vae, load_frozen
@@ -58,12 +59,16 @@ class FluxModel(pooled.PooledTextModel):
         noise = torch.cat([torch.randn((1, channels, h, w), generator=g, dtype=self.dtype) for g in generators])
         return self.pipe._pack_latents(noise, len(seeds), channels, h, w).to(self.device), generators
 
+    @classmethod
+    def check_shift(cls, shift: float | None, key: str = "sampling.shift") -> None:
+        if shift is not None:
+            raise ConfigError(key, shift, f"null for {cls.pipeline_class} (mu comes from the image size)")
+
     def schedule(self, num_steps: int, height: int, width: int, shift: float | None = None) -> Schedule:
         from diffusers.pipelines.flux.pipeline_flux import calculate_shift, retrieve_timesteps
 
         config = self.pipe.scheduler.config
-        if shift is not None:
-            raise ValueError(f"sampling.shift: got {shift}; allowed: null for {self.pipeline_class} (mu comes from the image size)")
+        self.check_shift(shift)
         h, w = self._latent_hw(height, width)
         # FluxPipeline always computes mu from the packed image sequence length (used when the
         # scheduler shifts dynamically, as FLUX.1's does).

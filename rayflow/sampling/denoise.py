@@ -174,8 +174,16 @@ def finish_rollout(model: DiffusionModel, state: RolloutState) -> list[Trajector
 
 
 def split_trajectories(state: RolloutState, images: torch.Tensor | None) -> list[Trajectory]:
-    """The finished batch as one Trajectory per sample, with its decoded `images` [B, H, W, 3] (or None)."""
+    """The finished batch as one Trajectory per sample, with its decoded `images` [B, H, W, 3] (or None). A sample
+    whose latents or log-probabilities are not finite is an error: decoded and scored, it got a finite reward (an
+    evaluation logged it as one), and trained on, a skipped step."""
     req, p = state.request, state.params
+    finite = torch.isfinite(state.latents.flatten(1)).all(1) & torch.isfinite(torch.stack(state.log_probs, dim=1)).all(1)
+    if not bool(finite.all()):
+        bad = [b for b in range(len(finite)) if not finite[b]]
+        raise FloatingPointError(f"rollout {req.request_id}: samples {bad} (seeds {[req.seeds[b] for b in bad]}) ended "
+                                 f"with non-finite latents or log-probabilities under policy version "
+                                 f"{sorted(set(state.versions))}: the weights or the sampling settings are broken")
     indices = sorted(state.captured)
     rows = [state.captured[i] for i in indices]
     B, N, C = state.latents.shape
