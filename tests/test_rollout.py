@@ -307,6 +307,31 @@ def test_a_pool_splits_a_group_across_replicas_like_one_replica(replicas, tiny_m
     assert [t.seed for t in one] == list(group.seeds) and {t.group_id for t in one} == {7}
 
 
+def test_a_pool_that_fails_to_start_frees_what_its_started_replicas_hold(ray_session, tiny_model_dir, monkeypatch):
+    """The second replica's placement times out (it asks for more CPUs than the session has): the first replica,
+    placed and started, is shut down, its placement group removed (it stayed reserved until the driver exited)."""
+    import functools
+
+    import ray
+
+    from rayflow.distributed import placement
+    from rayflow.rollout import RolloutPool
+
+    monkeypatch.setattr(placement.Reservation, "wait", functools.partialmethod(placement.Reservation.wait, timeout_s=3.0))
+    before = ray.available_resources().get("CPU", 0)
+    rollout = RolloutConfig(num_replicas=1, cfg_parallel_size=1, cpus_per_rank=1.0)
+    too_big = RolloutConfig(num_replicas=1, cfg_parallel_size=1, cpus_per_rank=before + 1)
+    reservations = RolloutPool.reserve(rollout, "test-leak-a") + RolloutPool.reserve(too_big, "test-leak-b")
+    with pytest.raises(TimeoutError, match="test-leak-b-0"):
+        RolloutPool.start(spec_for(tiny_model_dir), rollout, "test-leak", reservations)
+    table = {t["name"]: t["state"] for t in ray.util.placement_group_table().values() if t["name"].startswith("test-leak")}
+    assert table == {"test-leak-a-0": "REMOVED", "test-leak-b-0": "REMOVED"}
+    deadline = time.time() + 30
+    while ray.available_resources().get("CPU", 0) < before and time.time() < deadline:
+        time.sleep(0.2)
+    assert ray.available_resources().get("CPU", 0) == before
+
+
 @pytest.fixture(scope="module")
 def fresh_pool(ray_session, tiny_model_dir):
     """A pool built from config (one replica, W = 2) with a short collective timeout; a new one

@@ -173,25 +173,55 @@ def test_resources_beyond_the_cluster_are_refused_naming_roles_and_keys():
             check_fits(zero_cpus, {"CPU": 2.0}, autoscaler_max=autoscaler_max)
 
 
-def test_a_strict_placement_strategy_the_nodes_can_never_meet_is_refused():
-    """Without an autoscaler the nodes there are are all there will be: STRICT_SPREAD with more ranks than nodes, or
-    STRICT_PACK with more than any node holds, waited out the placement timeout (600 s) instead."""
+def test_a_placement_the_nodes_can_never_meet_is_refused():
+    """Without an autoscaler the nodes there are are all there will be: a bundle bigger than any node, STRICT_SPREAD
+    with more ranks than nodes able to hold one, or STRICT_PACK with more than any node holds, passed the check of the
+    cluster's totals and waited out the placement timeout (600 s) instead."""
     from rayflow.config import load_config
-    from rayflow.distributed.resources import check_strategies
+    from rayflow.distributed.resources import check_placeable
     from rayflow.errors import ConfigError
 
     two_learners = ["learner.world_size=2", "learner.micro_batch_size=4"]
     one_node = [{"CPU": 2.0}]
     with pytest.raises(ConfigError, match=r"^learner\.placement_strategy: got 'STRICT_SPREAD'; allowed: PACK, SPREAD or "
                                           r"STRICT_PACK for 2 learner bundles on a cluster of 1 node"):
-        check_strategies(load_config(GRPO, [*two_learners, "learner.placement_strategy=STRICT_SPREAD"]), one_node)
-    check_strategies(load_config(GRPO, [*two_learners, "learner.placement_strategy=STRICT_SPREAD"]), one_node * 2)
+        check_placeable(load_config(GRPO, [*two_learners, "learner.placement_strategy=STRICT_SPREAD"]), one_node)
+    check_placeable(load_config(GRPO, [*two_learners, "learner.placement_strategy=STRICT_SPREAD"]), one_node * 2)
     with pytest.raises(ConfigError, match=r"^rollout\.placement_strategy: got 'STRICT_PACK'; allowed: PACK or SPREAD: "
                                           r"STRICT_PACK puts the 2 rollout bundles \(CPU 1\) on one node"):
-        check_strategies(load_config(GRPO, ["rollout.cfg_parallel_size=2", "rollout.placement_strategy=STRICT_PACK"]),
-                         [{"CPU": 0.5}, {"CPU": 0.5}])
-    check_strategies(load_config(GRPO, ["rollout.cfg_parallel_size=2", "rollout.placement_strategy=STRICT_PACK"]),
-                     [{"CPU": 1.0}])
+        check_placeable(load_config(GRPO, ["rollout.cfg_parallel_size=2", "rollout.placement_strategy=STRICT_PACK"]),
+                        [{"CPU": 0.5}, {"CPU": 0.5}])
+    check_placeable(load_config(GRPO, ["rollout.cfg_parallel_size=2", "rollout.placement_strategy=STRICT_PACK"]),
+                    [{"CPU": 1.0}])
+    # A CPU-less head beside one worker node holds no learner bundle: STRICT_SPREAD of 2 cannot be placed.
+    with pytest.raises(ConfigError, match=r"cluster of 1 node\(s\) able to hold one"):
+        check_placeable(load_config(GRPO, [*two_learners, "learner.placement_strategy=STRICT_SPREAD"]),
+                        [{"CPU": 0.0, "memory": 1e9}, {"CPU": 2.0}])
+    with pytest.raises(ConfigError, match=r"^learner\.cpus_per_rank, learner\.gpus_per_rank: got 'CPU 3'; allowed: a "
+                                          r"learner bundle one node holds"):
+        check_placeable(load_config(GRPO, ["learner.cpus_per_rank=3"]), [{"CPU": 2.0}, {"CPU": 2.0}])
+
+
+def test_the_local_start_lock_is_usable_by_every_user_and_read_only_is_enough(tmp_path, monkeypatch):
+    """Created 0666 whatever the umask (another user's 0644 file stopped every other user's local run with
+    PermissionError), and opened read-only: flock needs no write access to a file another user owns."""
+    import stat
+    import tempfile
+
+    from rayflow.driver import launch
+
+    monkeypatch.setattr(tempfile, "gettempdir", lambda: str(tmp_path))
+    old = os.umask(0o022)
+    try:
+        with launch._one_start_at_a_time():
+            pass
+    finally:
+        os.umask(old)
+    lock = tmp_path / launch.START_LOCK
+    assert stat.S_IMODE(lock.stat().st_mode) == 0o666
+    lock.chmod(0o444)  # as another user's file looks to this one (root aside, which the suite may run as)
+    with launch._one_start_at_a_time():
+        pass
 
 
 def test_a_failure_inside_an_actor_is_reported_as_its_root_cause_in_one_line(ray_session):

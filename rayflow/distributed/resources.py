@@ -122,31 +122,47 @@ def check_cluster_fits(cfg: RayflowConfig) -> None:
         autoscaler_max = None if classic_autoscaler_runs() else {}
     check_fits(cfg, ray.cluster_resources(), autoscaler_max)
     if autoscaler_max == {}:  # the nodes there are now are all there will be
-        check_strategies(cfg, [node["Resources"] for node in ray.nodes() if node["Alive"]])
+        check_placeable(cfg, [node["Resources"] for node in ray.nodes() if node["Alive"]])
 
 
-def check_strategies(cfg: RayflowConfig, nodes: list[dict[str, float]]) -> None:
-    """ConfigError naming the strategy key when a placement group can never be placed on these nodes (each node's
-    resources): STRICT_SPREAD wants a node per bundle, STRICT_PACK every bundle on one node. The group would wait out
-    its timeout instead (a replica's group is its CFG ranks; the learners' group is every rank)."""
+def check_placeable(cfg: RayflowConfig, nodes: list[dict[str, float]]) -> None:
+    """ConfigError naming the keys when a placement group can never be placed on these nodes (each node's resources),
+    though the cluster's totals suffice: a bundle no single node holds; STRICT_SPREAD with more ranks than nodes able
+    to hold one; STRICT_PACK with more than any node holds. The group would wait out its timeout instead (a replica's
+    group is its CFG ranks; the learners' group is every rank)."""
+    has_gpus = any(node.get("GPU", 0) > 0 for node in nodes)
+
+    def demand(bundle: RoleBundles, count: int = 1) -> dict[str, float]:
+        need = {"CPU": bundle.cpus, "GPU": bundle.resolved_gpus(has_gpus), **bundle.resources}
+        return {k: count * v for k, v in need.items() if v > 0}
+
+    def holds(node: dict[str, float], need: dict[str, float]) -> bool:
+        return all(node.get(k, 0.0) + 1e-9 >= v for k, v in need.items())
+
+    def shown(need: dict[str, float]) -> str:
+        return ", ".join(f"{k} {v:g}" for k, v in need.items())
+
+    bundles = role_bundles(cfg)
+    for b in bundles:
+        if not any(holds(node, demand(b)) for node in nodes):
+            raise ConfigError(f"{b.cpus_key}, {b.gpus_key}", shown(demand(b)),
+                              f"a {b.role} bundle one node holds (the largest has {shown(max(nodes, key=len))}); "
+                              f"or {b.role}'s `resources` entries")
     if cfg.placement.colocated:
         return
-    has_gpus = any(node.get("GPU", 0) > 0 for node in nodes)
-    rollout, learner = role_bundles(cfg)[:2]
+    rollout, learner = bundles[:2]
     groups = (("rollout.placement_strategy", cfg.rollout.placement_strategy, rollout, cfg.rollout.cfg_parallel_size),
               ("learner.placement_strategy", cfg.learner.placement_strategy, learner, cfg.learner.world_size))
     for key, strategy, bundle, size in groups:
-        if strategy == "STRICT_SPREAD" and size > len(nodes):
+        able = sum(holds(node, demand(bundle)) for node in nodes)
+        if strategy == "STRICT_SPREAD" and size > able:
             raise ConfigError(key, strategy, f"PACK, SPREAD or STRICT_PACK for {size} {bundle.role} bundles on a "
-                                             f"cluster of {len(nodes)} node(s) (STRICT_SPREAD puts each on a node of "
-                                             f"its own)")
-        need = {"CPU": size * bundle.cpus, "GPU": size * bundle.resolved_gpus(has_gpus),
-                **{k: size * v for k, v in bundle.resources.items()}}
-        if strategy == "STRICT_PACK" and not any(all(node.get(k, 0.0) + 1e-9 >= v for k, v in need.items())
-                                                 for node in nodes):
+                                             f"cluster of {able} node(s) able to hold one (STRICT_SPREAD puts each on "
+                                             f"a node of its own)")
+        if strategy == "STRICT_PACK" and not any(holds(node, demand(bundle, size)) for node in nodes):
             raise ConfigError(key, strategy, f"PACK or SPREAD: STRICT_PACK puts the {size} {bundle.role} bundles "
-                                             f"({', '.join(f'{k} {v:g}' for k, v in need.items() if v)}) on one node, "
-                                             f"and no node of the cluster holds them")
+                                             f"({shown(demand(bundle, size))}) on one node, and no node of the cluster "
+                                             f"holds them")
 
 
 def classic_autoscaler_runs() -> bool:

@@ -81,16 +81,27 @@ def start_ray(cfg: RayflowConfig) -> bool:
     return True
 
 
+START_LOCK = "rayflow-ray-start.lock"
+"""In the temporary directory: held while a local Ray starts (_one_start_at_a_time)."""
+
+
 @contextlib.contextmanager
 def _one_start_at_a_time() -> Iterator[None]:
     """Hold a machine-wide lock while a local Ray starts: two runs started together would both find the dashboard's
     port free, and the second dashboard to bind it would fail that run's start (seen, a minute into ray.init)."""
-    with open(os.path.join(tempfile.gettempdir(), "rayflow-ray-start.lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    # Read-only, and made writable for all: a lock file another user created (0644 under their umask) stopped every
+    # other user's local run with PermissionError; flock needs no write access.
+    fd = os.open(os.path.join(tempfile.gettempdir(), START_LOCK), os.O_RDONLY | os.O_CREAT, 0o666)
+    try:
+        with contextlib.suppress(PermissionError):  # another user's file: theirs to chmod
+            os.fchmod(fd, 0o666)
+        fcntl.flock(fd, fcntl.LOCK_EX)
         try:
             yield
         finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
+            fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
 
 
 def dashboard_port(preferred: int = 8265) -> int:

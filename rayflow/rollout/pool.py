@@ -119,7 +119,16 @@ class RolloutPool:
             return RolloutReplica(spec, rollout, replica_name, reservation)
 
         reservations = reservations or cls.reserve(rollout, name)
-        replicas = [start(f"{name}-{i}", reservation) for i, reservation in enumerate(reservations)]
+        replicas: list[RolloutReplica] = []
+        try:
+            for i, reservation in enumerate(reservations):
+                replicas.append(start(f"{name}-{i}", reservation))
+        except BaseException:  # a placement that timed out, a rank that failed: free what the others hold
+            for replica in replicas:
+                replica.shutdown()
+            for reservation in reservations:
+                reservation.shutdown()  # those not taken yet
+            raise
         watchdog = Watchdog(rollout.stall_timeout_s, rollout.stall_factor)
         return cls(replicas, start, rollout.max_restarts, rollout.restart_window_s, watchdog)
 
