@@ -244,6 +244,37 @@ def test_a_failure_inside_an_actor_is_reported_as_its_root_cause_in_one_line(ray
     assert line.endswith("(reported as RuntimeError: all 1 reward workers died; stopping the run)")
 
 
+def test_null_gpu_counts_are_pinned_once_to_what_the_cluster_can_give(monkeypatch):
+    """On an autoscaling cluster whose GPU-less head is all there is at the start, null GPU counts meant 0 (read from
+    the cluster of the moment): the ranks ran on GPU nodes without a GPU, and the driver's CPU was checked as the
+    devices. Pinned once, from what the autoscaler can add; refused, naming the keys, where that is not reported."""
+    from rayflow.config import load_config
+    from rayflow.distributed.resources import pin_null_gpus
+    from rayflow.errors import ConfigError
+    from rayflow.planning import device_check
+
+    def pinned(gpus_now, autoscaler_max, *overrides):
+        cfg = load_config(GRPO, list(overrides))
+        pin_null_gpus(cfg, gpus_now, autoscaler_max)
+        return cfg.rollout.gpus_per_rank, cfg.learner.gpus_per_rank, cfg.sync.gpus
+
+    assert pinned(False, {"CPU": 64.0, "GPU": 16.0}) == (1.0, 1.0, 1.0)  # the autoscaler adds GPU nodes
+    assert pinned(True, {}) == (1.0, 1.0, 1.0)
+    assert pinned(False, {}) == (0.0, 0.0, 0.0)  # a CPU cluster
+    assert pinned(False, None, "rollout.gpus_per_rank=0.5", "learner.gpus_per_rank=1", "sync.gpus=0") == (0.5, 1.0, 0.0)
+    with pytest.raises(ConfigError, match=r"^rollout\.gpus_per_rank, learner\.gpus_per_rank, sync\.gpus: got None; "
+                                          r"allowed: a number of GPUs per rank"):
+        pinned(False, None)
+    # GPUs asked of nodes still to come: the driver's CPU is not checked as the ranks' device.
+    cfg = load_config(GRPO, ["model.attention_backend=cudnn"])
+    pin_null_gpus(cfg, False, {"GPU": 8.0})
+    monkeypatch.setattr(device_check, "start_cluster_probe", lambda: None)
+    device_check.check_before_start(cfg)
+    with pytest.raises(ConfigError, match=r"model\.attention_backend"):
+        device_check.check_before_start(load_config(GRPO, ["model.attention_backend=cudnn", "rollout.gpus_per_rank=0",
+                                                           "learner.gpus_per_rank=0", "sync.gpus=0"]))
+
+
 def test_the_resource_check_reads_the_live_cluster(ray_session):
     """The session's Ray has 8 logical CPUs and no autoscaling config (its monitor runs read-only)."""
     from rayflow.config import load_config

@@ -87,7 +87,7 @@ class RolloutConfig:
     micro_batch_size: int = 4
     """Samples per rollout request; a prompt's group is split into requests of this size."""
     gpus_per_rank: float | None = None
-    """GPUs per rollout rank; null: 1 when the cluster has GPUs, else 0."""
+    """GPUs per rollout rank; null: 1 when the cluster has GPUs or its autoscaler can add them, else 0 (decided when the run starts)."""
     cpus_per_rank: float = 1.0
     """CPUs reserved per rollout rank."""
     threads_per_rank: int = 1
@@ -172,7 +172,7 @@ class LearnerConfig:
     """placement.mode=colocated: the optimizer state waits on the CPU while the device samples (memory for the
     gathered weights and activations; costs a copy each way per step)."""
     gpus_per_rank: float | None = None
-    """GPUs per learner rank; null: 1 when the cluster has GPUs, else 0."""
+    """GPUs per learner rank; null: 1 when the cluster has GPUs or its autoscaler can add them, else 0 (decided when the run starts)."""
     cpus_per_rank: float = 1.0
     """CPUs reserved per learner rank."""
     threads_per_rank: int = 1
@@ -448,7 +448,7 @@ class SyncConfig:
     """CPUs of the weight-sync actor."""
     gpus: float | None = None
     """GPUs of the weight-sync actor (the broadcast source: nccl needs it on a GPU of its own);
-    null: 1 when the cluster has GPUs, else 0."""
+    null: 1 when the cluster has GPUs or its autoscaler can add them, else 0 (decided when the run starts)."""
     resources: dict[str, float] = field(default_factory=dict)
     """Custom Ray resources per weight-sync actor (e.g. {"gpu_node": 1} to keep them on one node type)."""
     max_restarts: int = 3
@@ -479,7 +479,7 @@ class PlacementConfig:
     """Colocated: CPUs reserved per device's actor (rollout.* and learner.cpus_per_rank / gpus_per_rank apply to
     disaggregated placement only)."""
     gpus_per_device: float | None = None
-    """Colocated: GPUs per device's actor; null: 1 when the cluster has GPUs, else 0."""
+    """Colocated: GPUs per device's actor; null: 1 when the cluster has GPUs or its autoscaler can add them, else 0 (decided when the run starts)."""
     resources: dict[str, float] = field(default_factory=dict)
     """Colocated: custom Ray resources per device's actor."""
 

@@ -50,6 +50,26 @@ def role_bundles(cfg: RayflowConfig) -> list[RoleBundles]:
     ]
 
 
+def pin_null_gpus(cfg: RayflowConfig, gpus_now: bool, autoscaler_max: dict[str, float] | None) -> None:
+    """Set each null GPU count of `cfg` (in place) to 1 on a cluster with GPUs or whose autoscaler can add them, else 0,
+    once for the whole run: every role and every replacement then asks the same. Read from the cluster of the moment
+    instead, null was 0 on an autoscaling cluster whose GPU-less head is all there is at the start, and the ranks ran
+    on the GPU nodes without a GPU. ConfigError naming the keys when it cannot be told: no GPU yet, and an autoscaler
+    that does not report what it can add."""
+    nulls = [b for b in role_bundles(cfg) if b.gpus is None]
+    if not nulls:
+        return
+    if not gpus_now and autoscaler_max is None:
+        keys = ", ".join(b.gpus_key for b in nulls)
+        raise ConfigError(keys, None, "a number of GPUs per rank (1, or 0 for CPU ranks): the cluster has no GPU yet and "
+                                      "its autoscaler does not report the node types it can add, so null (1 on a GPU "
+                                      "cluster, 0 without) cannot be told")
+    gpus = 1.0 if gpus_now or (autoscaler_max or {}).get("GPU", 0) > 0 else 0.0
+    for b in nulls:
+        section, key = b.gpus_key.split(".")
+        setattr(getattr(cfg, section), key, gpus)
+
+
 def check_bundles_reserve_something(cfg: RayflowConfig, cluster_has_gpus: bool | None) -> None:
     """ConfigError naming the CPU key of a role whose bundle would be empty (Ray refuses to place one): no CPUs,
     no GPUs, no custom resources. A null GPU count is 0 on a cluster without GPUs; with `cluster_has_gpus` None
@@ -112,7 +132,8 @@ def check_fits(cfg: RayflowConfig, available: dict[str, float], autoscaler_max: 
 
 
 def check_cluster_fits(cfg: RayflowConfig) -> None:
-    """check_fits against the connected Ray cluster (call after ray.init, before any placement group)."""
+    """check_fits against the connected Ray cluster (call after ray.init, before any placement group), after null GPU
+    counts are pinned to what they mean there (pin_null_gpus)."""
     import ray
     from ray._private.state import state
 
@@ -120,6 +141,7 @@ def check_cluster_fits(cfg: RayflowConfig) -> None:
     autoscaler_max = state.get_max_resources_from_cluster_config()
     if autoscaler_max is None:
         autoscaler_max = None if classic_autoscaler_runs() else {}
+    pin_null_gpus(cfg, ray.cluster_resources().get("GPU", 0) > 0, autoscaler_max)
     check_fits(cfg, ray.cluster_resources(), autoscaler_max)
     if autoscaler_max == {}:  # the nodes there are now are all there will be
         check_placeable(cfg, [node["Resources"] for node in ray.nodes() if node["Alive"]])

@@ -84,8 +84,14 @@ def start_cluster_probe() -> Callable[[], DeviceFacts] | None:
 def check_before_start(cfg: RayflowConfig) -> None:
     """Every start-up check on the connected cluster: the device's features, and on GPU clusters the
     memory plan (trainer.memory_check) against one GPU's memory (or trainer.gpu_memory_gib)."""
+    from rayflow.distributed.resources import role_bundles
+
     wait_for_probe = start_cluster_probe()
     if wait_for_probe is None:
+        if any(b.gpus for b in role_bundles(cfg)):  # GPUs asked of nodes an autoscaler adds: not this CPU's features
+            log.info("no GPU in the cluster yet: the devices and the memory plan are not checked (the ranks' GPUs come "
+                     "with the nodes the autoscaler adds); `python tools/plan.py` shows the plan")
+            return
         check_device(cfg, device_facts())
         log.info("no GPU in the cluster (yet): the memory plan is not checked; `python tools/plan.py` shows it")
         return
