@@ -275,6 +275,27 @@ def test_null_gpu_counts_are_pinned_once_to_what_the_cluster_can_give(monkeypatc
                                                            "learner.gpus_per_rank=0", "sync.gpus=0"]))
 
 
+def test_a_run_that_joins_a_cluster_waits_for_the_autoscalers_first_report(monkeypatch):
+    """The head's monitor reports a few seconds after it starts: a RayJob submitted at once was refused as if no
+    autoscaler could add a node (and would have pinned null GPU counts to 0). A run that joined waits for the report."""
+    import json
+
+    import ray
+    from ray.experimental import internal_kv
+
+    from rayflow.distributed.resources import classic_autoscaler_runs
+
+    def reports():
+        yield from (None, None)
+        while True:
+            yield json.dumps({"autoscaler_report": {"active_nodes": {"gpu_worker": 1}}}).encode()
+
+    monkeypatch.setattr(ray, "nodes", lambda: [])
+    monkeypatch.setattr(internal_kv, "_internal_kv_get", lambda key, first=reports(): next(first))
+    assert not classic_autoscaler_runs()  # not waited for: no report yet
+    assert classic_autoscaler_runs(wait_s=5.0)
+
+
 def test_the_resource_check_reads_the_live_cluster(ray_session):
     """The session's Ray has 8 logical CPUs and no autoscaling config (its monitor runs read-only)."""
     from rayflow.config import load_config

@@ -8,6 +8,7 @@ cluster has now and what its autoscaler can add, and which keys to change.
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass
 
 from rayflow.config import RayflowConfig
@@ -131,16 +132,22 @@ def check_fits(cfg: RayflowConfig, available: dict[str, float], autoscaler_max: 
             )
 
 
-def check_cluster_fits(cfg: RayflowConfig) -> None:
+AUTOSCALER_REPORT_WAIT_S = 15.0
+"""How long a run that joined a cluster waits for the head's first autoscaler report (every ~5 s, Ray's default)."""
+
+
+def check_cluster_fits(cfg: RayflowConfig, joined: bool = False) -> None:
     """check_fits against the connected Ray cluster (call after ray.init, before any placement group), after null GPU
-    counts are pinned to what they mean there (pin_null_gpus)."""
+    counts are pinned to what they mean there (pin_null_gpus). `joined`: the cluster was there before the run (not a
+    local Ray it started), so its autoscaler's first report is waited for."""
     import ray
     from ray._private.state import state
 
     # Autoscalers that report their node groups (KubeRay, autoscaler v2) give their limits.
     autoscaler_max = state.get_max_resources_from_cluster_config()
     if autoscaler_max is None:
-        autoscaler_max = None if classic_autoscaler_runs() else {}
+        runs = classic_autoscaler_runs(AUTOSCALER_REPORT_WAIT_S if joined else 0.0)
+        autoscaler_max = None if runs else {}
     pin_null_gpus(cfg, ray.cluster_resources().get("GPU", 0) > 0, autoscaler_max)
     check_fits(cfg, ray.cluster_resources(), autoscaler_max)
     if autoscaler_max == {}:  # the nodes there are now are all there will be
@@ -187,16 +194,20 @@ def check_placeable(cfg: RayflowConfig, nodes: list[dict[str, float]]) -> None:
                                              f"holds them")
 
 
-def classic_autoscaler_runs() -> bool:
+def classic_autoscaler_runs(wait_s: float = 0.0) -> bool:
     """Whether the head's autoscaler (v1) has an autoscaling config. Every head runs its monitor, but a
     head without one reports each node under a "readonly" type named after the node's id; node types of
-    a cluster config (ray.head.default, gpu_worker, ...) mean nodes can be added."""
+    a cluster config (ray.head.default, gpu_worker, ...) mean nodes can be added. The first report comes a few
+    seconds after the head starts: `wait_s` waits for it (a run submitted at once was told no autoscaler could add
+    anything); without one by then, as without an autoscaler."""
     import ray
     from ray._private.ray_constants import DEBUG_AUTOSCALING_STATUS
     from ray.autoscaler._private.util import format_readonly_node_type
     from ray.experimental.internal_kv import _internal_kv_get
 
-    status = _internal_kv_get(DEBUG_AUTOSCALING_STATUS)
+    deadline = time.monotonic() + wait_s
+    while not (status := _internal_kv_get(DEBUG_AUTOSCALING_STATUS)) and time.monotonic() < deadline:
+        time.sleep(0.5)
     if not status:
         return False
     active = (json.loads(status).get("autoscaler_report") or {}).get("active_nodes") or {}

@@ -184,7 +184,7 @@ def run_recipe(default_config: str, argv: list[str] | None = None) -> list[dict[
     trainer = None
     try:
         checks_start = time.perf_counter()
-        check_cluster_fits(cfg)
+        check_cluster_fits(cfg, joined=not started)
         # The devices' features and, on GPU clusters, the memory plan: before any actor starts.
         check_before_start(cfg)
         checks_s = time.perf_counter() - checks_start
