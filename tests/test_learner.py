@@ -472,6 +472,37 @@ def test_full_fine_tuning_shards_every_weight_and_forwards_under_each_copy_as_th
     assert all(torch.equal(after[n], trained[n]) for n in trained)
 
 
+def test_full_fine_tuning_refuses_checkpoint_storage_a_learner_rank_does_not_see(ray_session, tiny_model_dir, tmp_path):
+    """Each rank writes its shards into the run's checkpoints itself: a rank on a node that does not see the driver's
+    trainer.output_dir (its own disk, as on the shipped cluster configs, whose driver runs on the head) is named when
+    the group starts, not by the first save's error."""
+    from rayflow.errors import ConfigError
+
+    @ray.remote(num_cpus=0)
+    class Rank:
+        def __init__(self, shared: bool):
+            self.shared = shared
+
+        def sees(self, path: str) -> bool:
+            return self.shared and os.path.exists(path)
+
+    class Placed:
+        def describe(self, rank: int) -> str:
+            return f"{rank} of 2 on node 10.0.0.{7 + rank}"
+
+    cfg = small_cfg(GRPO, tiny_model_dir, tmp_path / "run", "learner.train_mode=full", "sync.mode=merged")
+    group = LearnerGroup.__new__(LearnerGroup)
+    group.spec, group.placed = LearnerSpec.from_config(cfg), Placed()
+    group.workers = [Rank.remote(True), Rank.remote(True)]
+    group.check_shared_checkpoints()
+    group.workers = [Rank.remote(True), Rank.remote(False)]
+    with pytest.raises(ConfigError, match=rf"^trainer\.output_dir: got '{tmp_path}'; allowed: storage the driver's node "
+                                          rf"and every learner node share .*learner rank 1 of 2 on node 10\.0\.0\.8 does "
+                                          rf"not see .*\.shared-probe-"):
+        group.check_shared_checkpoints()
+    assert os.listdir(cfg.trainer.run_dir + "/checkpoints") == []  # the probe removed
+
+
 def test_full_fine_tuning_on_2_ranks_follows_the_reference_and_resumes_across_world_sizes(ray_session, tiny_model_dir, tmp_path):
     """FlowGRPO with a KL to the frozen base: 2 FSDP2 ranks step as the reference trainer does; the checkpoint the 2
     ranks write in shards loads into the single-process reference exactly, and the reference's into the 2 ranks."""

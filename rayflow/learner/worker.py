@@ -18,6 +18,8 @@ raises LearnerError naming the rank and its node instead of leaving its peers ha
 from __future__ import annotations
 
 import dataclasses
+import os
+import tempfile
 import time
 
 import ray
@@ -30,6 +32,7 @@ from rayflow.distributed.restart_budget import RestartBudget
 from rayflow.distributed.process_group import GroupHost, Rendezvous, init_default_group
 from rayflow.distributed.tensor_pickle import install as install_tensor_pickling
 from rayflow.driver.timing import Phases, process_age_s
+from rayflow.errors import ConfigError
 from rayflow.learner.backend import LearnerBackend
 from rayflow.learner.prefetch import TrajectoryCache
 from rayflow.distributed.parallelize import build_mesh
@@ -89,6 +92,10 @@ class LearnerWorker(GroupHost):
 
     def setup_seconds(self) -> dict[str, float]:
         return self.setup_s
+
+    def sees(self, path: str) -> bool:
+        """Whether `path` exists on this rank's node (LearnerGroup.check_shared_checkpoints)."""
+        return os.path.exists(path)
 
     @ray.method(concurrency_group="trajectories")
     def prefetch(self, refs: list[ray.ObjectRef], version: int) -> None:
@@ -200,9 +207,31 @@ class LearnerGroup:
             (rendezvous,) = self.get([self.workers[0].rendezvous.remote()])
             self.identity: dict = self.get([w.setup.remote(rendezvous) for w in self.workers])[0]
             self.rollout_adapter_name: str = self.get([self.workers[0].rollout_adapter_name.remote()])[0]
+            self.check_shared_checkpoints()
         except BaseException:
             self.shutdown()
             raise
+
+    def check_shared_checkpoints(self) -> None:
+        """learner.train_mode=full: each rank writes its checkpoint shards into the run's checkpoints itself, so the
+        driver's node and every rank's must see the same storage there. A file the driver writes there must be seen by
+        every rank, or ConfigError naming trainer.output_dir, before any step (it was the first save's error)."""
+        if self.spec.learner.train_mode != "full":
+            return
+        root = self.spec.checkpoint_dir
+        os.makedirs(root, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".shared-probe-", dir=root)
+        os.close(fd)
+        try:
+            seen = self.get([w.sees.remote(probe) for w in self.workers])
+        finally:
+            os.remove(probe)
+        blind = [self.placed.describe(rank) for rank, ok in enumerate(seen) if not ok]
+        if blind:
+            raise ConfigError("trainer.output_dir", os.path.dirname(os.path.dirname(root)),
+                              f"storage the driver's node and every learner node share (NFS, a mounted bucket) with "
+                              f"learner.train_mode=full, whose ranks write their checkpoint shards there themselves: "
+                              f"learner rank {', '.join(blind)} does not see {probe}")
 
     def restart(self, died: LearnerError) -> None:
         """After a rank died: kill every rank (its peers are stuck in a collective) and start the group again in the
@@ -254,8 +283,8 @@ class LearnerGroup:
         if directory is not None and (missing := missing_files(directory)):
             raise CheckpointWriteError(
                 f"the learner ranks' checkpoint shards are not all in {directory} here (missing {missing}): ranks on other "
-                f"nodes wrote them to their own disks. With learner ranks on several nodes, trainer.output_dir must be "
-                f"storage the driver and every learner node share (NFS, a mounted bucket)"
+                f"nodes wrote them to their own disks. With a learner rank on another node than the driver's, "
+                f"trainer.output_dir must be storage the driver and every learner node share (NFS, a mounted bucket)"
             )
         sharded = states[0]["sharded"]
         if sharded is not None:
