@@ -22,6 +22,7 @@ from rayflow.errors import ConfigError
 from rayflow.models.lora import TRAINED_ADAPTER, adapter_parameters, add_lora
 from rayflow.models import load_model
 from rayflow.rollout.rank import RolloutRank
+from rayflow.rollout.pool import RolloutPool
 from rayflow.rollout.spec import RolloutRankSpec
 from rayflow.sync.receiver import VOID_VERSION
 from rayflow.sampling.denoise import advance, finish_rollout, generate, local_guided_velocity, start_rollout
@@ -330,6 +331,53 @@ def test_a_pool_that_fails_to_start_frees_what_its_started_replicas_hold(ray_ses
     while ray.available_resources().get("CPU", 0) < before and time.time() < deadline:
         time.sleep(0.2)
     assert ray.available_resources().get("CPU", 0) == before
+
+
+def test_a_replacements_placement_does_not_block_the_pool_and_one_never_placed_counts_as_lost(ray_session,
+                                                                                              monkeypatch, caplog):
+    """A replacement's placement is asked for and the pool goes on serving; placed, the replica starts in it. Never
+    placed (its node type gone), it is given up at its deadline, the restart spent: it blocked the driver up to
+    600 s and then stopped the run with a TimeoutError."""
+    import logging
+
+    from rayflow.distributed import placement
+    from rayflow.rollout import pool as pool_module
+
+    class Replica:
+        def __init__(self, name, reservation=None):
+            self.name, self.alive, self.reservation = name, True, reservation
+
+        def shutdown(self):
+            self.alive = False
+
+        def ready(self):
+            return False  # still loading
+
+    started = []
+
+    def start(name, reservation=None):
+        started.append(Replica(name, reservation))
+        return started[-1]
+
+    monkeypatch.setattr(pool_module, "REPLACEMENT_PLACEMENT_S", 1.0)
+    for cpus, placed in ((0.1, True), (1000.0, False)):
+        pool = RolloutPool([Replica("rollout-0")], start, max_restarts=1,
+                           reserve_replica=lambda name, cpus=cpus: placement.reserve(1, cpus, 0.0, name=f"{name}-{cpus}"))
+        begun = time.monotonic()
+        assert pool.replace(pool.replicas[0]) and 0 in pool.placing and not pool.starting
+        assert time.monotonic() - begun < 1.0  # asked for, not waited for
+        deadline = time.monotonic() + 10
+        while pool.placing and time.monotonic() < deadline:
+            with caplog.at_level(logging.WARNING, logger="rayflow"):
+                pool._promote_ready()
+            time.sleep(0.1)
+        if placed:
+            assert pool.starting[0].reservation is not None and started[-1] is pool.starting[0]
+            pool.starting[0].reservation.shutdown()  # a real replica would have waited for it and removed it at shutdown
+        else:
+            assert not pool.starting and "was not placed within 1s" in caplog.text
+            assert "its restarts are used up; going on without it" in caplog.text
+        pool.shutdown()
 
 
 @pytest.fixture(scope="module")

@@ -281,7 +281,7 @@ def test_a_dead_rollout_replica_is_replaced_or_routed_around(ray_session, tiny_m
             wait_until_dead(dead.workers[0])
         history, deadline = [], time.monotonic() + 180
         # Until the replacement (if any) finished loading, the live replica samples every request.
-        while time.monotonic() < deadline and (len(history) < 2 or trainer.rollout.starting):
+        while time.monotonic() < deadline and (len(history) < 2 or trainer.rollout.starting or trainer.rollout.placing):
             trainer.cfg.trainer.total_steps += 1
             history += trainer.run()[-1:]
         assert trainer.rollout.dead == [dead] and not dead.alive

@@ -28,6 +28,7 @@ once every replica is out of service with no replacement starting.
 from __future__ import annotations
 
 import logging
+import time
 from typing import Callable, Protocol
 
 import ray
@@ -76,22 +77,34 @@ class PoolFuture:
         return self.attempt.result()
 
 
+REPLACEMENT_PLACEMENT_S = 600.0
+"""How long a replacement's placement may take (an autoscaler adding a node for it) before it counts as lost."""
+
+
 class RolloutPool:
-    def __init__(self, replicas: list[RolloutReplica], start_replica: Callable[[str], RolloutReplica] | None = None,
-                 max_restarts: int = 0, restart_window_s: float = 0.0, watchdog: Watchdog | None = None):
-        """`start_replica(name)` starts a replacement replica (without waiting for it); None: no restarts.
-        Each replica may be replaced `max_restarts` times within any `restart_window_s` seconds (0: in all).
-        `watchdog`: the deadlines of busy replicas (None: none, a stopped rank is waited for)."""
+    def __init__(self, replicas: list[RolloutReplica], start_replica: Callable[..., RolloutReplica] | None = None,
+                 max_restarts: int = 0, restart_window_s: float = 0.0, watchdog: Watchdog | None = None,
+                 reserve_replica: Callable[[str], Reservation] | None = None):
+        """`start_replica(name[, reservation])` starts a replacement replica (without waiting for it to load); None: no
+        restarts. With `reserve_replica(name)`, a replacement's placement is asked for first and the replica started
+        once it is placed, the pool serving meanwhile (placed inside `start_replica`, the driver waited up to
+        REPLACEMENT_PLACEMENT_S for a node that had gone, then stopped). Each replica may be replaced `max_restarts`
+        times within any `restart_window_s` seconds (0: in all). `watchdog`: the deadlines of busy replicas (None:
+        none, a stopped rank is waited for)."""
         if not replicas:
             raise ValueError("a RolloutPool needs at least one replica")
         self.replicas = replicas
         self._start_replica = start_replica
+        self._reserve_replica = reserve_replica
         self.max_restarts = max_restarts if start_replica is not None else 0
         self.restarts = [0] * len(replicas)
         """Replacements started per replica, over the whole run."""
         self.budgets = [RestartBudget(self.max_restarts, restart_window_s) for _ in replicas]
         self.starting: dict[int, RolloutReplica] = {}
         """Replacements still loading, by the index of the replica they replace."""
+        self.placing: dict[int, tuple[Reservation, ray.ObjectRef, float]] = {}
+        """Replacements' placements asked for and not placed yet (each with its ready() ref, asked for once: a new ref
+        is a new probe task, not done at once, and its deadline), by that index."""
         self.dead: list[RolloutReplica] = []
         """Replicas taken out of service, in order."""
         self.watchdog = watchdog or Watchdog(float("inf"), 1.0)
@@ -130,7 +143,8 @@ class RolloutPool:
                 reservation.shutdown()  # those not taken yet
             raise
         watchdog = Watchdog(rollout.stall_timeout_s, rollout.stall_factor)
-        return cls(replicas, start, rollout.max_restarts, rollout.restart_window_s, watchdog)
+        return cls(replicas, start, rollout.max_restarts, rollout.restart_window_s, watchdog,
+                   reserve_replica=lambda replica_name: RolloutReplica.reserve(rollout, replica_name))
 
     def wait_ready(self) -> "RolloutPool":
         """Wait until every replica's ranks loaded their models and joined their groups."""
@@ -190,7 +204,7 @@ class RolloutPool:
     def _send(self, future: PoolFuture) -> None:
         live = [i for i, r in enumerate(self.replicas) if r.alive]
         if not live:
-            if not self.starting:
+            if not (self.starting or self.placing):
                 raise ReplicaError(f"every rollout replica of the pool is out of service ({len(self.replicas)} replicas)")
             self.waiting.append(future)
             return
@@ -244,11 +258,30 @@ class RolloutPool:
         return self._restart(self.replicas.index(replica))
 
     def _restart(self, index: int) -> bool:
-        if index in self.starting or not self.budgets[index].take():
+        if index in self.starting or index in self.placing or not self.budgets[index].take():
             return False
         self.restarts[index] += 1
-        self.starting[index] = self._start_replica(self.replicas[index].name)
+        name = self.replicas[index].name
+        if self._reserve_replica is None:
+            self.starting[index] = self._start_replica(name)
+        else:
+            reservation = self._reserve_replica(name)
+            self.placing[index] = (reservation, reservation.pg.ready(), time.monotonic() + REPLACEMENT_PLACEMENT_S)
         return True
+
+    def _start_placed(self) -> None:
+        """Start each replacement whose placement is ready; one not placed by its deadline counts as another death."""
+        for index, (reservation, ready, deadline) in list(self.placing.items()):
+            if ray.wait([ready], timeout=0)[0]:
+                del self.placing[index]
+                self.starting[index] = self._start_replica(self.replicas[index].name, reservation)
+            elif time.monotonic() > deadline:
+                del self.placing[index]
+                reservation.shutdown()
+                log.warning("the replacement of rollout replica %r was not placed within %.0fs (bundles %s); %s",
+                            self.replicas[index].name, REPLACEMENT_PLACEMENT_S, reservation.bundles,
+                            "replacing it again" if self._restart(index) else "its restarts are used up; going on "
+                                                                              "without it")
 
     def _replace_stalled(self) -> None:
         """A replica past the watchdog's deadline is reported (ranks, nodes, requests) and taken out of service; its
@@ -270,6 +303,7 @@ class RolloutPool:
         """Put every replacement whose ranks all joined into service, once the weight sync brought it to the current
         version; then the requests waiting for a live replica go out. A replacement that failed to start counts as
         another death: it is replaced again while restarts are left."""
+        self._start_placed()
         for index, replica in list(self.starting.items()):
             try:
                 if not replica.ready():
@@ -292,7 +326,9 @@ class RolloutPool:
     def shutdown(self) -> None:
         for replica in self.replicas + list(self.starting.values()):
             replica.shutdown()
-        self.starting = {}
+        for reservation, _, _ in self.placing.values():
+            reservation.shutdown()
+        self.starting, self.placing = {}, {}
 
     def __enter__(self) -> "RolloutPool":
         return self
