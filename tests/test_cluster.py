@@ -263,7 +263,8 @@ def test_runtime_env_is_valid_for_ray_job_submit_and_uploads_only_code(tmp_path)
     assert {f"models/shapes-qwen-image/{f}" for f in json.loads((REPO / "models/shapes-qwen-image/rayflow_shapes.json")
                                                                  .read_text())["files"]} <= names
     assert not [n for n in names if n.startswith((".git/", "outputs/")) or "__pycache__" in n]
-    assert (tmp_path / "repo.zip").stat().st_size < 12 * 2**20
+    # 12.0 MiB on 2026-11-29, most of it the two shipped bases (2 x 5.3 MB of float16 weights, which do not compress).
+    assert (tmp_path / "repo.zip").stat().st_size < 16 * 2**20
 
 
 # -- multi-node runs (each on a Ray cluster of its own, in subprocesses) ---------------------------

@@ -74,6 +74,9 @@ class DeviceWorker(RolloutRankHost):
     def setup_seconds(self) -> dict[str, float]:
         return self.learner.setup_s
 
+    def sees(self, path: str) -> bool:
+        return self.learner.sees(path)
+
     @ray.method(concurrency_group="trajectories")
     def prefetch(self, refs: list, version: int) -> None:
         self.learner.prefetch(refs, version)

@@ -8,11 +8,14 @@ cluster has now and what its autoscaler can add, and which keys to change.
 from __future__ import annotations
 
 import json
+import logging
 import time
 from dataclasses import dataclass
 
 from rayflow.config import RayflowConfig
 from rayflow.errors import ConfigError
+
+log = logging.getLogger("rayflow")
 
 
 @dataclass(frozen=True)
@@ -52,19 +55,19 @@ def role_bundles(cfg: RayflowConfig) -> list[RoleBundles]:
 
 
 def pin_null_gpus(cfg: RayflowConfig, gpus_now: bool, autoscaler_max: dict[str, float] | None) -> None:
-    """Set each null GPU count of `cfg` (in place) to 1 on a cluster with GPUs or whose autoscaler can add them, else 0,
-    once for the whole run: every role and every replacement then asks the same. Read from the cluster of the moment
-    instead, null was 0 on an autoscaling cluster whose GPU-less head is all there is at the start, and the ranks ran
-    on the GPU nodes without a GPU. ConfigError naming the keys when it cannot be told: no GPU yet, and an autoscaler
-    that does not report what it can add."""
+    """Set each null GPU count of `cfg` (in place) to 1 on a cluster with GPUs or whose autoscaler reports it can add
+    them, else 0, once for the whole run: every role and every replacement then asks the same. Read from the cluster
+    of the moment instead, null was 0 on an autoscaling cluster whose GPU-less head is all there is at the start, and
+    the ranks ran on the GPU nodes without a GPU. Where that cannot be told (no GPU yet, an autoscaler that does not
+    report what it can add: the v1 autoscaler of the shipped cluster configs) null is 0, with a warning naming the
+    keys to set."""
     nulls = [b for b in role_bundles(cfg) if b.gpus is None]
     if not nulls:
         return
     if not gpus_now and autoscaler_max is None:
-        keys = ", ".join(b.gpus_key for b in nulls)
-        raise ConfigError(keys, None, "a number of GPUs per rank (1, or 0 for CPU ranks): the cluster has no GPU yet and "
-                                      "its autoscaler does not report the node types it can add, so null (1 on a GPU "
-                                      "cluster, 0 without) cannot be told")
+        log.warning("%s: null means 0 GPUs here: the cluster has no GPU yet and its autoscaler does not report the node "
+                    "types it can add; set them (1 for a GPU per rank) for ranks on GPU nodes it would add",
+                    ", ".join(b.gpus_key for b in nulls))
     gpus = 1.0 if gpus_now or (autoscaler_max or {}).get("GPU", 0) > 0 else 0.0
     for b in nulls:
         section, key = b.gpus_key.split(".")
