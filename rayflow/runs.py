@@ -107,7 +107,7 @@ def plan_resume(cfg: RayflowConfig) -> ResumePlan:
         raise ResumeRefused(
             f"cannot resume {path} under changed settings that change what the run means: "
             + "; ".join(f"{k}: {a!r} -> {b!r}" for k, a, b in refused)
-            + f". Put them back, or leave trainer.run_name unset (and trainer.resume=auto) to start a new run"
+            + ". Put them back, or leave trainer.run_name unset (and trainer.resume=auto) to start a new run"
         )
     return ResumePlan(path, step, moved + [f"{k}: {a!r} -> {b!r}" for k, a, b in diffs])
 
