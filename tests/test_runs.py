@@ -224,6 +224,39 @@ def test_the_local_start_lock_is_usable_by_every_user_and_read_only_is_enough(tm
         pass
 
 
+def test_a_second_interrupt_during_the_teardown_still_stops_the_local_ray(tiny_model_dir, tmp_path, monkeypatch):
+    """Ctrl-C, then another while the actors shut down: the second escaped the actors' teardown, and the local Ray
+    the run had started (and its worker zygotes) were left running."""
+    import ray
+
+    from rayflow.driver import launch
+    from rayflow.driver import trainer as trainer_module
+    from rayflow.planning import device_check
+
+    stopped = []
+
+    class Interrupted:
+        def __init__(self, cfg, prompts):
+            pass
+
+        def run(self):
+            raise KeyboardInterrupt  # the first Ctrl-C
+
+        def shutdown(self):
+            raise KeyboardInterrupt  # the second, during the teardown
+
+    monkeypatch.setattr(launch, "start_ray", lambda cfg: True)
+    monkeypatch.setattr(launch, "_stop_on_sigterm", lambda: None)
+    monkeypatch.setattr(launch, "check_cluster_fits", lambda cfg, joined: None)
+    monkeypatch.setattr(device_check, "check_before_start", lambda cfg: None)
+    monkeypatch.setattr(trainer_module, "Trainer", Interrupted)
+    monkeypatch.setattr(ray, "shutdown", lambda: stopped.append("ray"))
+    monkeypatch.setattr(launch, "stop_worker_zygotes", lambda: stopped.append("zygotes"))
+    with pytest.raises(KeyboardInterrupt):
+        launch.run_recipe(GRPO, [f"model.path={tiny_model_dir}", f"trainer.output_dir={tmp_path}"])
+    assert stopped == ["ray", "zygotes"]
+
+
 def test_a_failure_inside_an_actor_is_reported_as_its_root_cause_in_one_line(ray_session):
     from rayflow.driver.launch import describe_failure, root_cause
     from rayflow.errors import ConfigError

@@ -204,13 +204,15 @@ def run_recipe(default_config: str, argv: list[str] | None = None) -> list[dict[
         log.exception("the run failed")
         sys.exit(f"error: {describe_failure(e)}; {_where(cfg)}")
     finally:
-        if trainer is not None:
-            trainer.shutdown()
-        if started:
-            import ray
+        try:
+            if trainer is not None:
+                trainer.shutdown()
+        finally:  # a second Ctrl-C or SIGTERM during the actors' teardown still stops the local Ray this run started
+            if started:
+                import ray
 
-            ray.shutdown()
-            stop_worker_zygotes()
+                ray.shutdown()
+                stop_worker_zygotes()
 
 
 def _where(cfg: RayflowConfig) -> str:
