@@ -14,7 +14,7 @@ the run needs together, not one node type after the other.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import ray
 from ray.util.placement_group import PlacementGroup, placement_group, placement_group_table, remove_placement_group
@@ -100,6 +100,18 @@ class Reservation:
     name: str
     settled: bool = False
     """Waited for (the caller owns the placed group) or removed."""
+    _ready: ray.ObjectRef | None = field(default=None, repr=False)
+
+    def ready_ref(self) -> ray.ObjectRef:
+        """The group's ready() probe, asked for once: each pg.ready() starts a probe task of its own, never done at
+        once, so a poll that asked anew each time would never see the group placed."""
+        if self._ready is None:
+            self._ready = self.pg.ready()
+        return self._ready
+
+    def placed(self) -> bool:
+        """Whether Ray has placed every bundle, without waiting."""
+        return bool(ray.wait([self.ready_ref()], timeout=0)[0])
 
     def wait(self, timeout_s: float = 600.0) -> PlacedGroup:
         """The placed group, once Ray placed every bundle (an autoscaler may add nodes meanwhile).
@@ -108,7 +120,7 @@ class Reservation:
         time; the placement group is removed so nothing stays reserved."""
         self.settled = True
         pg, bundles = self.pg, self.bundles
-        ready, _ = ray.wait([pg.ready()], timeout=timeout_s)
+        ready, _ = ray.wait([self.ready_ref()], timeout=timeout_s)
         if not ready:
             remove_placement_group(pg)
             raise TimeoutError(

@@ -102,9 +102,8 @@ class RolloutPool:
         self.budgets = [RestartBudget(self.max_restarts, restart_window_s) for _ in replicas]
         self.starting: dict[int, RolloutReplica] = {}
         """Replacements still loading, by the index of the replica they replace."""
-        self.placing: dict[int, tuple[Reservation, ray.ObjectRef, float]] = {}
-        """Replacements' placements asked for and not placed yet (each with its ready() ref, asked for once: a new ref
-        is a new probe task, not done at once, and its deadline), by that index."""
+        self.placing: dict[int, tuple[Reservation, float]] = {}
+        """Replacements' placements asked for and not placed yet (with their deadlines), by that index."""
         self.dead: list[RolloutReplica] = []
         """Replicas taken out of service, in order."""
         self.watchdog = watchdog or Watchdog(float("inf"), 1.0)
@@ -265,14 +264,13 @@ class RolloutPool:
         if self._reserve_replica is None:
             self.starting[index] = self._start_replica(name)
         else:
-            reservation = self._reserve_replica(name)
-            self.placing[index] = (reservation, reservation.pg.ready(), time.monotonic() + REPLACEMENT_PLACEMENT_S)
+            self.placing[index] = (self._reserve_replica(name), time.monotonic() + REPLACEMENT_PLACEMENT_S)
         return True
 
     def _start_placed(self) -> None:
         """Start each replacement whose placement is ready; one not placed by its deadline counts as another death."""
-        for index, (reservation, ready, deadline) in list(self.placing.items()):
-            if ray.wait([ready], timeout=0)[0]:
+        for index, (reservation, deadline) in list(self.placing.items()):
+            if reservation.placed():
                 del self.placing[index]
                 self.starting[index] = self._start_replica(self.replicas[index].name, reservation)
             elif time.monotonic() > deadline:
@@ -326,7 +324,7 @@ class RolloutPool:
     def shutdown(self) -> None:
         for replica in self.replicas + list(self.starting.values()):
             replica.shutdown()
-        for reservation, _, _ in self.placing.values():
+        for reservation, _ in self.placing.values():
             reservation.shutdown()
         self.starting, self.placing = {}, {}
 
