@@ -237,21 +237,23 @@ def build_tiny_model_once(cfg: RayflowConfig) -> str:
 
 
 def write_run_config(cfg: RayflowConfig) -> str:
-    """Write <run_dir>/config.yaml atomically (what a later resume is compared against). Returns its path."""
-    os.makedirs(cfg.trainer.run_dir, exist_ok=True)
-    final = os.path.join(cfg.trainer.run_dir, CONFIG_FILE)
-    fd, tmp = tempfile.mkstemp(prefix=".config-", dir=cfg.trainer.run_dir)
-    with os.fdopen(fd, "w") as f:
-        f.write(to_yaml(cfg))
-    os.chmod(tmp, 0o644)  # mkstemp files are private; a run's outputs are as readable as any other file
+    """Write <run_dir>/config.yaml and inputs.json (what a later resume is compared against), each atomically.
+    Returns config.yaml's path."""
+    run_dir = cfg.trainer.run_dir
+    os.makedirs(run_dir, exist_ok=True)
     inputs = {key: {"path": path, "fingerprint": fingerprint(path)} for key, path in input_paths(to_dict(cfg)).items()}
-    fd, tmp_inputs = tempfile.mkstemp(prefix=".inputs-", dir=cfg.trainer.run_dir)
+    _replace_file(os.path.join(run_dir, INPUTS_FILE), json.dumps(inputs, indent=2))
+    return _replace_file(os.path.join(run_dir, CONFIG_FILE), to_yaml(cfg))
+
+
+def _replace_file(path: str, text: str) -> str:
+    """`text` into `path` through a temporary file renamed over it (never half written), readable by all; `path`."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}-", dir=os.path.dirname(path))
     with os.fdopen(fd, "w") as f:
-        json.dump(inputs, f, indent=2)
-    os.chmod(tmp_inputs, 0o644)
-    os.replace(tmp_inputs, os.path.join(cfg.trainer.run_dir, INPUTS_FILE))
-    os.replace(tmp, final)
-    return final
+        f.write(text)
+    os.chmod(tmp, 0o644)  # mkstemp files are private; a run's outputs are as readable as any other file
+    os.replace(tmp, path)
+    return path
 
 
 def _flatten(data, prefix: str = "") -> dict[str, object]:

@@ -3,7 +3,6 @@
 import base64
 import io
 import re
-import socket
 import time
 
 import numpy as np
@@ -11,6 +10,7 @@ import pytest
 import torch
 from PIL import Image
 
+from cluster_fake import free_port
 from rayflow.errors import ConfigError
 from rayflow.rewards import make_reward
 from reward_server import RewardServer
@@ -26,12 +26,6 @@ def jpeg_bytes(image: torch.Tensor, quality: int) -> bytes:
     buffer = io.BytesIO()
     Image.fromarray(np.asarray(image)).save(buffer, format="JPEG", quality=quality)
     return buffer.getvalue()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_rewards_are_the_servers_and_the_request_is_as_sent():

@@ -8,8 +8,9 @@ import time
 import pytest
 import torch
 
+from cluster_fake import free_port
 from rayflow.distributed import process_group
-from rayflow.distributed.process_group import FORM_TIMEOUT_FLOOR_S, CollectiveError, CollectiveGroup, Rendezvous, free_port
+from rayflow.distributed.process_group import FORM_TIMEOUT_FLOOR_S, CollectiveError, CollectiveGroup, Rendezvous
 
 LOOPBACK = "127.0.0.1"
 COLLECTIVE_S = 1.0
@@ -62,7 +63,7 @@ def test_a_late_member_joins_and_a_missing_peer_still_fails_a_collective_within_
     assert LATE_S < FORM_TIMEOUT_FLOOR_S
     context = multiprocessing.get_context("spawn")
     results = context.Queue()
-    rendezvous = Rendezvous(LOOPBACK, free_port(LOOPBACK))
+    rendezvous = Rendezvous(LOOPBACK, free_port())
     ranks = [context.Process(target=member, args=(rank, rendezvous, results)) for rank in (0, 1)]
     for p in ranks:
         p.start()
@@ -113,7 +114,7 @@ def broadcaster(rank: int, rendezvous: Rendezvous, results) -> None:
 def test_a_destroyed_group_fails_the_peers_still_waiting_at_once_not_at_their_timeout():
     context = multiprocessing.get_context("spawn")
     results = context.Queue()
-    rendezvous = Rendezvous(LOOPBACK, free_port(LOOPBACK))
+    rendezvous = Rendezvous(LOOPBACK, free_port())
     ranks = [context.Process(target=broadcaster, args=(rank, rendezvous, results), daemon=True) for rank in (0, 1, 2)]
     for p in ranks:
         p.start()

@@ -42,12 +42,6 @@ def node_ip() -> str:
     return ray.util.get_node_ip_address()
 
 
-def free_port(address: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((address, 0))
-        return s.getsockname()[1]
-
-
 def listening_socket(address: str, port: int = 0) -> socket.socket:
     """A TCP socket bound to `address` (only) and `port` (0: a free one), listening."""
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)

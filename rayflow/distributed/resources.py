@@ -151,8 +151,9 @@ def check_cluster_fits(cfg: RayflowConfig, joined: bool = False) -> None:
     if autoscaler_max is None:
         runs = classic_autoscaler_runs(AUTOSCALER_REPORT_WAIT_S if joined else 0.0)
         autoscaler_max = None if runs else {}
-    pin_null_gpus(cfg, ray.cluster_resources().get("GPU", 0) > 0, autoscaler_max)
-    check_fits(cfg, ray.cluster_resources(), autoscaler_max)
+    available = ray.cluster_resources()
+    pin_null_gpus(cfg, available.get("GPU", 0) > 0, autoscaler_max)
+    check_fits(cfg, available, autoscaler_max)
     if autoscaler_max == {}:  # the nodes there are now are all there will be
         check_placeable(cfg, [node["Resources"] for node in ray.nodes() if node["Alive"]])
 

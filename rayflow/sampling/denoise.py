@@ -178,7 +178,8 @@ def split_trajectories(state: RolloutState, images: torch.Tensor | None) -> list
     whose latents or log-probabilities are not finite is an error: decoded and scored, it got a finite reward (an
     evaluation logged it as one), and trained on, a skipped step."""
     req, p = state.request, state.params
-    finite = torch.isfinite(state.latents.flatten(1)).all(1) & torch.isfinite(torch.stack(state.log_probs, dim=1)).all(1)
+    log_probs = torch.stack(state.log_probs, dim=1).cpu()  # [B, T]
+    finite = torch.isfinite(state.latents.flatten(1)).all(1).cpu() & torch.isfinite(log_probs).all(1)
     if not bool(finite.all()):
         bad = [b for b in range(len(finite)) if not finite[b]]
         raise FloatingPointError(f"rollout {req.request_id}: samples {bad} (seeds {[req.seeds[b] for b in bad]}) ended "
@@ -190,7 +191,6 @@ def split_trajectories(state: RolloutState, images: torch.Tensor | None) -> list
     latents = (torch.stack(rows, dim=1) if rows else torch.zeros(B, 0, N, C)).cpu()  # [B, K, N, C]
     means = [state.means[i] for i in sorted(state.means)]
     means = (torch.stack(means, dim=1) if means else torch.zeros(B, 0, N, C)).cpu()  # [B, S, N, C]
-    log_probs = torch.stack(state.log_probs, dim=1).cpu()  # [B, T]
     sde_mask = torch.tensor([i in state.sde_steps for i in range(state.num_steps)])
     versions = torch.tensor(state.versions, dtype=torch.int64)
     timesteps, sigmas = state.schedule.timesteps.cpu(), state.schedule.sigmas.cpu()  # one copy, shared by the samples
