@@ -30,10 +30,15 @@ READ_ONLY_WHEN: tuple[tuple[tuple[str, ...], str, Callable[[Any], bool], str], .
      "'dual_negative' (the only policy with an avoid branch)"),
     (("trainer.ema_every", "trainer.ema_blends"), "trainer.ema_decay", lambda decay: decay > 0,
      "> 0 (0: no EMA to update)"),
+    (("algorithm.clip_range", "algorithm.kl_type", "algorithm.ratio_norm"), "algorithm.name",
+     lambda name: name == "flow_grpo", "'flow_grpo' (only FlowGRPO reads it)"),
+    (("algorithm.nft_beta", "algorithm.adv_mode", "algorithm.ema_flat", "algorithm.ema_uprate", "algorithm.ema_uphold"),
+     "algorithm.name", lambda name: name == "diffusion_nft", "'diffusion_nft' (only DiffusionNFT reads it)"),
 )
-"""(keys, the key that decides whether they are read, whether they are at its value, the condition in words): beside
-READ_BY_ONE_ALGORITHM, keys nothing reads unless a condition holds. Set away from its default otherwise, a key would
-be a setting that silently does nothing."""
+"""(keys, the key that decides whether they are read, whether they are at its value, the condition in words): keys
+nothing reads unless a condition holds (the algorithm keys with checks of their own, nft_timesteps and
+timestep_fraction, are checked in _validate_algorithm). Set away from its default otherwise, a key would be a setting
+that silently does nothing."""
 
 
 @dataclass

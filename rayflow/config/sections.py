@@ -251,15 +251,6 @@ class LearnerConfig:
 ALGORITHMS = ("flow_grpo", "diffusion_nft")
 
 
-READ_BY_ONE_ALGORITHM = {
-    "clip_range": "flow_grpo", "kl_type": "flow_grpo", "ratio_norm": "flow_grpo",
-    "nft_beta": "diffusion_nft", "adv_mode": "diffusion_nft",
-    "ema_flat": "diffusion_nft", "ema_uprate": "diffusion_nft", "ema_uphold": "diffusion_nft",
-}
-"""Keys the other algorithm never reads, beside those with checks of their own (nft_timesteps, timestep_fraction): a
-value other than the default there would be a setting that silently does nothing."""
-
-
 @dataclass
 class AlgorithmConfig:
     name: str = "flow_grpo"
@@ -325,11 +316,6 @@ class AlgorithmConfig:
         _need(self.kl_beta >= 0, f"{prefix}.kl_beta", self.kl_beta, "a float >= 0")
         _need(self.kl_type in ("flow_grpo", "transition"), f"{prefix}.kl_type", self.kl_type, "'flow_grpo' or 'transition'")
         _need(self.nft_beta > 0, f"{prefix}.nft_beta", self.nft_beta, "a float > 0")
-        defaults = AlgorithmConfig()
-        for key, reader in READ_BY_ONE_ALGORITHM.items():
-            value, default = getattr(self, key), getattr(defaults, key)
-            _need(self.name == reader or value == default, f"{prefix}.{key}", value,
-                  f"its default {default!r} for algorithm.name={self.name} (only {reader} reads it)")
         _need(
             self.nft_timesteps is None or self.nft_timesteps >= 1,
             f"{prefix}.nft_timesteps", self.nft_timesteps, "null or an integer >= 1",
