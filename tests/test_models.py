@@ -87,6 +87,13 @@ def test_registry_resolves_and_rejects(tiny_model_dir, tmp_path):
     with pytest.raises(ValueError, match=rf"'StableDiffusionXLPipeline' is not registered.*{supported}"):
         load_model(str(tmp_path / "sdxl"))
     assert "QwenImagePipeline" in registered_pipeline_classes()
+    # A model_index.json that is not an object, or whose class name is not a string, is named with the file (a
+    # TypeError naming nothing escaped before).
+    for name, text in (("list", "[]"), ("pair", '{"_class_name": ["diffusers", "X"]}'), ("none", "{}")):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "model_index.json").write_text(text)
+        with pytest.raises(ValueError, match=rf"model\.path: .*{name}/model_index\.json is not a valid model_index\.json"):
+            load_model(str(tmp_path / name))
 
 
 def test_a_model_directory_without_model_index_is_named_before_the_run(tmp_path, monkeypatch):

@@ -124,17 +124,69 @@ def test_plan_refuses_what_does_not_fit_naming_the_knob(recipe_plan):
     check_fits(chunked, chunked_plan, int(79.6 * GiB))
 
 
-def test_cfg_evaluation_of_cfg_free_rollouts_is_planned_on_the_rollout_rank_only(recipe_sizes):
-    """CFG-free rollouts evaluated under CFG (trainer.eval_guidance_scale): a rollout rank encodes two conditionings
-    per sample during evaluation, so its prompt-encoding phase is planned at twice the batch; the learner, which
-    never evaluates, trains one branch either way."""
+def test_cfg_evaluation_of_cfg_free_rollouts_is_planned_on_the_rollout_rank_only():
+    """CFG-free rollouts evaluated under CFG (trainer.eval_guidance_scale): with rollout.batch_branches an evaluation
+    request's forward carries both branches of its data.eval_seeds samples, so the rollout rank's denoising is planned
+    at twice the batch; the learner, which never evaluates, trains one branch either way."""
+    cfg_free = ["sampling.guidance_scale=1.0", "rollout.cfg_parallel_size=1", "rollout.batch_branches=true",
+                "data.eval_seeds=8"]
+    rollouts_only = load_config(RECIPE_8GPU, cfg_free)
+    cfg_eval = load_config(RECIPE_8GPU, [*cfg_free, "trainer.eval_guidance_scale=4.0"])
+    assert required_forwards(cfg_eval) - required_forwards(rollouts_only) == {(16, False)}
+    with tempfile.TemporaryDirectory() as workdir:
+        path, _ = model_directory(rollouts_only, "qwen_image", workdir)
+        sizes = measure_model(rollouts_only, path, required_forwards(rollouts_only) | required_forwards(cfg_eval))
+    without, with_cfg_eval = roles(rollouts_only, sizes), roles(cfg_eval, sizes)
+    denoise = "denoising (transformer forward)"
+    assert (with_cfg_eval[0].phases[denoise] - without[0].phases[denoise]
+            == sizes.forward[(16, False)].block - sizes.forward[(8, False)].block > 0)
+    assert with_cfg_eval[1].phases == without[1].phases
+
+
+def test_prompts_are_planned_as_the_rollout_encodes_them_one_text_at_a_time(recipe_sizes, tiny_model_dir):
+    """A rollout rank encodes each distinct text of a request alone (sampling.denoise.encode_texts: the prompt, then
+    the negative prompt, one forward of one sequence each), whatever rollout.micro_batch_size and the CFG branches:
+    the encode phase is one text's working set. It was planned at micro_batch_size x branches sequences (2.24 GiB
+    for the 8-GPU recipe's 8 samples under true CFG, against 0.14 GiB for one)."""
+    from rayflow.cfg.policy import CFGPolicy
+    from rayflow.sampling.denoise import start_rollout
+    from rayflow.types import RolloutRequest, SamplingParams
+
+    model = load_model(tiny_model_dir)
+    batches = []
+    model.pipe.text_encoder.register_forward_pre_hook(lambda m, a, k: batches.append(k["input_ids"].shape[0]),
+                                                      with_kwargs=True)
+    params = SamplingParams(height=64, width=64, num_steps=2, guidance_scale=4.0, negative_prompt=" ", sde_type="ode")
+    start_rollout(model, RolloutRequest("r", ["a red apple"] * 8, [0] * 8, [0] * 8, list(range(8)), params), CFGPolicy())
+    assert batches == [1, 1]
+
     sizes = recipe_sizes[0]
-    cfg_free = ["sampling.guidance_scale=1.0", "rollout.cfg_parallel_size=1"]
-    rollouts_only = roles(load_config(RECIPE_8GPU, cfg_free), sizes)
-    with_cfg_eval = roles(load_config(RECIPE_8GPU, [*cfg_free, "trainer.eval_guidance_scale=4.0"]), sizes)
     encode = "prompt encoding (text encoder forward)"
-    assert with_cfg_eval[0].phases[encode] == 2 * rollouts_only[0].phases[encode] > 0
-    assert with_cfg_eval[1].phases == rollouts_only[1].phases
+    (text,) = sizes.text.values()
+    one_text = text.tokens * (text.hidden * (text.layers + 1) + text.vocab + 2 * text.intermediate) * 2  # bf16
+    for overrides in ([], ["sampling.guidance_scale=1.0", "rollout.cfg_parallel_size=1"]):  # 8 samples, 2 or 1 branch
+        cfg = load_config(RECIPE_8GPU, overrides)
+        assert roles(cfg, sizes)[0].phases[encode] == one_text, overrides
+
+
+def test_an_evaluation_request_is_planned_at_its_own_size():
+    """An evaluation request is one prompt's data.eval_seeds samples, sampled whole on one rollout rank whatever
+    rollout.micro_batch_size (driver/evaluation.py): the rollout rank's denoising and VAE decode are planned at the
+    larger of the two requests, and the refusal names the key that sizes the request. The 8-GPU recipe's rollout rank
+    at 64 seeds was planned at 59.1 GiB, as at one seed: its first evaluation would decode 64 images at once (24 GiB,
+    not 3). A run that never evaluates is planned at its training requests alone."""
+    seeds_64 = load_config(RECIPE_8GPU, ["data.eval_seeds=64"])
+    plan = plan_config(seeds_64)[0]
+    rollout = plan[0]
+    baseline = plan_config(load_config(RECIPE_8GPU))[0][0]
+    assert rollout.phases["VAE decode"] == 8 * baseline.phases["VAE decode"]  # 64 images at once, not 8
+    assert rollout.phases["denoising (transformer forward)"] > 7 * baseline.phases["denoising (transformer forward)"]
+    with pytest.raises(ConfigError, match=r"^sampling\.decode_batch_size: got 0.*VAE decode alone is 24\.0 GiB.*"
+                                          r"change sampling\.decode_batch_size \(or data\.eval_seeds\)"):
+        check_fits(seeds_64, plan, int(79.6 * GiB))
+    assert rollout.knobs["denoising (transformer forward)"] == "data.eval_seeds"
+    never_evaluates = load_config(RECIPE_8GPU, ["data.eval_seeds=64", "trainer.eval_every=0"])
+    assert required_forwards(never_evaluates) == required_forwards(load_config(RECIPE_8GPU))
 
 
 def test_full_fine_tuning_plan_counts_whole_weight_copies_gradients_and_moments_per_shard(recipe_sizes):
@@ -213,10 +265,39 @@ def test_sd3_and_flux_8gpu_recipes_are_planned_from_their_published_configs():
         rollout = plan[0]
         assert rollout.resident["transformer weights"] == transformer * bf16, arch
         assert rollout.resident["text encoder weights"] == text_encoders * bf16, arch
-        sequences = cfg.rollout.micro_batch_size * (2 if arch == "sd3" else 1)  # SD3's two CFG branches
-        t5_encode = sequences * t5_tokens * (4096 * (24 + 1) + 2 * 10240) * bf16
+        t5_encode = t5_tokens * (4096 * (24 + 1) + 2 * 10240) * bf16  # one text at a time
         assert rollout.phases["prompt encoding (text encoder forward)"] == t5_encode, arch
         check_fits(cfg, plan, int(79.6 * GiB))
+
+
+def test_sd35_dual_attention_blocks_are_planned_as_a_stack_of_their_own():
+    """SD3.5 Medium's first 13 of 24 blocks carry a second image attention (MMDiT-X): the planner measured every block
+    as one of them (its two- and three-block models kept the config's indices 0-12) and planned 2.93 GiB of saved
+    activations at batch 1, 512², against 2.61 GiB the full 24-block model saves (+12.5%). The dual blocks are now a
+    stack of their own: within 3% of the full model's own measurement (on the meta device, as the planner measures)."""
+    import torch
+    from torch import nn
+
+    from rayflow.learner.model import lora_targets
+    from rayflow.models.random_init import parameters_on_meta, shape_only_components
+    from rayflow.planning.activations import measure_forward
+    from rayflow.planning.sizes import _meta_model
+
+    cfg = load_config(os.path.join(ROOT, "recipes", "flowgrpo_sd3_8gpu.yaml"))
+    with tempfile.TemporaryDirectory() as workdir:
+        path, _ = model_directory(cfg, "sd3", workdir)
+        planned = measure_model(cfg, path, {(1, False)}).forward[(1, False)].saved
+        transformer = shape_only_components(path, skip=("text_encoder", "vae"))["transformer"]
+        nn.Module.to(transformer, "meta", torch.bfloat16)
+        model = _meta_model(path, transformer, cfg)
+        with parameters_on_meta():
+            add_lora(transformer, rank=cfg.learner.lora_rank, alpha=cfg.learner.lora_alpha,
+                     targets=lora_targets(cfg.learner, model))
+        latents, _ = model.prepare_latents([0], cfg.sampling.height, cfg.sampling.width)
+        cond, timestep = model.planning_conditioning(1, 256), torch.full((1,), 500.0, device="meta")
+        whole = measure_forward(transformer, lambda: model.predict_velocity(
+            latents, timestep, cond, cfg.sampling.height, cfg.sampling.width)).saved
+    assert abs(planned - whole) / whole < 0.03, (planned / GiB, whole / GiB)
 
 
 def test_a_family_without_published_configs_is_not_planned_as_qwen_image(monkeypatch, caplog):

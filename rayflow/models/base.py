@@ -209,9 +209,16 @@ def pipeline_class_of(path: str) -> str:
         )
     try:
         with open(index) as f:
-            return json.load(f)["_class_name"]
-    except (json.JSONDecodeError, KeyError) as e:
+            data = json.load(f)
+    except json.JSONDecodeError as e:
         raise ValueError(f"model.path: {index} is not a valid model_index.json ({e})") from None
+    name = data.get("_class_name") if isinstance(data, dict) else None
+    if not isinstance(name, str):
+        # A list or a number here escaped as a TypeError (unhashable, or not subscriptable by a key) naming no file.
+        got = f"_class_name {name!r}" if isinstance(data, dict) else f"a JSON {type(data).__name__}, not an object"
+        raise ValueError(f"model.path: {index} is not a valid model_index.json (got {got}; allowed: an object whose "
+                         f"_class_name is a pipeline class name, e.g. 'QwenImagePipeline')")
+    return name
 
 
 def model_class(pipeline_class: str) -> type[DiffusionModel]:

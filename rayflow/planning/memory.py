@@ -75,10 +75,30 @@ def branches(config: RayflowConfig, scale: float | None = None) -> int:
     return len(policy.conditioning_prompts(["x"], config.sampling.negative_prompt, scale))
 
 
-def sampled_branches(config: RayflowConfig) -> int:
-    """The most CFG branches a rollout rank builds per step: at the rollouts' scale or evaluation's
-    (trainer.eval_guidance_scale, e.g. CFG evaluation of a CFG-free DiffusionNFT policy)."""
-    return max(branches(config), branches(config, config.trainer.eval_guidance_scale))
+def rollout_requests(config: RayflowConfig) -> dict[str, tuple[int, int]]:
+    """The config key that sizes each kind of request a rollout rank samples -> (samples, CFG branches). A request is
+    sampled whole (one forward per branch, or per rank's branches with rollout.batch_branches): training requests,
+    rollout.micro_batch_size samples at sampling.guidance_scale; and when the run evaluates (trainer.eval_every,
+    eval_at_start), evaluation requests, data.eval_seeds samples of one prompt at trainer.eval_guidance_scale
+    (driver/evaluation.py: one request per prompt, whatever rollout.micro_batch_size)."""
+    kinds = {"rollout.micro_batch_size": (config.rollout.micro_batch_size, branches(config))}
+    if config.trainer.eval_every or config.trainer.eval_at_start:
+        kinds["data.eval_seeds"] = (config.data.eval_seeds, branches(config, config.trainer.eval_guidance_scale))
+    return kinds
+
+
+def rollout_forward_batch(config: RayflowConfig) -> tuple[int, str]:
+    """The largest batch of one transformer forward on a rollout rank, over the requests it samples, and the key that
+    sizes that request (the training request's on a tie)."""
+    r = config.rollout
+
+    def forward_batch(samples: int, n_branches: int) -> int:
+        per_rank = math.ceil(n_branches / r.cfg_parallel_size)
+        return samples * (per_rank if r.batch_branches else 1)
+
+    batches = {key: forward_batch(*request) for key, request in rollout_requests(config).items()}
+    key = max(batches, key=batches.get)  # the first of equals: rollout.micro_batch_size
+    return batches[key], key
 
 
 def _gpus(value: float | None) -> float:
@@ -88,9 +108,10 @@ def _gpus(value: float | None) -> float:
 def rollout_rank(cfg: RayflowConfig, sizes: ModelSizes) -> RoleMemory:
     r, s = cfg.rollout, cfg.sampling
     wb = dtype_bytes(cfg.model.dtype)
-    n_branches = sampled_branches(cfg)
-    per_rank = math.ceil(n_branches / r.cfg_parallel_size)
-    forward_batch = r.micro_batch_size * (per_rank if r.batch_branches else 1)
+    forward_batch, forward_key = rollout_forward_batch(cfg)
+    requests = rollout_requests(cfg)
+    samples_key = max(requests, key=lambda key: requests[key][0])
+    samples = requests[samples_key][0]
     payload = _sync_payload(cfg, sizes)
     role = RoleMemory("rollout rank", r.num_replicas * r.cfg_parallel_size, _gpus(r.gpus_per_rank))
     role.resident = {
@@ -102,21 +123,20 @@ def rollout_rank(cfg: RayflowConfig, sizes: ModelSizes) -> RoleMemory:
     }
     # Without gradients a block's tensors are freed as it goes: one block's working set bounds the live set.
     # The sampler keeps x, x' and the noise of each sample in fp32.
-    denoise = sizes.forward[(forward_batch, False)].block + 3 * forward_batch * sizes.latent_elements * 4
-    # The encoders run one after another: the largest one's working set is the phase's.
-    text_batch = r.micro_batch_size * n_branches
-    encode = max((text_batch * t.tokens * (t.hidden * (t.layers + 1) + t.vocab + 2 * t.intermediate) * wb
+    denoise = sizes.forward[(forward_batch, False)].block + 3 * samples * sizes.latent_elements * 4
+    # The encoders run one after another, on one text at a time (sampling.denoise.encode_texts encodes each distinct
+    # prompt alone, whatever the request's size or branches): the largest one's working set for one text is the phase's.
+    encode = max((t.tokens * (t.hidden * (t.layers + 1) + t.vocab + 2 * t.intermediate) * wb
                   for t in sizes.text.values()), default=0)
-    decoded_at_once = decode_chunks(r.micro_batch_size, s.decode_batch_size)[0].stop  # the first chunk is the largest
+    decoded_at_once = decode_chunks(samples, s.decode_batch_size)[0].stop  # the first chunk is the largest
     decode = VAE_LIVE_MAPS * decoded_at_once * s.height * s.width * sizes.vae_full_res_channels * wb
     role.phases = {"prompt encoding (text encoder forward)": encode, "denoising (transformer forward)": denoise,
                    "VAE decode": decode}
     role.knobs = {"transformer weights": "model.dtype", "text encoder weights": "model.dtype",
                   "weight-sync receive ring (3 versions)": "placement.mode (colocated ranks receive no versions; or "
                                                            "learner.train_mode=lora, whose versions are the adapter)",
-                  "denoising (transformer forward)": "rollout.micro_batch_size",
-                  "prompt encoding (text encoder forward)": "rollout.micro_batch_size",
-                  "VAE decode": "sampling.decode_batch_size (or rollout.micro_batch_size)"}
+                  "denoising (transformer forward)": forward_key,
+                  "VAE decode": f"sampling.decode_batch_size (or {samples_key})"}
     return role
 
 
@@ -204,8 +224,9 @@ def colocated_device(cfg: RayflowConfig, sizes: ModelSizes) -> RoleMemory:
         role.phases[phase] = gathered + rollout.phases[phase]
     role.phases["start-up: full transformer before sharding"] = learner.phases["start-up: full transformer before sharding"]
     role.knobs = {**rollout.knobs, **learner.knobs,
-                  "denoising (transformer forward)": "rollout.micro_batch_size (sharded learners gather the whole "
-                                                     "transformer to sample: learner.mixed_precision=autocast keeps one copy)",
+                  "denoising (transformer forward)": f"{rollout.knobs['denoising (transformer forward)']} (sharded "
+                                                     "learners gather the whole transformer to sample: "
+                                                     "learner.mixed_precision=autocast keeps one copy)",
                   optimizer_key: "learner.offload_optimizer_during_rollout"}
     return role
 
@@ -218,10 +239,7 @@ def roles(cfg: RayflowConfig, sizes: ModelSizes) -> list[RoleMemory]:
 
 def required_forwards(cfg: RayflowConfig) -> set[tuple[int, bool]]:
     """The (batch, checkpointing) forwards the plan measures."""
-    r = cfg.rollout
-    per_rank = math.ceil(sampled_branches(cfg) / r.cfg_parallel_size)
-    rollout_batch = r.micro_batch_size * (per_rank if r.batch_branches else 1)
-    return {(rollout_batch, False), (cfg.learner.micro_batch_size, cfg.learner.activation_checkpointing)}
+    return {(rollout_forward_batch(cfg)[0], False), (cfg.learner.micro_batch_size, cfg.learner.activation_checkpointing)}
 
 
 @dataclass
