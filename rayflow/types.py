@@ -6,6 +6,7 @@ C = latent channels per token, L = prompt tokens, D = text embedding width.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -66,7 +67,9 @@ class SamplingParams:
         need(self.num_steps >= 1, "num_steps", "an integer >= 1")
         need(self.height >= 1, "height", "a positive multiple of the model's VAE scale x patch size")
         need(self.width >= 1, "width", "a positive multiple of the model's VAE scale x patch size")
-        need(self.guidance_scale >= 1.0, "guidance_scale", "a float >= 1.0 (1.0 disables CFG)")
+        # Finite: an infinite scale passed every check here and ended the first rollout in a FloatingPointError.
+        need(math.isfinite(self.guidance_scale) and self.guidance_scale >= 1.0, "guidance_scale",
+             "a finite float >= 1.0 (1.0 disables CFG)")
         need(self.sde_type in SDE_TYPES, "sde_type", f"one of {list(SDE_TYPES)}")
         need(self.solver in SOLVERS, "solver", f"one of {list(SOLVERS)}")
         # A multistep solver needs every step deterministic: an SDE step between would break its history.

@@ -2,10 +2,12 @@
 
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 
 import numpy as np
+import pytest
 import torch
 from PIL import Image
 
@@ -59,3 +61,25 @@ def test_main_without_cfg_matches_pipeline(tiny_model_dir, tiny_pipeline, tmp_pa
     assert torch.equal(torch.from_numpy(np.array(Image.open(png))), image)
     # CFG changes the result, so the first test's comparison has something to detect.
     assert not torch.equal(latents, pipeline_outputs(tiny_pipeline, 2, 4.0, negative_prompt=NEGATIVE)[0])
+
+
+def test_inputs_that_failed_after_sampling_are_refused_first_naming_the_flag(tiny_model_dir, tmp_path, capsys):
+    """An infinite --guidance sampled the whole image and ended in a FloatingPointError traceback; a seed torch cannot
+    take failed as "Overflow when unpacking long long" and an extension PIL cannot write as "unknown file extension",
+    neither naming its flag; --adapter beside a diffusers LoRA (one adapter) was silently ignored."""
+    tool = load_generate_tool()
+    base = ["--model", tiny_model_dir, "--prompt", PROMPT, "--out", str(tmp_path / "x.png")]
+    with pytest.raises(SystemExit, match=r"--guidance: got inf; allowed: a finite float >= 1\.0"):
+        tool.main(base + ["--guidance", "inf"])
+    for flag, value, message in (("--seed", str(2**64), r"--seed: got 18446744073709551616; allowed: an integer in"),
+                                 ("--out", str(tmp_path / "x.pt"), r"--out: .*x\.pt' has extension '\.pt', which PIL")):
+        with pytest.raises(SystemExit):
+            tool.parse_args(base + [flag, value])
+        assert re.search(message, capsys.readouterr().err)
+    tool.parse_args(base + ["--seed", "-1"])  # torch takes it (modulo 2**64), as the pipeline's generator does
+    lora = tmp_path / "lora"
+    lora.mkdir()
+    (lora / tool.LORA_WEIGHTS).write_bytes(b"")
+    with pytest.raises(SystemExit, match=r"--adapter old: .* is a diffusers LoRA"):
+        tool.diffusers_lora_dir(str(lora), "old", str(tmp_path), model=None)
+    assert tool.diffusers_lora_dir(str(lora), None, str(tmp_path), model=None) == str(lora)

@@ -230,6 +230,43 @@ def test_spec_from_config_takes_the_learners_lora_and_the_apply_policy():
     assert RolloutRankSpec.from_config(cfg).apply_at == "request"
 
 
+@pytest.mark.parametrize("fails", ["to start", "to be placed"])
+def test_requests_waiting_for_a_replacement_that_never_comes_fail_instead_of_waiting_forever(fails, monkeypatch):
+    """The pool's only replica died; a request waits for its replacement, which fails to start (or is never placed)
+    with the restarts used up: `collect` raises ReplicaError (it returned nothing on every call, and the driver polled
+    on forever)."""
+    from rayflow.rollout import ReplicaError
+    from rayflow.rollout import pool as pool_module
+
+    class Replica:
+        def __init__(self, name, reservation=None):
+            self.name, self.alive = name, True
+
+        def shutdown(self):
+            self.alive = False
+
+        def ready(self):
+            raise ReplicaError(f"rollout replica {self.name!r}: rank 0 of 1 failed to start: no weights")
+
+    class Unplaceable:
+        bundles = [{"CPU": 1000.0}]
+
+        def placed(self):
+            return False
+
+        def shutdown(self):
+            pass
+
+    monkeypatch.setattr(pool_module, "REPLACEMENT_PLACEMENT_S", 0.0)
+    reserve = (lambda name: Unplaceable()) if fails == "to be placed" else None
+    pool = RolloutPool([Replica("rollout-0")], Replica, max_restarts=1, reserve_replica=reserve)
+    assert pool.replace(pool.replicas[0])  # the one restart
+    future = pool.submit(request("waits"))
+    assert pool.waiting == [future]
+    with pytest.raises(ReplicaError, match="every rollout replica of the pool is out of service"):
+        pool.collect()
+
+
 # --- on Ray --------------------------------------------------------------------------------------
 
 
@@ -327,6 +364,29 @@ def test_a_pool_that_fails_to_start_frees_what_its_started_replicas_hold(ray_ses
         RolloutPool.start(spec_for(tiny_model_dir), rollout, "test-leak", reservations)
     table = {t["name"]: t["state"] for t in ray.util.placement_group_table().values() if t["name"].startswith("test-leak")}
     assert table == {"test-leak-a-0": "REMOVED", "test-leak-b-0": "REMOVED"}
+    deadline = time.time() + 30
+    while ray.available_resources().get("CPU", 0) < before and time.time() < deadline:
+        time.sleep(0.2)
+    assert ray.available_resources().get("CPU", 0) == before
+
+
+def test_a_replica_or_pool_created_with_ranks_that_fail_to_start_frees_its_placement(ray_session, tmp_path):
+    """RolloutReplica.create and RolloutPool.create (tools/generate.py's and the API's one-call start) whose ranks cannot
+    load the model raise, and leave nothing reserved: their placement groups stayed CREATED, holding their CPUs, until
+    the driver exited."""
+    import ray
+
+    from rayflow.rollout import ReplicaError, RolloutReplica
+
+    before = ray.available_resources().get("CPU", 0)
+    spec = spec_for(str(tmp_path / "no-model-here"))
+    with pytest.raises(ReplicaError, match="failed to start|died during start-up"):
+        RolloutReplica.create(spec, RolloutConfig(cfg_parallel_size=2), name="test-create-leak-r")
+    with pytest.raises(ReplicaError, match="failed to start|died during start-up"):
+        RolloutPool.create(spec, RolloutConfig(num_replicas=1, cfg_parallel_size=1), name="test-create-leak-p")
+    table = {t["name"]: t["state"] for t in ray.util.placement_group_table().values()
+             if t["name"].startswith("test-create-leak")}
+    assert table == {"test-create-leak-r": "REMOVED", "test-create-leak-p-0": "REMOVED"}
     deadline = time.time() + 30
     while ray.available_resources().get("CPU", 0) < before and time.time() < deadline:
         time.sleep(0.2)

@@ -39,6 +39,9 @@ from rayflow.types import RolloutRequest, SamplingParams
 LORA_WEIGHTS = "pytorch_lora_weights.safetensors"
 """What diffusers' save_lora_weights writes."""
 
+SEED_RANGE = (-(2**63), 2**64 - 1)
+"""What torch.Generator.manual_seed takes (a negative seed wraps modulo 2**64, as in the pipeline's own generator)."""
+
 CONFIG_KEY_FLAGS = {"sampling.num_steps": "--steps", "sampling.guidance_scale": "--guidance", "sampling.height": "--height",
                     "sampling.width": "--width", "model.path": "--model"}
 """Config keys that the checks this tool calls name, as its flags."""
@@ -64,6 +67,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.cfg_parallel_size < 1:
         parser.error("--cfg-parallel-size must be >= 1")
+    # Checked before the model loads: these failed only after sampling, a seed torch cannot take without naming
+    # --seed ("Overflow when unpacking long long"), an extension PIL cannot write without naming --out.
+    if not SEED_RANGE[0] <= args.seed <= SEED_RANGE[1]:
+        parser.error(f"--seed: got {args.seed}; allowed: an integer in [{SEED_RANGE[0]}, {SEED_RANGE[1]}] (a torch "
+                     f"generator's seed)")
+    Image.init()
+    extension = os.path.splitext(args.out)[1].lower()
+    if Image.registered_extensions().get(extension) not in Image.SAVE:
+        parser.error(f"--out: {args.out!r} has extension {extension!r}, which PIL cannot write; allowed: an image "
+                     f"file such as .png")
     if args.cfg_parallel_size > 1 and args.lora:
         parser.error("--lora is not supported with --cfg-parallel-size > 1 yet (the ranks sample under their own LoRA slot)")
     if args.lora and not os.path.isdir(args.lora):
@@ -79,6 +92,9 @@ def diffusers_lora_dir(path: str, adapter: str | None, scratch: str, model: Diff
     `model` (check_trained_on) and exported into `scratch` first. Anything else is refused, naming what was
     looked for."""
     if os.path.isfile(os.path.join(path, LORA_WEIGHTS)):
+        if adapter is not None:  # it holds one adapter: --adapter would be ignored, and the user misled
+            raise SystemExit(f"error: --adapter {adapter}: {path!r} is a diffusers LoRA (one adapter); --adapter "
+                             f"chooses among a rayflow checkpoint's adapters")
         return path
     if os.path.isfile(os.path.join(path, "meta.json")) or latest_checkpoint(path) is not None:
         checkpoint = find_checkpoint(path)

@@ -114,8 +114,14 @@ class RolloutPool:
 
     @classmethod
     def create(cls, spec: RolloutRankSpec, rollout: RolloutConfig, name: str = "rollout") -> "RolloutPool":
-        """Start every replica (their actors load concurrently), then wait for all of them."""
-        return cls.start(spec, rollout, name).wait_ready()
+        """Start every replica (their actors load concurrently), then wait for all of them; a pool one of whose
+        replicas fails to start is shut down (the placement groups stayed reserved until the driver exited)."""
+        pool = cls.start(spec, rollout, name)
+        try:
+            return pool.wait_ready()
+        except BaseException:
+            pool.shutdown()
+            raise
 
     @staticmethod
     def reserve(rollout: RolloutConfig, name: str = "rollout") -> list[Reservation]:
@@ -316,6 +322,11 @@ class RolloutPool:
             if self.membership is not None:
                 self.membership.attach(replica, self.replicas)
             log.warning("rollout replica %r is back in service", replica.name)
+        if self.waiting and not any(r.alive for r in self.replicas) and not (self.starting or self.placing):
+            # The replacements they waited for failed to start or to be placed, their restarts used up: nothing will
+            # ever serve them (collect returned nothing, forever, and the driver polled on).
+            raise ReplicaError(f"every rollout replica of the pool is out of service ({len(self.replicas)} replicas) "
+                               f"and none is being replaced; {len(self.waiting)} requests were waiting for one")
         if self.waiting and any(r.alive for r in self.replicas):
             waiting, self.waiting = self.waiting, []
             for future in waiting:

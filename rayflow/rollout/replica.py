@@ -130,7 +130,14 @@ class RolloutReplica:
 
     @classmethod
     def create(cls, spec: RolloutRankSpec, rollout: RolloutConfig, name: str = "rollout-0") -> "RolloutReplica":
-        return cls(spec, rollout, name).wait_ready()
+        """Start the replica and wait until it is ready; one that fails to start is shut down (its placement group
+        stayed reserved and its live ranks running until the driver exited)."""
+        replica = cls(spec, rollout, name)
+        try:
+            return replica.wait_ready()
+        except BaseException:
+            replica.shutdown()
+            raise
 
     def wait_ready(self, timeout: float | None = None) -> "RolloutReplica":
         """Wait until every rank loaded its model and joined the group."""
