@@ -2,6 +2,7 @@
 with the single-process reference trainer on the same trajectories."""
 
 import dataclasses
+import datetime
 import os
 
 import pytest
@@ -16,6 +17,7 @@ from rayflow.checkpoint import load_checkpoint, save_checkpoint
 from rayflow.distributed.process_group import Rendezvous, init_default_group
 from rayflow.models import load_model, lora
 from rayflow.learner.backend import LearnerBackend
+from rayflow.learner.minibatches import train_batch
 from rayflow.learner.model import load_policy_model
 from rayflow.learner.prefetch import TrajectoryCache
 from rayflow.learner.spec import LearnerSpec
@@ -295,6 +297,75 @@ def test_world_size_2_resumes_bit_identically_and_reports_a_dead_rank(learners2,
     ray.kill(group.workers[1])
     with pytest.raises(LearnerError, match=r"learner rank 1 of 2 on node 127\.0\.0\.1 \(node id \w+\)"):
         group.get(group.train_step(grpo_batches[0]))
+
+
+def _train_one_batch_on_rank(rank: int, cfg, batch: list, store: str, out: str) -> None:
+    """Rank `rank` of 2 plain processes (gloo, no Ray): train `batch` once; rank 0 saves the "default" adapter."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=30))  # a collective that never pairs up fails fast
+    try:
+        backend = LearnerBackend(LearnerSpec.from_config(cfg), build_mesh(CPU, 2), CPU)
+        backend.train_step(batch)
+        state = adapter_state(backend.transformer, "default")  # a collective: every rank
+        if rank == 0:
+            torch.save(state, out)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ranks_whose_shards_need_unequal_passes_train_as_the_reference(tiny_model_dir, tmp_path):
+    """An asynchronous batch may mix SDE windows (a window per version); micro-batches are cut where they change, so
+    one rank's shard can need more forward/backward passes than another's. Every FSDP2 pass is collectives, so the
+    ranks run as many (the others of zero weight); with unequal counts they parted and the step hung until the
+    collective timeout."""
+    cfgs = [small_cfg(GRPO, tiny_model_dir, tmp_path / "run", "learner.world_size=2", "learner.lr=0.001",
+                      f"sampling.sde_step_indices={window}") for window in ("[0,1]", "[1,2]")]
+    runs = [reference.build_run(cfg) for cfg in cfgs]
+    early, late = (reference.rollout(run)[0] for run in runs)
+    # Rank 0 trains samples 0-1 (two windows: two micro-batches of 1), rank 1 samples 2-3 (one micro-batch of 2).
+    batch = [dataclasses.replace(t, image=None) for t in (early[0], late[1], early[2], early[3])]
+    out = tmp_path / "default.pt"
+    torch.multiprocessing.spawn(_train_one_batch_on_rank, args=(cfgs[0], batch, str(tmp_path / "store"), str(out)),
+                                nprocs=2)
+    run = runs[0]
+    train_batch(run.spec, run.model, run.optimizer, run.spec.policy, [batch], version=0)
+    expected, got = adapter_state(run.model.transformer, "default"), torch.load(out)
+    assert got.keys() == expected.keys()
+    for k, v in expected.items():
+        torch.testing.assert_close(got[k], v, rtol=0, atol=1e-5)
+
+
+def _fetch_ema_weights_on_rank(rank: int, cfg, store: str, out: str) -> None:
+    """Rank `rank` of 2 plain processes: adapter_weights("ema"), counting the whole tensors copied to host memory."""
+    import rayflow.learner.state as state
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=30))
+    try:
+        backend = LearnerBackend(LearnerSpec.from_config(cfg), build_mesh(CPU, 2), CPU)
+        copied, full_tensor_of = [], state.full_tensor
+        state.full_tensor = lambda t: copied.append(t.numel()) or full_tensor_of(t)
+        tensors = backend.adapter_weights("ema")
+        torch.save({"tensors": tensors, "copied": sum(copied),
+                    "whole": sum(p.numel() for p in backend.transformer.parameters())}, f"{out}.{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_only_rank_0_holds_the_whole_ema_weights_of_full_fine_tuning(tiny_model_dir, tmp_path):
+    """The evaluation's "ema" weights under learner.train_mode=full are a whole transformer: every rank takes part in
+    the gathers, only rank 0 keeps them (every rank had copied the whole transformer into host memory to drop it)."""
+    cfg = small_cfg(GRPO, tiny_model_dir, tmp_path / "run", "learner.world_size=2", "learner.train_mode=full",
+                    "sync.mode=merged", "trainer.ema_decay=0.9")
+    out = str(tmp_path / "fetched")
+    torch.multiprocessing.spawn(_fetch_ema_weights_on_rank, args=(cfg, str(tmp_path / "store"), out), nprocs=2)
+    rank0, rank1 = torch.load(f"{out}.0"), torch.load(f"{out}.1")
+    assert rank1["tensors"] is None and rank1["copied"] == 0
+    assert rank0["copied"] == rank0["whole"] == sum(t.numel() for t in rank0["tensors"].values())
+    plain = load_policy_model(LearnerSpec.from_config(cfg), CPU, transformer_only=True).transformer  # "ema" starts as it
+    assert all(torch.equal(rank0["tensors"][name], p) for name, p in plain.named_parameters())
 
 
 def test_autocast_trains_fp32_lora_over_bf16_weights(mesh1, tiny_model_dir, tmp_path, grpo_batches):

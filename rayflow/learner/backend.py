@@ -17,6 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from rayflow.models.lora import adapters_to_fp32, rollout_adapter_name
 from rayflow.learner.model import add_full_weight_copies, load_policy_model, policy_identity
 from rayflow.learner.minibatches import minibatch_plan, train_batch
+from rayflow.learner.objective import num_passes
 from rayflow.learner.optim import build_optimizer
 from rayflow.learner.spec import LearnerSpec
 from rayflow.distributed.parallelize import (
@@ -98,8 +99,9 @@ class LearnerBackend:
 
         Returns the batch's metrics, equal on every rank: losses are means over all ranks' samples."""
         steps = [[batch[i] for i in indices] for indices in self.rank_steps(len(batch))]
+        passes = self._most_passes(steps)
         with autocast(self.spec.learner.mixed_precision, self.model.device):
-            metrics, result = train_batch(self.spec, self.model, self.optimizer, self.policy, steps, self.version)
+            metrics, result = train_batch(self.spec, self.model, self.optimizer, self.policy, steps, self.version, passes)
         self.version += 1
         self.skipped_steps += result.skipped_steps
         return {
@@ -114,8 +116,13 @@ class LearnerBackend:
     def adapter_weights(self, adapter: str) -> dict[str, torch.Tensor] | None:
         """{canonical name: full tensor} of `adapter` on rank 0, None on the others (every rank gathers)."""
         reshard(self.transformer)
-        tensors = adapter_state(self.transformer, adapter)
-        return tensors if self.mesh.get_rank() == 0 else None
+        if self.mesh.get_rank() == 0:
+            return adapter_state(self.transformer, adapter)
+        # One whole tensor at a time, kept by rank 0 only: with learner.train_mode=full every rank had built a whole
+        # transformer in host memory (the "ema" evaluation's weights), only to drop it.
+        for _, p in sorted(named_weights(self.transformer, adapter).items()):
+            gathered(p)
+        return None
 
     def rollout_wire(self) -> WirePush | None:
         """The rollout weights (an adapter, or every transformer weight) laid out for the weight-sync actor
@@ -151,6 +158,15 @@ class LearnerBackend:
         self.skipped_steps = state["skipped_steps"]
         if state["rng"] is not None:
             set_rng_state(state["rng"])
+
+    def _most_passes(self, steps: list[list[Trajectory]]) -> list[int]:
+        """Per optimizer step, the forward/backward passes of the rank whose shard needs most (objective.num_passes):
+        every rank runs that many, so their FSDP2 collectives pair up. Shards are equal in size, but micro-batches are
+        cut where the sampling parameters change (an asynchronous batch may mix SDE windows), so their counts may differ."""
+        counts = torch.tensor([num_passes(self.spec, shard) for shard in steps], dtype=torch.int64, device=self.model.device)
+        if self.mesh.size() > 1:
+            dist.all_reduce(counts, op=dist.ReduceOp.MAX, group=self.mesh.get_group())
+        return counts.cpu().tolist()
 
     def _mean_over_ranks(self, metrics: dict[str, float]) -> dict[str, float]:
         # Each rank's metrics are means over its shard; shards are equal, so the mean of means is global.

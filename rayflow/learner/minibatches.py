@@ -88,10 +88,12 @@ class BatchResult:
 
 
 def train_batch(spec: LearnerSpec, model: DiffusionModel, optimizer: torch.optim.Optimizer, policy: CFGPolicy,
-                steps: list[list[Trajectory]], version: int) -> tuple[dict[str, float], BatchResult]:
+                steps: list[list[Trajectory]], version: int, passes: list[int] | None = None
+                ) -> tuple[dict[str, float], BatchResult]:
     """Train one batch (version `version`): per entry of `steps` (this process's trajectories of one
     planned mini-batch, in plan order) accumulate its gradients, then one optimizer step (and, with
     trainer.ema_decay, an update of "ema"); then, for DiffusionNFT, one EMA update of "old".
+    `passes`: per entry, the forward/backward passes to run (FSDP2 ranks: the most any rank needs; None: its own).
 
     Returns the metrics averaged over the steps, and the batch's result. Old log-probs stay the rollout's:
     every mini-batch's ratio is taken against the policy that sampled it, as in flow_grpo."""
@@ -99,7 +101,8 @@ def train_batch(spec: LearnerSpec, model: DiffusionModel, optimizer: torch.optim
     metrics: dict[str, float] = defaultdict(float)
     results = []
     for i, shard in enumerate(steps):
-        step_metrics = backward(spec, model, policy, shard, pass_index(version, i // algo.num_minibatches, algo.num_inner_epochs))
+        step_metrics = backward(spec, model, policy, shard, pass_index(version, i // algo.num_minibatches, algo.num_inner_epochs),
+                                None if passes is None else passes[i])
         reshard(model.transformer)
         results.append(optimizer_step(model.transformer, optimizer, spec.learner))
         if spec.ema_decay > 0:

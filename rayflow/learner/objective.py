@@ -9,6 +9,7 @@ so the accumulated gradient is that of the mean over the shard's samples x train
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable
 
 import torch
 
@@ -98,27 +99,48 @@ def _kl_std(kl_type: str, params, transition_std: torch.Tensor, sigma: torch.Ten
     return sde_std_dev(torch.as_tensor(sigma, dtype=torch.float32, device=device), params.noise_level, sigma_max)
 
 
+def trained_steps(params, algo: AlgorithmConfig) -> list[int]:
+    """The denoising steps FlowGRPO trains of a rollout sampled with `params`: its stochastic steps
+    j < int(num_steps x timestep_fraction) (flow_grpo: range(int(num_steps x fraction)))."""
+    last = int(params.num_steps * algo.timestep_fraction)
+    return [j for j in params.resolved_sde_steps() if j < last]
+
+
+def _pad_passes(missing: int, loss: Callable[[], torch.Tensor]) -> None:
+    """`missing` more forward/backward passes that add nothing (`loss` computed again, its gradient times 0).
+
+    Under FSDP2 every pass is a sequence of collectives (a gather per block in each forward, a reduce-scatter per
+    block in each backward), so every rank must run as many passes in an optimizer step; a rank whose shard needs
+    fewer (its micro-batches cut at fewer changes of sampling parameters: an asynchronous batch mixing SDE windows)
+    runs the difference this way. With unequal counts the ranks' collectives parted and the step hung."""
+    for _ in range(missing):
+        (loss() * 0.0).backward()
+
+
 def flow_grpo_backward(
     model: DiffusionModel,
     policy: CFGPolicy,
     shard: list[Trajectory],
     algo: AlgorithmConfig,
     micro_batch_size: int,
+    passes: int | None = None,
 ) -> dict[str, float]:
-    """Accumulate FlowGRPO gradients of the shard; returns loss/policy, loss/kl, clip_frac, approx_kl."""
+    """Accumulate FlowGRPO gradients of the shard; returns loss/policy, loss/kl, clip_frac, approx_kl.
+    `passes`: forward/backward passes to run in all (`num_passes` of the rank that needs most; None: the shard's own)."""
     metrics = _Metrics()
     device = model.device
+    ran = 0
     for mb in micro_batches(shard, micro_batch_size):
         _check_same_params(mb)
         params = mb[0].params
-        last = int(params.num_steps * algo.timestep_fraction)  # flow_grpo: range(int(num_steps x fraction))
-        trained = [j for j in params.resolved_sde_steps() if j < last]
+        trained = trained_steps(params, algo)
         sigmas, timesteps = mb[0].sigmas, mb[0].timesteps
         conds = _conds(mb, device)
         advantages = _advantages(mb, device)
         old_log_probs = torch.stack([t.log_probs for t in mb]).to(device)  # [b, T]
         scale = len(mb) / len(shard) / len(trained)
-        for j in trained:
+
+        def step_loss(j: int):
             x, x_next = _stack_latent(mb, j, device), _stack_latent(mb, j + 1, device)
             step = dict(sde_type=params.sde_type, noise_level=params.noise_level, prev_sample=x_next, sigma_max=sigmas[1])
             ref_mean = None
@@ -131,14 +153,20 @@ def flow_grpo_backward(
             ratio_norm = None
             if algo.ratio_norm:
                 ratio_norm = RatioNorm(_stack_step_mean(mb, j, device), std, (sigmas[j + 1] - sigmas[j]).to(device))
-            out = flow_grpo_loss(
+            return flow_grpo_loss(
                 log_prob, old_log_probs[:, j], advantages, algo.clip_range,
                 mean=mean, ref_mean=ref_mean, std=_kl_std(algo.kl_type, params, std, sigmas[j], sigmas[1], device),
                 kl_beta=algo.kl_beta, ratio_norm=ratio_norm,
             )
+
+        for j in trained:
+            out = step_loss(j)
             (out.loss * scale).backward()
             metrics.add(scale, **{"loss/policy": out.policy, "loss/kl": out.kl,
                                   "train/clip_frac": out.clip_frac, "train/approx_kl": out.approx_kl})
+            ran += 1
+    if passes is not None:
+        _pad_passes(passes - ran, lambda: step_loss(trained[-1]).loss)
     return metrics.result()
 
 
@@ -164,12 +192,14 @@ def diffusion_nft_backward(
     micro_batch_size: int,
     run_seed: int,
     version: int,
+    passes: int | None = None,
 ) -> dict[str, float]:
     """Accumulate DiffusionNFT gradients of the shard (conditional velocity, no CFG: NFT trains the
     policy itself; the policy only adds its conditional branch's arguments, such as an embedded
-    guidance); returns loss/policy and loss/kl."""
+    guidance); returns loss/policy and loss/kl. `passes`: as flow_grpo_backward's."""
     metrics = _Metrics()
     device = model.device
+    ran = 0
     for mb in micro_batches(shard, micro_batch_size):
         _check_same_params(mb)
         params = mb[0].params
@@ -180,7 +210,8 @@ def diffusion_nft_backward(
         draws = [nft_noise_and_steps(t, run_seed, version, algo.nft_timesteps) for t in mb]
         k = len(draws[0][0])
         scale = len(mb) / len(shard) / k
-        for slot in range(k):
+
+        def slot_loss(slot: int):
             idx = torch.tensor([steps[slot] for steps, _ in draws])
             sigma = mb[0].sigmas[idx].to(device)
             timestep = mb[0].timesteps[idx].to(device)
@@ -196,19 +227,41 @@ def diffusion_nft_backward(
             if algo.kl_beta > 0:
                 with torch.no_grad(), using_reference(model.transformer):
                     v_ref = velocity()
-            out = diffusion_nft_loss(
+            return diffusion_nft_loss(
                 velocity(), v_old, x0, x_t, sigma, r,
                 beta=algo.nft_beta, adv_clip_max=algo.adv_clip_max, v_ref=v_ref, kl_beta=algo.kl_beta,
             )
+
+        for slot in range(k):
+            out = slot_loss(slot)
             (out.loss * scale).backward()
             metrics.add(scale, **{"loss/policy": out.policy, "loss/kl": out.kl})
+            ran += 1
+    if passes is not None:
+        _pad_passes(passes - ran, lambda: slot_loss(k - 1).loss)
     return metrics.result()
 
 
-def backward(spec: LearnerSpec, model: DiffusionModel, policy: CFGPolicy, shard: list[Trajectory], version: int
-             ) -> dict[str, float]:
+def num_passes(spec: LearnerSpec, shard: list[Trajectory]) -> int:
+    """The forward/backward passes `backward` runs over `shard`: one per micro-batch and trained step (FlowGRPO) or
+    trained timestep (DiffusionNFT)."""
+    algo, total = spec.algorithm, 0
+    for mb in micro_batches(shard, spec.learner.micro_batch_size):
+        params = mb[0].params
+        if algo.name == "flow_grpo":
+            total += len(trained_steps(params, algo))
+        else:
+            total += params.num_steps if algo.nft_timesteps is None else min(algo.nft_timesteps, params.num_steps)
+    return total
+
+
+def backward(spec: LearnerSpec, model: DiffusionModel, policy: CFGPolicy, shard: list[Trajectory], version: int,
+             passes: int | None = None) -> dict[str, float]:
     """Accumulate the configured algorithm's gradients over a shard of scored trajectories (the mean
-    over the shard's samples x trained steps); `version` is the policy version being trained."""
+    over the shard's samples x trained steps); `version` is the policy version being trained. `passes`: the
+    forward/backward passes to run in all, at least the shard's `num_passes` (FSDP2 ranks: the most any rank's
+    shard needs, so their collectives pair up); None: the shard's own."""
     if spec.algorithm.name == "flow_grpo":
-        return flow_grpo_backward(model, policy, shard, spec.algorithm, spec.learner.micro_batch_size)
-    return diffusion_nft_backward(model, policy, shard, spec.algorithm, spec.learner.micro_batch_size, spec.seed, version)
+        return flow_grpo_backward(model, policy, shard, spec.algorithm, spec.learner.micro_batch_size, passes)
+    return diffusion_nft_backward(model, policy, shard, spec.algorithm, spec.learner.micro_batch_size, spec.seed, version,
+                                  passes)
