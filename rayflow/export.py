@@ -44,7 +44,7 @@ def export_transformer(path: str, out: str, weights: str | None = None) -> str:
     `<Pipeline>.from_pretrained(BASE, transformer=...)` samples with. Built from the checkpoint alone (the
     transformer class and config its identity records), in the dtype it was trained in. Returns `out`."""
     import diffusers
-    import torch
+    from accelerate import init_empty_weights  # a dependency of peft
 
     from rayflow.learner import sharded
 
@@ -56,10 +56,18 @@ def export_transformer(path: str, out: str, weights: str | None = None) -> str:
         raise ValueError(f"weights {weights!r}: {path} holds {meta['adapters']}")
     model = meta["identity"]["model"]
     tensors = sharded.read_weights(os.path.join(path, SHARDED_DIR), weights)
-    # Built on the meta device and given the checkpoint's tensors (assign): no float32 copy of the model first,
-    # which for a 20B transformer would take 80 GB of host memory beside the weights.
-    with torch.device("meta"):
+    # Parameters built on the meta device and given the checkpoint's tensors (assign): no float32 copy of the model
+    # first, which for a 20B transformer would take 80 GB of host memory beside the weights. Buffers are built as
+    # from_config builds them: the checkpoint holds parameters only, and a persistent buffer (SD3's pos_embed) left on
+    # the meta device failed the load.
+    with init_empty_weights(include_buffers=False):
         transformer = getattr(diffusers, model["transformer"]).from_config(model["transformer_config"])
-    transformer.load_state_dict(tensors, assign=True)  # strict: every parameter, none left out
+    loaded = transformer.load_state_dict(tensors, assign=True, strict=False)
+    parameters = dict(transformer.named_parameters())
+    missing = [name for name in loaded.missing_keys if name in parameters]
+    if missing or loaded.unexpected_keys:  # every parameter, none left out
+        raise ValueError(f"{path}: weights {weights!r} do not fit {model['transformer']} of its config: missing "
+                         f"{missing[:5]} ({len(missing)}), unexpected {loaded.unexpected_keys[:5]} "
+                         f"({len(loaded.unexpected_keys)})")
     transformer.save_pretrained(out)
     return out

@@ -252,3 +252,36 @@ def test_exported_lora_of_each_family_loads_in_its_pipeline(tiny_twin, tmp_path,
 def as_tokens(latents: torch.Tensor) -> torch.Tensor:
     """SD3's [B, C, h, w] pipeline latents in rayflow's token layout [B, h·w, C]; FLUX's are packed tokens already."""
     return latents.flatten(2).transpose(1, 2) if latents.dim() == 4 else latents
+
+
+def test_exported_full_sd3_transformer_keeps_its_position_embedding_and_samples_as_rayflow_does(tiny_twin, tmp_path):
+    """SD3's transformer has a persistent buffer (pos_embed.pos_embed) besides its parameters, which are all a full
+    fine-tuning checkpoint holds: the export built it on the meta device, and failed with "Missing key(s) in
+    state_dict"."""
+    import diffusers
+
+    from rayflow.paths import recipe as recipe_path
+
+    model_dir, run = tiny_twin("sd3"), str(tmp_path / "run")
+    cfg = small_cfg(recipe_path("flowgrpo_sd3.yaml"), model_dir, run, "trainer.total_steps=1", "learner.lr=0.003",
+                    "learner.train_mode=full", "sync.mode=merged", "trainer.eval_every=0")
+    model, _ = reference.train(cfg, log=lambda msg: None)
+    out = str(tmp_path / "transformer")
+    export_main([latest_checkpoint(os.path.join(run, "checkpoints")), "--out", out])
+
+    base = diffusers.StableDiffusion3Pipeline.from_pretrained(model_dir)
+    pipe = diffusers.StableDiffusion3Pipeline.from_pretrained(
+        model_dir, transformer=diffusers.SD3Transformer2DModel.from_pretrained(out))
+    assert torch.equal(pipe.transformer.pos_embed.pos_embed, base.transformer.pos_embed.pos_embed)
+
+    def pipe_latents(p):
+        p.set_progress_bar_config(disable=True)
+        return as_tokens(p(PROMPT, height=SIZE, width=SIZE, num_inference_steps=STEPS, output_type="latent",
+                           guidance_scale=4.5, negative_prompt="", generator=torch.Generator("cpu").manual_seed(SEED)).images)
+
+    params = SamplingParams(height=SIZE, width=SIZE, num_steps=STEPS, guidance_scale=4.5, negative_prompt="",
+                            sde_type="ode", return_step_indices=[STEPS])
+    (t,) = generate(model, RolloutRequest("x", [PROMPT], [0], [0], [SEED], params), make_policy("standard"))
+    full = pipe_latents(pipe)
+    torch.testing.assert_close(full, t.latent(STEPS).unsqueeze(0), rtol=0, atol=1e-5)
+    assert (full - pipe_latents(base)).abs().max() > 1e-4

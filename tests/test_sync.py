@@ -18,7 +18,7 @@ import torch
 from rayflow import reference
 from rayflow.config import RolloutConfig
 from rayflow.models.lora import TRAINED_ADAPTER, adapter_parameters, add_lora
-from rayflow.learner.worker import LearnerGroup
+from rayflow.learner.worker import LearnerGroup, LearnerWorker
 from rayflow.learner.spec import LearnerSpec
 from rayflow.models import load_model
 from rayflow.rollout.pool import RolloutPool
@@ -60,17 +60,22 @@ def test_buckets_split_by_size_and_dtype_and_round_trip():
 
 
 def test_receive_buffers_are_a_ring_that_never_reuses_a_slot_in_use():
+    def staged(ring: ReceiveBuffers, version: int, in_use: set[int]) -> int:
+        slot = ring.claim(in_use)
+        ring.hold(version, slot)
+        return slot
+
     ring = ReceiveBuffers(slots=3)
     cpu = torch.device("cpu")
-    slots = [ring.claim(v, in_use=set(range(5, v))) for v in (5, 6, 7)]  # each one still staged as the next comes
+    slots = [staged(ring, v, in_use=set(range(5, v))) for v in (5, 6, 7)]  # each one still staged as the next comes
     first = [ring.get(s, 0, 8, torch.float32, cpu) for s in slots]
     assert len({b.data_ptr() for b in first}) == 3  # three versions in use never share memory
-    assert ring.get(ring.claim(8, in_use={6, 7}), 0, 8, torch.float32, cpu) is first[0]  # 8 reuses 5's, no longer used
+    assert ring.get(ring.claim(in_use={6, 7}), 0, 8, torch.float32, cpu) is first[0]  # 8 reuses 5's, no longer used
     assert ring.get(slots[0], 1, 8, torch.float32, cpu) is not first[0]  # per bucket
     # Versions need not follow each other: 5 staged, 6 and 7 lost, the next group generation gets 8 (8 % 3 == 5 % 3).
     ring = ReceiveBuffers(slots=3)
-    four, five = ring.claim(4, in_use=set()), ring.claim(5, in_use={4})
-    assert ring.claim(8, in_use={4, 5}) not in (four, five)
+    four, five = staged(ring, 4, in_use=set()), staged(ring, 5, in_use={4})
+    assert ring.claim(in_use={4, 5}) not in (four, five)
 
 
 # -- on Ray ----------------------------------------------------------------------------------------
@@ -232,6 +237,39 @@ def test_a_replica_that_joins_later_gets_the_current_version_before_serving(roll
     finally:
         sync.shutdown()
         late.shutdown()
+
+
+class StubBackend:
+    """What LearnerWorker.push_weights reads of its backend: the version and the rollout weights' wire."""
+
+    def __init__(self, version: int, numel: int):
+        self.version, self.numel = version, numel
+
+    def rollout_wire(self):
+        return to_wire(self.version, {"a.lora_A.weight": torch.full((self.numel,), float(self.version))})
+
+
+def test_a_learners_pushes_reach_the_threaded_sync_actor_one_at_a_time_in_version_order(ray_session, tiny_model_dir, tmp_path):
+    """The WeightSyncActor is threaded (max_concurrency > 1), so Ray runs its calls out of order and side by side:
+    pushes sent back to back (asynchronous mode, short steps) were taken out of order, and the sync stopped with "push of
+    version 7: not newer than version 8", or its newest version went back (39 after 40, which a late joiner got)."""
+    cfg = small_cfg(GRPO, tiny_model_dir, tmp_path / "run", "sync.verify_checksum=true", "sync.cpus=0.5")
+    sync = WeightSync(cfg.sync, RolloutRankSpec.from_config(cfg), None, timeout_s=60.0, name="sync-push-order")
+    try:
+        ray.get(sync.actor.settle.remote())  # no group: every broadcast waits for one, only the pushes run
+        learner = LearnerWorker(LearnerSpec.from_config(cfg), rank=0)
+        for version in range(1, 41):  # large and small pushes in turn: a small one is taken while a large one is checksummed
+            learner.backend = StubBackend(version, 2_000_000 if version % 2 else 10)
+            learner.push_weights(sync.actor)
+        deadline, newest = time.monotonic() + 30.0, None
+        while newest != 40 and time.monotonic() < deadline:  # the last push is taken a moment after it is sent
+            assert ray.get(sync.actor.lost_versions.remote()) == []  # raises the sync's failure: a push refused
+            current = ray.get(sync.actor.current.remote())
+            newest = current and current[0]
+            time.sleep(0.05)
+        assert newest == 40
+    finally:
+        sync.shutdown()
 
 
 def test_a_receiver_that_dies_or_stalls_is_left_out_and_the_newest_version_is_sent_again(ray_session, tiny_model_dir, tmp_path):

@@ -376,6 +376,35 @@ def test_a_staged_version_is_never_overwritten_by_a_later_one_received_after_los
     assert receiver.agree([8], apply=True) == 8 and flat(held) == flat(weights(8))
 
 
+class FailingGroup(ReplayGroup):
+    """A broadcast that fails after its first bucket: the source closed the group (another receiver died)."""
+
+    def __init__(self, buffers: list[torch.Tensor]):
+        super().__init__(buffers)
+        self.total = len(buffers)
+
+    def broadcast(self, tensor, src=0):
+        if len(self.buffers) < self.total:
+            raise RuntimeError("connection closed by peer")
+        return super().broadcast(tensor, src)
+
+
+def test_a_staged_version_sent_again_in_a_broadcast_that_fails_keeps_its_buffers():
+    """5 staged; sent again to a new group generation (its broadcast lost a receiver of another replica), and that
+    broadcast fails too; the next generation gets 6. The failed reception recorded 5 in the slot it was received into
+    again, so 6 was received into the slot 5's staged tensors still lived in: a replica whose other rank had not staged
+    6 yet agreed on 5 and loaded 6's bytes as version 5."""
+    receiver, held = receiver_with()
+    received(receiver, 5)
+    manifest = make_manifest(5, weights(5))
+    with pytest.raises(RuntimeError, match="connection closed by peer"):
+        receiver.receive(FailingGroup(pack_all(manifest, weights(5), SPEC.bucket_bytes, CPU).buffers), manifest,
+                         SPEC.bucket_bytes)
+    received(receiver, 6)
+    assert receiver.agree([6, 5], apply=True) == 5 and flat(held) == flat(weights(5))
+    assert receiver.agree([6], apply=True) == 6 and flat(held) == flat(weights(6))
+
+
 def test_a_reception_waits_while_every_slot_holds_a_version_still_read():
     """Two staged versions and one being applied fill the three slots: the next reception waits for the apply."""
     receiver, held = receiver_with()

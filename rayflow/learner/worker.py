@@ -70,6 +70,8 @@ class LearnerWorker(GroupHost):
         self.backend: LearnerBackend | None = None
         # One rank trains every request it is handed; one of several only its shard, unknown until the batch forms.
         self.trajectories = TrajectoryCache(spec.max_staleness, hold=spec.learner.world_size == 1)
+        self.last_push: ray.ObjectRef | None = None
+        """The newest push_weights call to a weight-sync actor; the next push waits for it to be taken."""
 
     def setup(self, rendezvous: Rendezvous) -> dict:
         """Join the group, build the sharded model; returns the policy identity. Every rank at once."""
@@ -138,7 +140,12 @@ class LearnerWorker(GroupHost):
         wire = self.backend.rollout_wire()
         gathered = time.perf_counter()
         if wire is not None:
-            sync_actor.push.remote(wire)
+            # The weight-sync actor is threaded (max_concurrency > 1), so Ray runs its calls side by side and out of
+            # order: a push sent before the last one is taken could be refused as older, and stop the sync. The last
+            # one was almost always taken during the train step between them. Its outcome is the sync's to report.
+            if self.last_push is not None:
+                ray.wait([self.last_push], fetch_local=False)
+            self.last_push = sync_actor.push.remote(wire)
         return {"version": self.backend.version, "gather_s": gathered - start, "push_s": time.perf_counter() - gathered}
 
     def state_dict(self, directory: str | None) -> dict:

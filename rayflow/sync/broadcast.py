@@ -36,23 +36,28 @@ class ReceiveBuffers:
     allocates nothing (fresh pages for every push cost more than the copy itself on a CPU) and at most `slots`
     versions' memory exists.
 
-    `claim` gives each version a slot that no version still in use (staged, or being applied) was received into.
-    Versions need not come one after another (after lost receivers a new group generation gets only the newest), so
-    the slot is not `version % slots`: that overwrote a staged version with a later one that shared its remainder."""
+    `claim` gives each reception a slot that no version still in use (staged, or being applied) lives in, and `hold`
+    records the slot a staged version lives in. Versions need not come one after another (after lost receivers a new
+    group generation gets only the newest), so the slot is not `version % slots`: that overwrote a staged version with
+    a later one that shared its remainder. A version is held where it was staged, not where it was last received: a
+    staged version sent again to a new group generation, whose broadcast then failed, stays in its first slot (recorded
+    at the claim, that slot was given to the next version while the staged one still lived in it)."""
 
     def __init__(self, slots: int = 3):
         self.slots = slots
         self._buffers: dict[tuple, torch.Tensor] = {}
         self._slot_of: dict[int, int] = {}
-        """version -> the slot it was received into, for the versions in use at the last claim and the one claimed."""
+        """version -> the slot its staged tensors live in (versions in use at the last claim, and those held since)."""
 
-    def claim(self, version: int, in_use: set[int]) -> int:
-        """A slot for `version` that none of the versions `in_use` lives in (fewer than `slots` of them)."""
-        taken = {self._slot_of[v] for v in in_use if v in self._slot_of}
-        slot = next(s for s in range(self.slots) if s not in taken)
+    def claim(self, in_use: set[int]) -> int:
+        """A slot that none of the versions `in_use` lives in (fewer than `slots` of them)."""
         self._slot_of = {v: s for v, s in self._slot_of.items() if v in in_use}
+        taken = set(self._slot_of.values())
+        return next(s for s in range(self.slots) if s not in taken)
+
+    def hold(self, version: int, slot: int) -> None:
+        """`version` was staged from `slot`'s buffers: no reception gets that slot while the version is in use."""
         self._slot_of[version] = slot
-        return slot
 
     def get(self, slot: int, bucket: int, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         key = (slot, bucket, numel, dtype, str(device))

@@ -137,12 +137,13 @@ class WeightReceiver:
 
         The whole broadcast is received before anything is checked: a rank that left early would leave the
         source and every other rank waiting in the collective."""
-        slot = self.buffers.claim(manifest.version, self.staged.in_use_below(self.buffers.slots))
+        slot = self.buffers.claim(self.staged.in_use_below(self.buffers.slots))
         tensors = receive(group, manifest, bucket_bytes, self.buffers, slot)
         verify_checksums(manifest, tensors, where=self.where)
         if manifest.version <= self.version:
             return  # sent again to a new group generation (after a receiver died); applied here already
         self.stage(manifest.version, tensors)
+        self.buffers.hold(manifest.version, slot)
 
     def stage(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
         """Keep `tensors` to apply once every rank of the replica has them. Checked now (names and shapes), so a bad

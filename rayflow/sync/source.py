@@ -5,7 +5,8 @@ Ordering rules and version protocol:
 1. Version v = optimizer steps applied. Learner rank 0 calls `push(wire)` after step v with the full
    tensors of `backend.rollout_adapter_name` ("old" for DiffusionNFT, else "default"), laid out by
    rayflow.sync.buckets.to_wire, and goes back to training without waiting; the call returns as soon as
-   the source holds its own copy.
+   the source holds its own copy. This actor is threaded, so Ray runs its calls side by side and out of order:
+   the learner sends a push only once the one before it returned (rayflow.learner.worker.LearnerWorker.push_weights).
 2. Pushes are broadcast one at a time, in push order, by one thread. A push is broadcast in buckets
    (sync.bucket_mb) to every receiver (ranks 1..n of the group: every rank of every rollout replica);
    each verifies names, shapes (and checksums) and stages the version (rayflow.sync.receiver); a
