@@ -234,3 +234,59 @@ def test_a_stopped_worker_is_reported_within_the_deadline_and_its_calls_reissued
     assert elapsed < floor_s + 10.0
     expected = make_reward("color")(torch.stack([t.image for t in trajectories]), [t.prompt for t in trajectories])
     assert [t.reward for t in trajectories] == pytest.approx(expected.tolist())
+
+
+def started(pool: RewardPool) -> RewardPool:
+    """`pool` once every worker has loaded its rewards (its watchdog clocks run from then on, as in a run)."""
+    ray.get(list(pool.starting.values()), timeout=60)
+    pool.collect(timeout_s=0)
+    assert not pool.starting
+    return pool
+
+
+def test_a_worker_whose_call_raised_is_not_taken_for_stalled_while_idle(make_pool, caplog):
+    """The first call fails on worker 0 and is retried on worker 1. Worker 0 answered (with an error) and holds no
+    call: its watchdog clock must stop. It ran on from the failed call, and once the run had sent worker 0 nothing for
+    the deadline (a long train step, a save, a learner restart) the idle worker was killed as stalled, spending a
+    restart (here with none left: left out of the rotation for good)."""
+    floor_s = 2.0
+
+    def fail_first(i, body):
+        return (500, {"error": "reward model warming up"}) if i == 0 else score_mean_red(i, body)
+
+    with RewardServer(fail_first) as server:
+        pool = started(make_pool([RewardFnConfig("http", 1.0, {"url": server.url, "timeout_s": 20})], batch_size=4,
+                                 stall_timeout_s=floor_s))
+        trajectories = [trajectory(i) for i in range(3)]
+        with caplog.at_level(logging.WARNING, logger="rayflow.rewards"):
+            pool.submit(trajectories)
+            assert collect_all(pool) == trajectories and len(server.requests) == 2
+            time.sleep(floor_s + 1.0)  # the driver trains, saves, ...: no reward call meanwhile
+            assert pool.collect(timeout_s=0) == []
+    assert pool.dead == set() and pool.restarts == [0, 0]
+    assert "stalled" not in caplog.text
+
+
+def test_a_drain_drops_the_calls_in_flight_without_retrying_them_and_a_failing_one_does_not_stop_the_run(make_pool,
+                                                                                                           caplog):
+    """A learner rewind drains the reward calls in flight: their results are thrown away. One that fails is dropped,
+    not retried (the retry's result would be thrown away too), and a reward failing there does not stop the run
+    with a RewardError about a batch that will never be trained; the steps trained again score their batches anew."""
+    restarting = [True]
+
+    def fail_while_restarting(i, body):
+        return (500, {"error": f"reward server restarting (call {i})"}) if restarting[0] else score_mean_red(i, body)
+
+    with RewardServer(fail_while_restarting) as server:
+        pool = started(make_pool([RewardFnConfig("http", 1.0, {"url": server.url, "timeout_s": 20})], batch_size=4))
+        pool.submit([trajectory(i) for i in range(3)])
+        with caplog.at_level(logging.WARNING, logger="rayflow.rewards"):
+            pool.drain()
+        assert pool.calls == [] and pool.pending == 0
+        assert len(server.requests) == 1  # not retried
+        assert "dropped" in caplog.text and "reward server restarting (call 0)" in caplog.text
+        restarting[0] = False  # the pool serves on
+        more = [trajectory(i) for i in range(3, 7)]
+        pool.submit(more)
+        assert sorted(map(id, collect_all(pool))) == sorted(map(id, more))
+    assert all(t.reward is not None for t in more)

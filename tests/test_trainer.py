@@ -12,7 +12,7 @@ from rayflow import reference
 from rayflow.checkpoint import checkpoint_root, load_checkpoint, step_dir
 from rayflow.driver.trainer import Trainer
 from rayflow.paths import recipe as recipe_path
-from tiny_run import GRPO, NFT, final_adapters, slow_learners, small_cfg, wait_until_dead
+from tiny_run import GRPO, NFT, final_adapters, slow_learners, slow_rollouts, small_cfg, wait_until_dead
 
 STEPS = 3
 
@@ -250,6 +250,23 @@ def test_time_limit_stops_after_the_step_that_passes_it_evaluating_and_checkpoin
     events = EventAccumulator(cfg.trainer.logdir)
     events.Reload()
     assert [e.step for e in events.Scalars("eval/reward_mean")] == [1]
+
+
+def test_a_synchronous_step_after_an_evaluation_times_its_own_rollout(ray_session, tiny_model_dir, tmp_path):
+    """perf/step_s is the step's wall time, evaluation excluded. A synchronous run submitted the next batch before it
+    evaluated, so that batch rolled out behind the evaluation's requests, inside the excluded time: the step after
+    every evaluation showed (and perf/train_s and trainer.time_limit_s counted) its training alone."""
+    rollout_s = 3.0
+    cfg = small_cfg(GRPO, tiny_model_dir, tmp_path, "trainer.total_steps=3", "trainer.eval_every=1",
+                    "trainer.save_every=0", "logging.progress_bar=false", "async.max_staleness=0")
+    trainer = Trainer(cfg)
+    try:
+        slow_rollouts(trainer, rollout_s)
+        history = trainer.run()
+    finally:
+        trainer.shutdown()
+    assert [h["perf/step_s"] >= rollout_s for h in history] == [True, True, True]
+    assert history[-1]["perf/train_s"] >= 3 * rollout_s
 
 
 # A synchronous run whose only replica is replaced stays equal to the reference: test_faults.py's chaos test.

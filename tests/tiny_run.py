@@ -60,3 +60,19 @@ def slow_learners(trainer, seconds: float) -> None:
         worker.backend.train_step = slowed
 
     ray.get([w.__ray_call__.remote(slow_down, seconds) for w in trainer.learners.workers])
+
+
+def slow_rollouts(trainer, seconds: float) -> None:
+    """Every rollout rank sleeps `seconds` before each training request (evaluation's, "eval-*", run as fast as ever)."""
+    import ray
+
+    def slow_down(worker, seconds):  # defined here: Ray ships it by value to the rollout processes
+        generate = worker.rank.generate
+
+        def slowed(request, *args, **kwargs):
+            if not request.request_id.startswith("eval-"):
+                time.sleep(seconds)
+            return generate(request, *args, **kwargs)
+        worker.rank.generate = slowed
+
+    ray.get([w.__ray_call__.remote(slow_down, seconds) for r in trainer.rollout.replicas for w in r.workers])

@@ -309,8 +309,12 @@ class Trainer:
             push_s = push["gather_s"] + push["push_s"]
         sync_s = push_s
         if cfg.async_.max_staleness == 0:
-            # The next batch rolls out as soon as the broadcast lands on the rollout ranks: its requests go now.
-            if self.version < cfg.trainer.total_steps and not self._out_of_time_at(clock.elapsed()):
+            # The next batch rolls out as soon as the broadcast lands on the rollout ranks: its requests go now. Not
+            # before an evaluation: it would roll out behind the evaluation's requests, inside the time excluded from
+            # every step, and the next step would time its training alone (perf/step_s, trainer.time_limit_s); the
+            # loop submits it once the evaluation is done.
+            if (self.version < cfg.trainer.total_steps and not self._out_of_time_at(clock.elapsed())
+                    and not self._evaluates_at(self.version)):
                 self._admit()
             sync_s += self._wait_synced()
         else:

@@ -183,14 +183,17 @@ class RewardPool:
             self._held += [t for t in self._finish(POLL_S) if id(t) not in mine]
 
     def drain(self) -> None:
-        """Wait for every call in flight (with the usual retries and replacements) and drop the results: the
-        trajectories belong to training steps that are being rewound."""
+        """Wait for every call in flight (a worker serves in order: later calls must not queue behind them) and drop
+        the results: the trajectories belong to training steps that are being rewound. A call that fails, or whose
+        worker is lost (replaced as usual), is dropped too, not retried or re-issued: its result would be thrown away,
+        and a reward failing on it stopped the run over a batch that is never trained."""
         while self.calls:
-            self._finish(POLL_S)
+            self._finish(POLL_S, dropping=True)
         self._held = []
 
-    def _finish(self, timeout_s: float | None) -> list[Trajectory | TrajectoryRef]:
-        """Scored trajectories of the calls that finished; the others stay in `calls` (retried, re-issued)."""
+    def _finish(self, timeout_s: float | None, dropping: bool = False) -> list[Trajectory | TrajectoryRef]:
+        """Scored trajectories of the calls that finished; the others stay in `calls` (retried, re-issued; `dropping`:
+        a failed or lost call leaves `calls` instead, as `drain` wants)."""
         done: list[ray.ObjectRef] = []
         if self.calls:
             refs = self.refs
@@ -206,9 +209,17 @@ class RewardPool:
                 if getattr(e, "_actor_init_failed", False):  # its rewards could not be built: every restart would fail alike
                     raise RewardError(f"reward worker {self.placed.describe(call.worker)} could not build the run's "
                                       f"rewards; stopping the run. {e.error_msg}") from None
-                self._worker_lost(call, e)
+                self._worker_lost(call, e, resend=not dropping)
             except Exception as e:  # the reward raised inside the worker (RayTaskError)
-                self._retry(call, e)
+                # The worker answered: its watchdog clock must not run on while it holds no call (it was then killed
+                # as stalled while idle, spending a restart, once no call reached it for the deadline).
+                progressed.add(call.worker)
+                if dropping:
+                    self.calls.remove(call)
+                    log.warning("reward call on %s failed while its results were being dropped (worker %d); dropped, "
+                                "not retried:\n%s", call.describe(), call.worker, e)
+                else:
+                    self._retry(call, e)
             else:
                 self.calls.remove(call)
                 progressed.add(call.worker)
@@ -229,14 +240,17 @@ class RewardPool:
         call.attempt += 1
         self._send(call, avoid=call.worker)
 
-    def _worker_lost(self, call: _Call, error: Exception) -> None:
+    def _worker_lost(self, call: _Call, error: Exception, resend: bool = True) -> None:
         """The worker of `call` is gone: replace it (at the first of its calls to tell), then issue the call
-        again. The reward did not fail, so no retry is spent."""
+        again (`resend`; else drop it). The reward did not fail, so no retry is spent."""
         worker = call.worker
         if call.restarts == self.restarts[worker] and worker not in self.dead:
             self._replace(worker, f"reward worker {self.placed.describe(worker)} died while scoring "
                                   f"{call.describe()}: {str(error).strip().splitlines()[0]}")
-        self._send(call, avoid=worker)
+        if resend:
+            self._send(call, avoid=worker)
+        else:
+            self.calls.remove(call)
 
     def _replace_stalled(self) -> None:
         """A worker past the watchdog's deadline is reported (node, what it was scoring) and replaced like a
