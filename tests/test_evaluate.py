@@ -12,10 +12,12 @@ import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from rayflow.config import load_config
-from rayflow.data.prompts import load_prompts
+from rayflow.data.prompts import GroupSampler, load_prompts
+from rayflow.driver.evaluation import evaluation_requests
 from rayflow.driver.trainer import Trainer
 from rayflow.paths import recipe
 from rayflow.runs import write_run_config
+from rayflow.types import SamplingParams
 from rayflow.worlds.shapes import CATEGORIES, category_of, parse_prompt, sample_requirements
 from tiny_run import NFT, small_cfg
 
@@ -80,6 +82,7 @@ def test_a_checkpoint_re_evaluated_at_the_runs_seeds_gives_the_runs_logged_eval_
     ([recipe("diffusion_nft_qwen_image.yaml"), "--json", "no/such/dir/r.json"], "--json: 'no/such/dir/r.json' is in no"),
     ([recipe("diffusion_nft_qwen_image.yaml"), "--seeds", "0"], "--seeds: got 0; allowed: an integer >= 1"),
     ([recipe("diffusion_nft_qwen_image.yaml"), "--base", "--checkpoint", "x"], "--checkpoint and --base: give one"),
+    ([recipe("diffusion_nft_qwen_image.yaml"), "--first-seed", "-1"], "--first-seed: got -1; allowed: an integer in [0, 2**62)"),
 ])
 def test_what_cannot_be_evaluated_is_named(args, message, capsys):
     with pytest.raises(SystemExit) as stopped:
@@ -120,3 +123,15 @@ def test_every_shapes_prompt_has_the_category_it_was_drawn_from():
         assert all(category_of(sample_requirements(rng, category)) == category for _ in range(50))
     held_out = [category_of(parse_prompt(p)) for p in load_prompts(recipe("prompts/shapes_eval.txt"))]
     assert held_out == [c for c in ("colour", "counting", "two_objects", "position", "relation") for _ in range(4)]
+
+
+def test_evaluation_seeds_count_up_from_the_first_seed_prompt_by_prompt():
+    """Prompt i gets seeds f + i·n .. f + i·n + n − 1: at f = 0 the run's own (which a run with trainer.seed=0 also
+    draws for its first training groups: GroupSampler's seeds count up from 0), at a large f none of those."""
+    params = SamplingParams()
+    assert [r.seeds for r in evaluation_requests(["a", "b"], 3, params)] == [[0, 1, 2], [3, 4, 5]]
+    shifted = evaluation_requests(["a", "b"], 3, params, first_seed=10**9)
+    assert [r.seeds for r in shifted] == [[10**9, 10**9 + 1, 10**9 + 2], [10**9 + 3, 10**9 + 4, 10**9 + 5]]
+    assert [r.prompts for r in shifted] == [["a"] * 3, ["b"] * 3]
+    training = GroupSampler(["a", "b"], group_size=8, seed=0)
+    assert training.group(0).seeds[:6] == (0, 1, 2, 3, 4, 5)

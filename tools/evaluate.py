@@ -1,7 +1,8 @@
 """Evaluate a run's checkpoint, or its base, on the run's evaluation prompts with as many seeds as asked: the eval/*
 means the run logs, each with the standard error its seeds leave on it, per prompt and per shapes category.
 
-    python tools/evaluate.py RUN_DIR [--seeds 32] [--checkpoint PATH] [--base] [--adapter NAME] [--json OUT]
+    python tools/evaluate.py RUN_DIR [--seeds 32] [--first-seed F] [--checkpoint PATH] [--base] [--adapter NAME]
+                             [--json OUT]
     python tools/evaluate.py RECIPE.yaml [KEY=VALUE ...] [--seeds 32] [--json OUT]      # a recipe's base, untrained
 
 One process, no Ray: the reference trainer's model and sampler (`rayflow.reference`), the run's evaluation
@@ -10,6 +11,9 @@ newest intact one unless --checkpoint names another; --base evaluates the run's 
 are those the run evaluates (`evaluated_adapter`: the "ema" EMA with trainer.ema_decay > 0, else the rollout
 adapter) unless --adapter names another. With --seeds at the run's data.eval_seeds (the default) the figures are the
 run's own eval/* at the checkpoint's step, image for image (tests/test_evaluate.py); more seeds, a smaller error.
+--first-seed F shifts every seed by F: a run's evaluation starts at 0, where a run with trainer.seed=0 starts drawing
+its training seeds too, so its first steps trained on the evaluation's initial noises; a large F evaluates on noises
+no training step drew.
 
 The standard error is the one of a fixed prompt set's mean over random seeds: with P prompts, n seeds each and s_p²
 the sample variance of prompt p's n values, SE = sqrt(Σ_p s_p² / n) / P. It leaves out which prompts were chosen.
@@ -65,9 +69,10 @@ def shapes_category(prompt: str) -> str | None:
         return None
 
 
-def evaluate(cfg: RayflowConfig, checkpoint: str | None, seeds: int, adapter: str | None = None) -> dict:
-    """The run's evaluation prompts × `seeds` seeds sampled under `adapter` (None: `evaluated_adapter`) of
-    `checkpoint` (None: the base), scored. Returns the report `main` prints and writes."""
+def evaluate(cfg: RayflowConfig, checkpoint: str | None, seeds: int, adapter: str | None = None,
+             first_seed: int = 0) -> dict:
+    """The run's evaluation prompts × `seeds` seeds (from `first_seed`: evaluation_requests) sampled under `adapter`
+    (None: `evaluated_adapter`) of `checkpoint` (None: the base), scored. Returns the report `main` prints and writes."""
     adapter = adapter or evaluated_adapter(cfg)
     allowed = (TRAINED_ADAPTER, *ema_copies(LearnerSpec.from_config(cfg)))
     if adapter not in allowed:  # before the model loads
@@ -76,7 +81,7 @@ def evaluate(cfg: RayflowConfig, checkpoint: str | None, seeds: int, adapter: st
     if checkpoint is not None:
         reference.resume(run, checkpoint)
     prompts = evaluation_prompts(cfg.data, run.sampler.prompts)
-    requests = evaluation_requests(prompts, seeds, evaluation_params(cfg.sampling, cfg.trainer))
+    requests = evaluation_requests(prompts, seeds, evaluation_params(cfg.sampling, cfg.trainer), first_seed)
     per_prompt = []
     with using_weights(run.model.transformer, adapter):
         for request in requests:
@@ -96,7 +101,8 @@ def evaluate(cfg: RayflowConfig, checkpoint: str | None, seeds: int, adapter: st
                 categories[category] = {"prompts": len(members),
                                         **{tag: sum(m[tag] for m in members) / len(members) for tag in scalars}}
     return {
-        "checkpoint": checkpoint, "step": run.step, "adapter": adapter, "seeds": seeds, "prompts": len(prompts),
+        "checkpoint": checkpoint, "step": run.step, "adapter": adapter, "seeds": seeds, "first_seed": first_seed,
+        "prompts": len(prompts),
         "images": len(trajectories),
         "metrics": {tag: {"mean": mean, "stderr": seed_standard_error([[v[tag] for v in images] for images in per_image])}
                     for tag, mean in scalars.items()},
@@ -138,7 +144,8 @@ def run_config(target: str, overrides: list[str], base: bool = False,
 
 def print_report(report: dict) -> None:
     where = f"step {report['step']} ({report['checkpoint']})" if report["checkpoint"] else "the base (step 0)"
-    print(f"{where}, weights {report['adapter']!r}: {report['prompts']} prompts x {report['seeds']} seeds = "
+    first = f" from seed {report['first_seed']}" if report["first_seed"] else ""
+    print(f"{where}, weights {report['adapter']!r}: {report['prompts']} prompts x {report['seeds']} seeds{first} = "
           f"{report['images']} images")
     for tag, m in report["metrics"].items():
         error = "" if m["stderr"] is None else f" ± {m['stderr']:.4f}"
@@ -153,6 +160,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("target", help="a run directory, one of its checkpoints, or a recipe YAML (its base)")
     parser.add_argument("overrides", nargs="*", help="KEY=VALUE config overrides (e.g. data.eval_prompts=FILE)")
     parser.add_argument("--seeds", type=int, default=None, help="seeds per prompt (default: the run's data.eval_seeds)")
+    parser.add_argument("--first-seed", type=int, default=0,
+                        help="prompt i gets seeds FIRST + i*n ... (default 0, as the run's evaluation; training with "
+                             "trainer.seed=0 draws seeds 0, 1, 2, ..., so a large one evaluates on unseen noises)")
     parser.add_argument("--checkpoint", default=None, help="a checkpoint directory (default: the run's newest)")
     parser.add_argument("--base", action="store_true", help="evaluate the run's model before training")
     parser.add_argument("--adapter", default=None, help="the weight set to evaluate (default: the one the run evaluates)")
@@ -169,9 +179,11 @@ def main(argv: list[str] | None = None) -> None:
         seeds = cfg.data.eval_seeds if args.seeds is None else args.seeds
         if seeds < 1:
             raise ValueError(f"--seeds: got {seeds}; allowed: an integer >= 1")
+        if not 0 <= args.first_seed < 2**62:  # torch generator seeds, with room for the prompts x seeds after it
+            raise ValueError(f"--first-seed: got {args.first_seed}; allowed: an integer in [0, 2**62)")
         if args.threads:
             torch.set_num_threads(args.threads)
-        report = evaluate(cfg, checkpoint, seeds, args.adapter)
+        report = evaluate(cfg, checkpoint, seeds, args.adapter, args.first_seed)
     except USER_ERRORS as e:
         sys.exit(f"error: {e}")
     print_report(report)

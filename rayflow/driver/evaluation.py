@@ -39,11 +39,15 @@ def evaluation_prompts(data: DataConfig, train_prompts: list[str], num_prompts: 
     return load_prompts(data.eval_prompts, data.max_prompt_chars, key="data.eval_prompts") if data.eval_prompts else train_prompts[:num_prompts]
 
 
-def evaluation_requests(prompts: list[str], seeds: int, params: SamplingParams) -> list[RolloutRequest]:
-    """One request per prompt: prompt i gets seeds i·n .. i·n + n − 1 (n = `seeds`), the same images every evaluation
-    but for the weights. Re-evaluated with the run's n, they are the run's images; with another n, other seeds."""
+def evaluation_requests(prompts: list[str], seeds: int, params: SamplingParams, first_seed: int = 0
+                        ) -> list[RolloutRequest]:
+    """One request per prompt: prompt i gets seeds f + i·n .. f + i·n + n − 1 (n = `seeds`, f = `first_seed`), the same
+    images every evaluation but for the weights. Re-evaluated with the run's n (and f = 0), they are the run's images;
+    with another n, other seeds. A run's evaluation has f = 0, so with trainer.seed=0, whose training seeds count up
+    from 0 (GroupSampler), its first steps start from the evaluation's initial noises (tools/evaluate.py --first-seed
+    evaluates on noises no training step drew)."""
     return [RolloutRequest(f"eval-{i}", [p] * seeds, [i] * seeds, [EVAL_GROUP_ID] * seeds,
-                           list(range(i * seeds, (i + 1) * seeds)), params)
+                           list(range(first_seed + i * seeds, first_seed + (i + 1) * seeds)), params)
             for i, p in enumerate(prompts)]
 
 
