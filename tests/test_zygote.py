@@ -75,6 +75,23 @@ def test_the_worker_is_forked_with_the_clients_argv_env_cwd_and_stdout(zygotes, 
     assert a["random"] != b["random"]  # each reseeded, as a fresh process is
 
 
+def test_workers_forked_from_a_zygote_holding_torch_draw_from_torch_generators_of_their_own(tmp_path):
+    """torch seeds its default generator from the OS in every fresh process; forked, every worker had the zygote's,
+    and all of them drew the same numbers (`random` and numpy were reseeded, torch was not)."""
+    script = tmp_path / "draw.py"
+    script.write_text("import torch\nprint(torch.initial_seed(), torch.rand(4).tolist(), flush=True)\n")
+    zygote = Zygote.start(str(tmp_path / "z"), ["torch"])
+    try:
+        draws = []
+        for _ in range(2):
+            client = run_worker(zygote.socket_path, script)
+            draws.append(client.stdout.readline())
+            assert client.wait(30) == 0
+    finally:
+        zygote.stop()
+    assert draws[0] and draws[0] != draws[1]
+
+
 def test_signals_pass_through_both_ways(zygotes, script):
     zygote, _ = zygotes
     killed = run_worker(zygote.socket_path, script, "signal")
@@ -84,6 +101,37 @@ def test_signals_pass_through_both_ways(zygotes, script):
     report_of(waiting)
     waiting.send_signal(signal.SIGTERM)  # forwarded to the worker, which exits 3
     assert waiting.wait(30) == 3
+
+
+SIGNAL_STATE = """
+import json, os, signal
+print(json.dumps({"pid": os.getpid(), "pgid": os.getpgrp(), "sigint": signal.getsignal(signal.SIGINT) is signal.default_int_handler,
+                  "blocked": sorted(int(s) for s in signal.pthread_sigmask(signal.SIG_BLOCK, []))}), flush=True)
+"""
+
+
+def test_the_worker_has_the_signal_state_ray_gives_a_worker_and_a_ctrl_c_to_the_driver_reaches_neither(zygotes, tmp_path):
+    """Ray starts its workers with SIGINT blocked, in process groups of their own; Python's handler raises
+    KeyboardInterrupt (ray.cancel interrupts a task through it). Forked workers had SIGINT at SIG_DFL, unblocked, in the
+    zygote's starter's process group: a terminal's Ctrl-C to a local run killed every actor outright (the raylet
+    reported each as "unexpectedly exits ... OOM killer"), and the zygote itself, before the driver shut them down."""
+    zygote, _ = zygotes
+    script = tmp_path / "state.py"
+    script.write_text(SIGNAL_STATE)
+    as_ray_starts_it = {"preexec_fn": lambda: signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})}
+    client = run_worker(zygote.socket_path, script, **as_ray_starts_it)
+    forked = report_of(client)
+    assert client.wait(30) == 0
+    plain = run_worker("/nonexistent", script, **as_ray_starts_it)  # no zygote: the client execs the worker
+    own = report_of(plain)
+    assert plain.wait(30) == 0
+    assert forked["pid"] != client.pid and own["pid"] == plain.pid
+    assert forked["sigint"] and forked["blocked"] == own["blocked"] == [signal.SIGINT]
+    assert forked["pgid"] == forked["pid"] != os.getpgrp()
+    # The zygote, in its starter's process group, gets the terminal's Ctrl-C too: it goes on serving.
+    zygote.process.send_signal(signal.SIGINT)
+    later = run_worker(zygote.socket_path, script)
+    assert report_of(later)["pid"] != later.pid and later.wait(30) == 0
 
 
 def test_a_killed_client_takes_its_worker_with_it(zygotes, script):

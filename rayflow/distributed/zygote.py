@@ -118,6 +118,9 @@ def serve(socket_path: str, modules: list[str]) -> None:
     # The socket appears under its name only once it listens: a client that finds it and cannot connect knows this
     # server is gone (zygote_client.connect), where between bind and listen it would be refused as well.
     os.rename(socket_path + ".bound", socket_path)
+    # Started in its owner's process group, it gets a terminal's Ctrl-C meant for the driver: dying of it would end
+    # every worker's client (the raylet then reports each worker as crashed). Its owner stops it (stop, PDEATHSIG).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_w, False)
     signal.set_wakeup_fd(wake_w)
@@ -243,11 +246,18 @@ def _die_with_parent() -> None:
 # -- a forked worker -------------------------------------------------------------------------------
 
 def become_worker(request: dict, fds: list[int]) -> None:
-    """In a freshly forked child: take on the client's stdio, environment, working directory and niceness, then
+    """In a freshly forked child: take on the client's stdio, environment, working directory, niceness and signal
+    mask, in a process group of its own (as Ray starts a worker), then
     run its command (`script.py ARGS...`) as `python script.py ARGS...` would, and exit with its code."""
     signal.set_wakeup_fd(-1)
-    for signum in (signal.SIGCHLD, signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+    for signum in (signal.SIGCHLD, signal.SIGTERM, signal.SIGHUP):
         signal.signal(signum, signal.SIG_DFL)
+    # As Ray starts a worker: Python's SIGINT handler (ray.cancel interrupts a running task through it), the client's
+    # signal mask (the raylet's: SIGINT blocked) and a process group of its own, not the zygote's starter's, to
+    # which a terminal sends its Ctrl-C (it killed every forked actor before the driver could shut them down).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.pthread_sigmask(signal.SIG_SETMASK, request["sigmask"])
+    os.setpgrp()
     for target, fd in enumerate(fds):
         os.dup2(fd, target)
     os.closerange(3, os.sysconf("SC_OPEN_MAX"))  # the listener, other clients' connections, the received copies
@@ -294,10 +304,13 @@ def _split_path(value: str | None) -> list[str]:
 
 def _fresh_process_state() -> None:
     """What a forked worker must not share with its siblings or keep from the zygote: the random generators' state
-    (seeded from the OS in every fresh process) and the torch thread count (read from OMP_NUM_THREADS at start)."""
+    (seeded from the OS in every fresh process: `random`'s, numpy's and torch's default generator) and the torch
+    thread count (read from OMP_NUM_THREADS at start)."""
     random.seed()
     if "numpy" in sys.modules:
         sys.modules["numpy"].random.seed()
+    if "torch" in sys.modules:
+        sys.modules["torch"].seed()
     threads = os.environ.get("OMP_NUM_THREADS", "")
     if "torch" in sys.modules and threads.isdigit() and int(threads) > 0:
         sys.modules["torch"].set_num_threads(int(threads))

@@ -4,7 +4,7 @@ LIGHT_ENV, else the model one's), then stands in for it until it ends.
 
 Standard library only, and run without `site`: this process's own start must cost next to nothing (~20 ms), the
 point being that the worker does not import torch and diffusers again. The forked worker gets this process's
-argv, environment, working directory, niceness and stdin/stdout/stderr; this process forwards SIGTERM, SIGINT and
+argv, environment, working directory, niceness, signal mask and stdin/stdout/stderr (in a process group of its own); this process forwards SIGTERM, SIGINT and
 SIGHUP to it and ends as it ends (same exit code, or the same signal). If this process is killed outright, the
 zygote sees the connection close and kills the worker. With no zygote listening, it runs the worker itself (exec).
 """
@@ -27,7 +27,9 @@ def main(model_socket: str, light_socket: str, argv: list[str]) -> int:
     if conn is None:  # no zygote: be the worker
         os.execv(sys.executable, [sys.executable, *argv])
     forward = SignalForwarder()
-    request = json.dumps({"argv": argv, "env": dict(os.environ), "cwd": os.getcwd(), "nice": os.nice(0)}).encode()
+    sigmask = sorted(int(signum) for signum in signal.pthread_sigmask(signal.SIG_BLOCK, []))
+    request = json.dumps({"argv": argv, "env": dict(os.environ), "cwd": os.getcwd(), "nice": os.nice(0),
+                          "sigmask": sigmask}).encode()
     conn.sendmsg([struct.pack("!I", len(request)) + request],
                  [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [0, 1, 2]).tobytes())])
     worker = _read_int(conn)
