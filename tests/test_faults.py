@@ -161,6 +161,36 @@ def test_a_killed_weight_sync_actor_or_learner_rank_is_replaced_in_an_asynchrono
         trainer.shutdown()
 
 
+def test_a_weight_sync_actor_killed_with_a_step_queued_behind_the_one_training_is_replaced(ray_session, tiny_model_dir,
+                                                                                             tmp_path, monkeypatch):
+    """Asynchronous, the next batch queued on the learners behind the step in flight, both pushing to the weight-sync
+    actor, which is killed: the replacement gets each version once. The driver pushed again as the first step ended,
+    which ran on the learners after the queued step and carried its version; that step's end pushed it again, refused
+    as not newer: "weight sync stopped at version 2: ValueError: push of version 2: not newer than version 2"."""
+    cfg = small_cfg(GRPO, tiny_model_dir, tmp_path, "trainer.eval_every=0", "logging.progress_bar=false",
+                    "async.max_staleness=1", "trainer.save_every=0", "trainer.total_steps=5", "sync.max_restarts=1",
+                    "sync.restart_window_s=0")
+    trainer = Trainer(cfg)
+    try:
+        slow_learners(trainer, 1.0)  # rollout outpaces training: batches queue behind the step in flight
+        train, killed = trainer._train, []
+
+        def train_then_kill(batch, version):
+            step = train(batch, version)
+            if version > trainer.version and not killed:  # queued behind the step in flight
+                killed.append(trainer.sync.actor)
+                ray.kill(trainer.sync.actor)
+                wait_until_dead(trainer.sync.actor)
+            return step
+
+        monkeypatch.setattr(trainer, "_train", train_then_kill)
+        trainer.run()
+        assert killed and trainer.sync.restarts == 1 and len(trainer.history) == 5
+        assert [h["staleness/max"] <= 1 for h in trainer.history] == [True] * 5  # the rollouts followed the learners
+    finally:
+        trainer.shutdown()
+
+
 def kill_in_save(trainer: Trainer, monkeypatch, step: int, actors: Callable[[], list]) -> None:
     """Kill the actors `actors()` returns as step `step`'s checkpoint is asked of the learners (once), and wait
     until they are dead, so the save meets the death."""

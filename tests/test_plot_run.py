@@ -84,3 +84,26 @@ def test_plot_run_grids_before_and_after(tmp_path):
     done = subprocess.run([sys.executable, "tools/plot_run.py", str(one), "--out", str(tmp_path / "f.png"),
                            "--grids", str(tmp_path / "g.png")], cwd=REPO, capture_output=True, text=True)
     assert done.returncode != 0 and "holds 1 eval/images grid(s)" in done.stderr
+
+
+def test_grid_rows_take_a_relative_eval_prompts_from_where_the_run_started(tmp_path, monkeypatch, capsys):
+    """`data.eval_prompts=prompts/eval.txt` on the command line stays relative in config.yaml, relative to the directory
+    the run started in: plot_run.py run from another directory lost the row labels without a word."""
+    sys.path.insert(0, os.path.join(REPO, "tools"))
+    from plot_run import row_prompts
+
+    start, elsewhere = tmp_path / "start", tmp_path / "elsewhere"
+    (start / "prompts").mkdir(parents=True)
+    (start / "prompts" / "eval.txt").write_text("a red circle\ntwo blue squares\n")
+    run = start / "outputs" / "run1"
+    run.mkdir(parents=True)
+    elsewhere.mkdir()
+    (run / "config.yaml").write_text("data:\n  eval_prompts: prompts/eval.txt\n  eval_seeds: 3\n"
+                                     "trainer:\n  output_dir: outputs\n  run_name: run1\n")
+    for cwd, run_dir in ((start, "outputs/run1"), (elsewhere, "../start/outputs/run1"), (tmp_path, str(run))):
+        monkeypatch.chdir(cwd)
+        assert row_prompts(run_dir) == ["a red circle", "two blue squares"], cwd
+    (run / "config.yaml").write_text("data:\n  eval_prompts: prompts/gone.txt\n  eval_seeds: 3\n"
+                                     "trainer:\n  output_dir: outputs\n  run_name: run1\n")
+    assert row_prompts(str(run)) is None
+    assert f"data.eval_prompts of {run / 'config.yaml'} is {str(start / 'prompts' / 'gone.txt')!r}" in capsys.readouterr().err

@@ -331,6 +331,61 @@ def test_bad_requests_fail_naming_the_field_and_the_replica_keeps_serving(replic
     assert_same(after.result(), generate(tiny_model, good, TrueCFG()))
 
 
+def test_a_rank_that_raises_mid_request_fails_it_with_its_own_error_and_takes_the_replica_out_of_service(
+        ray_session, tiny_model_dir):
+    """Rank 1 of a W = 2 replica raises in its forward at step 2; its peer waits in step 2's all_gather. The request
+    fails at once with rank 1's own error, and the replica goes out of service: the request queued behind it paired its
+    header all_gather with the peer's step all_gather (gloo aborted rank 1's process), and the failed request raised
+    rank 0's "ranks run different requests" instead; with nothing queued the peer waited out the collective timeout."""
+    import ray
+
+    from rayflow.rollout import ReplicaError, RolloutReplica
+    from rayflow.rollout.worker import CONCURRENCY_GROUPS, RolloutRankHost
+
+    @ray.remote(concurrency_groups=CONCURRENCY_GROUPS)
+    class FailsOnRank1(RolloutRankHost):
+        def __init__(self, spec, rank, world_size):
+            self.rank = RolloutRank(spec, rank, world_size)
+
+        @ray.method(num_returns=2)
+        def generate(self, request, policy=None, weights=None):
+            model, forward, calls = self.rank.model, self.rank.model.predict_velocity, []
+
+            def third_forward_fails(*args, **kwargs):
+                calls.append(1)
+                if len(calls) == 3:
+                    raise RuntimeError("injected: rank 1's forward failed at step 2")
+                return forward(*args, **kwargs)
+
+            if self.rank.rank == 1 and request.request_id == "fails":
+                model.predict_velocity = third_forward_fails
+            try:
+                return RolloutRankHost.generate(self, request, policy, weights)
+            finally:
+                model.predict_velocity = forward
+
+    rollout, spec = RolloutConfig(cfg_parallel_size=2), spec_for(tiny_model_dir, collective_timeout_s=60.0)
+    placed = RolloutReplica.reserve(rollout, "test-fails-mid-request").wait()
+    replica = RolloutReplica.over("test-fails-mid-request", placed, [placed.spawn(r, FailsOnRank1, spec, r, 2)
+                                                                     for r in range(2)], spec.collective_timeout_s)
+    placed.owned = True  # shutdown removes it
+    try:
+        replica.wait_ready()
+        start = time.monotonic()
+        fails, queued = replica.submit(request("fails")), replica.submit(request("queued"))
+        with pytest.raises(RuntimeError, match="injected: rank 1's forward failed at step 2") as raised:
+            fails.result(timeout=30)
+        assert "raised on rank 1 of 2" in str(raised.value.__notes__)
+        assert not replica.alive and "rank 1 of 2" in replica._dead and "left the replica's group" in replica._dead
+        refused = r"rank 1 of 2 .* refused request 'queued': rollout rank 1/2 left its replica's group: request 'fails'"
+        with pytest.raises(ReplicaError, match=refused):
+            queued.result(timeout=30)
+        assert time.monotonic() - start < 30  # not the peer's collective timeout
+        assert all(ray.get(w.__ray_ready__.remote(), timeout=10) for w in replica.workers)  # no rank was aborted
+    finally:
+        replica.shutdown()
+
+
 def test_a_pool_splits_a_group_across_replicas_like_one_replica(replicas, tiny_model):
     from rayflow.rollout import RolloutPool
 

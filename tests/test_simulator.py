@@ -88,6 +88,25 @@ def test_sizing_scales_costs_and_lists_every_valid_split_fastest_first():
         size_cluster(COSTS, basis, shape, gpus=2)
 
 
+def test_cluster_sizing_lists_only_the_learner_ranks_the_config_takes_with_several_minibatches(capsys):
+    """algorithm.num_minibatches = 8 cuts the 8-GPU recipe's batch of 64 into mini-batches of 8: the config refuses
+    4 ranks (2 samples a rank, not a multiple of learner.micro_batch_size = 4), which sizing listed first."""
+    from rayflow.config import load_config
+    from rayflow.errors import ConfigError
+    from rayflow.paths import REPO_ROOT
+
+    big = recipe("flowgrpo_qwen_image_8gpu.yaml")
+    assert simulate_main(["--costs", f"{REPO_ROOT}/cluster/costs/qwen_image_h100_measured.json", "--config", big,
+                          "--gpus", "8", "--staleness", "0", "--top", "10", "algorithm.num_minibatches=8",
+                          "learner.world_size=2"]) == 0
+    listed = [line.split(":")[1].split(",")[0].strip() for line in capsys.readouterr().out.splitlines()[1:]]
+    assert listed == ["6x1 roll + 2 lrn", "7x1 roll + 1 lrn"]
+    for ranks in (1, 2):
+        load_config(big, ["algorithm.num_minibatches=8", f"learner.world_size={ranks}"])
+    with pytest.raises(ConfigError, match="learner.micro_batch_size"):
+        load_config(big, ["algorithm.num_minibatches=8", "learner.world_size=4"])
+
+
 @pytest.mark.parametrize("data, message", [
     ({"rollout_request_s": 1.0, "reward_request_s": 0.1}, "missing cost 'train_batch_s'"),
     ({"rollout_request_s": 1.0, "reward_request_s": 0.1, "train_batch_s": -1}, "train_batch_s: got -1"),

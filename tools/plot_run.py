@@ -52,9 +52,22 @@ def read_grids(events_dir: str, tag: str = "eval/images") -> list[tuple[int, "nu
             for step in sorted(latest)]
 
 
+def run_start_dir(run_dir: str, trainer) -> str:
+    """The directory the run was started in, where its relative paths lead from: RUN_DIR less its relative
+    <trainer.output_dir>/<trainer.run_name>; else (an absolute output_dir) this one's."""
+    output_dir, run_name = trainer.get("output_dir"), trainer.get("run_name")
+    here = os.path.abspath(run_dir)
+    if isinstance(output_dir, str) and isinstance(run_name, str) and not os.path.isabs(output_dir):
+        tail = os.path.normpath(os.path.join(output_dir, run_name))
+        if here.endswith(os.sep + tail):
+            return here[: -len(tail) - 1]
+    return os.getcwd()
+
+
 def row_prompts(run_dir: str) -> list[str] | None:
     """The evaluation prompts of the run's config.yaml when its grids have one row per prompt (data.eval_seeds > 1:
-    a row is a prompt's seeds; with one seed the grid runs four images to a row), else None."""
+    a row is a prompt's seeds; with one seed the grid runs four images to a row), else None. A relative
+    data.eval_prompts (an override on the command line) is relative to the directory the run was started in."""
     from omegaconf import OmegaConf
 
     from rayflow.data.prompts import load_prompts
@@ -62,9 +75,15 @@ def row_prompts(run_dir: str) -> list[str] | None:
     path = os.path.join(run_dir, "config.yaml")
     if not os.path.isfile(path):
         return None
-    data = OmegaConf.load(path).data
+    config = OmegaConf.load(path)
+    data = config.data
     prompts = data.get("eval_prompts")
-    if data.get("eval_seeds", 1) <= 1 or not prompts or not os.path.isfile(prompts):
+    if data.get("eval_seeds", 1) <= 1 or not prompts:
+        return None
+    prompts = os.path.join(run_start_dir(run_dir, config.get("trainer", {})), os.path.expanduser(prompts))
+    if not os.path.isfile(prompts):
+        print(f"note: the grids' rows are not labelled: data.eval_prompts of {path} is {prompts!r}, not a file here",
+              file=sys.stderr)
         return None
     return load_prompts(prompts)
 

@@ -91,7 +91,9 @@ def main(argv: list[str] | None = None) -> int:
             for gpus in args.gpus:
                 for s in staleness:
                     shape = Shape(**{**base.__dict__, "max_staleness": s})
-                    for split in size_cluster(costs, basis, shape, gpus, cfg.learner.micro_batch_size, args.steps)[: args.top]:
+                    splits = size_cluster(costs, basis, shape, gpus, cfg.learner.micro_batch_size, args.steps,
+                                          cfg.algorithm.num_minibatches)
+                    for split in splits[: args.top]:
                         label = f"{gpus} GPUs: {split.replicas}x{basis.gpus_per_replica} roll + {split.learner_ranks} lrn, s={s}"
                         lines.append(row(label, split.prediction))
         else:

@@ -119,6 +119,11 @@ class CollectiveError(RuntimeError):
     """A collective failed or timed out; the message names the group, rank and node."""
 
 
+class LeftGroup(CollectiveError):
+    """A rank refuses its group's collectives: it failed between two of them, so its next ones would pair with its
+    peers' of another call (the message names the rank and that failure)."""
+
+
 class CollectiveGroup:
     """One named group of `size` ranks. Methods take and return tensors on this rank's device."""
 

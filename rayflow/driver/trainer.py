@@ -269,12 +269,13 @@ class Trainer:
         """Learner rank 0 hands the current version to the weight-sync actor; the ranks' push timings."""
         return self.learners.get(self.learners.push_weights(self.sync.actor))[0]
 
-    def _check_sync(self) -> None:
-        """A broadcast that met a dead receiver: find the dead replicas; a new sync group resends the newest version."""
+    def _check_sync(self, push: bool = True) -> None:
+        """A broadcast that met a dead receiver: find the dead replicas; a new sync group resends the newest version.
+        A dead weight-sync actor is replaced (`push`: _sync_failed's)."""
         try:
             lost = self.sync.lost_versions()
         except ray.exceptions.RayActorError as e:
-            self._sync_failed(e)
+            self._sync_failed(e, push=push)
             return
         if lost:
             self.rollout.find_dead()
@@ -304,6 +305,12 @@ class Trainer:
         self.version += 1
         if self.sync.actor is step.pushing_to:  # learner rank 0 pushed the version when the step ended
             push_s = metrics.get("sync/gather_s", 0.0) + metrics.get("sync/push_s", 0.0)
+        elif queued:
+            # The weight-sync actor was replaced while the step trained (its push went to the dead one), and a step
+            # is queued behind it, whose end pushes a newer version (its own push, or this branch's below): a push now
+            # would run after that step on the learners, blocking the loop while it trains, and carry its version,
+            # pushed again when it ended and refused as not newer (the run stopped). Requests wait for it meanwhile.
+            push_s = 0.0
         else:  # the weight-sync actor was replaced while the step trained: its push went to the dead one
             push = self._push_weights()
             push_s = push["gather_s"] + push["push_s"]
@@ -318,7 +325,7 @@ class Trainer:
                 self._admit()
             sync_s += self._wait_synced()
         else:
-            self._check_sync()
+            self._check_sync(push=not queued)
         rewards = torch.tensor([t.reward for t in batch])
         q = step.queue_stats
         scalars = {

@@ -348,9 +348,10 @@ class Split:
 
 
 def size_cluster(costs: Costs, basis: CostBasis, shape: Shape, gpus: int, learner_micro_batch: int = 1,
-                 steps: int = 40) -> list[Split]:
+                 steps: int = 40, num_minibatches: int = 1) -> list[Split]:
     """Every disaggregated split of `gpus` into rollout replicas (basis.gpus_per_replica each) and learner
-    ranks (a divisor of the batch in micro-batches), fastest first."""
+    ranks, fastest first: the ranks a config takes (RayflowConfig.validate), each of the batch's `num_minibatches`
+    mini-batches (algorithm.num_minibatches) split evenly over them in whole micro-batches."""
     if gpus < basis.gpus_per_replica + 1:
         raise SimulationInputError(
             f"gpus: got {gpus}; allowed: at least {basis.gpus_per_replica + 1} (one rollout replica of "
@@ -358,7 +359,8 @@ def size_cluster(costs: Costs, basis: CostBasis, shape: Shape, gpus: int, learne
     splits = []
     for replicas in range(1, (gpus - 1) // basis.gpus_per_replica + 1):
         ranks = gpus - replicas * basis.gpus_per_replica
-        if shape.batch_size % (ranks * learner_micro_batch):
+        minibatch = shape.batch_size // num_minibatches
+        if shape.batch_size % num_minibatches or minibatch % (ranks * learner_micro_batch):
             continue
         scaled = scaled_costs(costs, basis, shape.batch_size, shape.micro_batch_size, ranks)
         prediction = simulate(scaled, dataclasses.replace(shape, replicas=replicas, cores=None), steps=steps)

@@ -31,6 +31,7 @@ from rayflow.models.lora import TRAINED_ADAPTER, adapter_parameters, target_weig
 from rayflow.models.weight_sets import named_weights
 from rayflow.models import DiffusionModel, load_configured
 from rayflow.models.speed import apply_speed_options
+from rayflow.distributed.process_group import CollectiveError, LeftGroup
 from rayflow.rollout.spec import RolloutRankSpec
 from rayflow.sync.receiver import WeightReceiver
 from rayflow.sampling.denoise import advance, finish_rollout, split_trajectories, start_rollout
@@ -88,6 +89,9 @@ class RolloutRank:
         self.group: TimedGroup | None = None
         self.progress: tuple[str, int] | None = None
         """(request id, step) while a request is in flight."""
+        self.out_of_step: str | None = None
+        """Why this rank's collectives no longer pair with its peers' (it failed between two of a request's
+        collectives); it then refuses every request (the host closes its group, so the peers fail theirs now)."""
         self.requests = self.steps = 0
         self.step_seconds = self.step_gather_seconds = 0.0
 
@@ -152,6 +156,8 @@ class RolloutRank:
         """Sample `request` with every rank of the group; rank 0 returns the trajectories, the others None.
         `weights`: tensors of the synced slot to sample this one request under (evaluating the EMA of
         trainer.ema_decay), the applied version's restored after it; no new version is applied meanwhile."""
+        if self.out_of_step is not None:
+            raise LeftGroup(self.out_of_step)
         if self.group is None:
             raise RuntimeError(f"rollout rank {self.rank} has not joined its group")
         policy = policy or self.spec.policy
@@ -159,10 +165,19 @@ class RolloutRank:
         if request.min_version is not None:
             self.receiver.wait_for(request.min_version)
         tag = request_tag(request)
-        self._agree(all_gather_header(self.group, self._header(tag)), tag, apply=True)
-        guidance = CFGParallel(self.group, len(state.branches), self.spec.batch_branches)
-        with self.receiver.sampling_under(weights):
-            return self._denoise(request, state, policy, tag, guidance, apply=weights is None)
+        try:
+            self._agree(all_gather_header(self.group, self._header(tag)), tag, apply=True)
+            guidance = CFGParallel(self.group, len(state.branches), self.spec.batch_branches)
+            with self.receiver.sampling_under(weights):
+                return self._denoise(request, state, policy, tag, guidance, apply=weights is None)
+        except Exception as e:
+            # Raised on this rank alone (a forward, a version not staged here, ranks on different requests): its peers
+            # wait in this request's next collective, which this rank's next request would pair with (the size
+            # mismatch aborts a gloo process; NCCL does not check).
+            if self.world_size > 1 and not isinstance(e, CollectiveError):
+                self.out_of_step = (f"rollout rank {self.rank}/{self.world_size} left its replica's group: request "
+                                    f"{request.request_id!r} failed on it ({type(e).__name__}: {e})")
+            raise
 
     def _denoise(self, request: RolloutRequest, state, policy: CFGPolicy, tag: int, guidance: CFGParallel,
                  apply: bool) -> list[Trajectory] | None:

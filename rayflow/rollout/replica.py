@@ -28,7 +28,7 @@ from rayflow.cfg.policy import CFGPolicy
 from rayflow.config import RolloutConfig
 from rayflow.distributed.placement import PlacedGroup, Reservation, describe_rank, resolve_gpus
 from rayflow.distributed.placement import reserve as reserve_placement
-from rayflow.distributed.process_group import CollectiveError
+from rayflow.distributed.process_group import CollectiveError, LeftGroup
 from rayflow.rollout.spec import RolloutRankSpec
 from rayflow.rollout.worker import RolloutWorker
 from rayflow.types import RolloutRequest, Trajectory
@@ -37,6 +37,11 @@ from rayflow.types import RolloutRequest, Trajectory
 STALL_GRACE_S = 10.0
 """After a rank failed, its peers get the collective timeout plus this to answer (they fail their own
 collective meanwhile), else they are reported as stalled."""
+
+PEER_FAILURE_GRACE_S = 2.0
+"""After a rank's collective failed, how long its peers get to show that one of them broke the group (died, or raised
+between two collectives, closing its group first: its error follows its peers' within milliseconds). A stalled peer
+shows nothing, and its replica is reported this much later."""
 
 
 class ReplicaError(RuntimeError):
@@ -259,10 +264,18 @@ class RolloutReplica:
                 except Exception as e:
                     raise ReplicaError(self._dead) from e
             fault = _replica_fault(ready[0])
+            if isinstance(fault, CollectiveError) and not isinstance(fault, LeftGroup):
+                # A collective fails on every rank but the one that broke the group: report that one, if it shows.
+                cause = self._cause_of_collective_error([r for r in refs if r != ready[0]], what, rank_of)
+                if cause is not None:
+                    ref, fault = cause
+                    ready = [ref]
             if fault is not None:
                 rank = self.describe_rank(rank_of[ready[0]])
                 if isinstance(fault, RayActorError):
                     self._dead = f"rollout replica {self.name!r}: {rank} died during {what}: {_summary(fault)}"
+                elif isinstance(fault, LeftGroup):
+                    self._dead = f"rollout replica {self.name!r}: {rank} refused {what}: {fault}"
                 else:  # a collective of the replica's own group failed: the group is broken for good
                     late = ", ".join(self.describe_rank(rank_of[r]) for r in pending) or "a peer"
                     self._dead = (f"rollout replica {self.name!r}: {rank} left a collective during {what} because "
@@ -277,6 +290,32 @@ class RolloutReplica:
                     deadline = grace if deadline is None else min(deadline, grace)
         # In rank order: the lowest failing rank's error is raised.
         return [values[ref] if ref in values else self._result(ref, rank_of[ref]) for ref in refs]
+
+    def _cause_of_collective_error(self, refs: list[ray.ObjectRef], what: str, rank_of: dict[ray.ObjectRef, int]
+                                   ) -> tuple[ray.ObjectRef, RayActorError | LeftGroup] | None:
+        """After a rank's collective failed: the first of the other ranks' `refs` that shows, within PEER_FAILURE_GRACE_S,
+        that it died or refused the call having left the group ((ref, its error), reported instead), or raised its own
+        error between two collectives (the replica goes out of service, that rank having closed its group, and its
+        error is raised: it is the request's). None if none does (a peer stalled)."""
+        deadline = time.monotonic() + PEER_FAILURE_GRACE_S
+        pending = list(refs)
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                return None
+            try:
+                ray.get(ready[0], timeout=0)
+            except RayActorError as death:
+                return ready[0], death
+            except RayTaskError as e:
+                if isinstance(e.cause, LeftGroup):
+                    return ready[0], e.cause
+                if not isinstance(e.cause, CollectiveError):
+                    rank = self.describe_rank(rank_of[ready[0]])
+                    self._dead = (f"rollout replica {self.name!r}: {rank} failed during {what} between two collectives "
+                                  f"and left the replica's group")
+                    self._result(ready[0], rank_of[ready[0]])
+        return None
 
     def _result(self, ref: ray.ObjectRef, rank: int) -> Any:
         """`ref`'s value, or its task's own exception (e.g. the ConfigError naming a request field) noting

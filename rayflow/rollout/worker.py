@@ -55,7 +55,15 @@ class RolloutRankHost(GroupHost):
         """(samples returned, trajectories): the small first object tells the driver the request is done
         (or raises its error) without fetching the trajectories, which go to rewards and learners by reference.
         `weights`: RolloutRank.generate's."""
-        trajectories = self.rank.generate(request, policy, weights)
+        try:
+            trajectories = self.rank.generate(request, policy, weights)
+        except Exception:
+            if self.rank.out_of_step is not None and self.group is not None:
+                # The peers waiting in this request's collective fail it now (not at the collective timeout), and the
+                # replica goes out of service (RolloutReplica._collect reports this rank's own error).
+                self.group.destroy()
+                self.group = None
+            raise
         return (0 if trajectories is None else len(trajectories)), trajectories
 
     def get_adapter_weights(self) -> dict[str, torch.Tensor]:
