@@ -64,3 +64,10 @@ def test_a_configuration_measured_on_the_shapes_base(capsys, chosen, name):
     assert result["samples_per_batch"] == 8
     assert result["weights"] > 0 and result["trace_sigma"] > 0 and result["batch_s"] > 0
     assert -1 <= result["mean_cosine"] <= 1
+
+
+def test_overrides_may_follow_the_recipes():
+    """README: `--recipe FILE [FILE …]` measures any recipes "with any overrides after them"; the override was taken
+    for a recipe file and refused ("--recipe: got ['sampling.num_steps=4']")."""
+    args = bench.parse_args(["gradients", "--recipe", recipe("flowgrpo_qwen_image.yaml"), "sampling.num_steps=4"])
+    assert args.recipe == [recipe("flowgrpo_qwen_image.yaml")] and args.overrides == ["sampling.num_steps=4"]

@@ -58,11 +58,11 @@ import time
 import torch
 
 from rayflow.cfg.policy import make_policy
-from rayflow.config import ModelConfig, RolloutConfig
+from rayflow.config import ModelConfig, RolloutConfig, split_overrides
 from rayflow.errors import ConfigError
 from rayflow.models import model_class, pipeline_class_of
 from rayflow.models.tiny import ARCHS, resolve_model_path
-from rayflow.paths import recipe
+from rayflow.paths import check_output_dirs, recipe
 from rayflow.types import RolloutRequest, SamplingParams
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the sibling gpu_bench.py, however bench.py is run
@@ -382,8 +382,10 @@ def bench_pipeline(args: argparse.Namespace) -> dict:
     from rayflow.config import load_config
     from rayflow.distributed.resources import required_cpus
 
-    overrides = [f"trainer.total_steps={args.steps}", "trainer.eval_every=0", "trainer.save_every=0",
-                 "logging.progress_bar=false", "logging.tensorboard=false", *args.overrides]
+    # No evaluation at start either (the shapes recipes have one): it runs inside trainer.run(), so inside the window
+    # of each configuration's `cpu` (CPU per step), though outside its step times.
+    overrides = [f"trainer.total_steps={args.steps}", "trainer.eval_every=0", "trainer.eval_at_start=false",
+                 "trainer.save_every=0", "logging.progress_bar=false", "logging.tensorboard=false", *args.overrides]
     cfg = load_config(args.recipe, [*overrides, "trainer.output_dir=/tmp/rayflow-bench/reference", "trainer.resume=never"],
                       key="--recipe")
     torch.set_num_threads(1)  # as one rank of the distributed run
@@ -493,6 +495,7 @@ def bench_startup(args: argparse.Namespace) -> dict:
     def seconds_by_name(text: str) -> dict[str, float]:  # "ray 5.1s, checks 0.0s" -> {"ray": 5.1, "checks": 0.0}
         return {name.strip(): float(s) for name, s in re.findall(r"([a-z ]+) ([0-9.]+)s", text)}
 
+    load_before = os.getloadavg()[0]  # before the runs, which load the machine themselves
     command = [sys.executable, recipe(args.recipe_script), "--config", args.config, "trainer.total_steps=1", "trainer.eval_every=0",
                "trainer.save_every=0", "logging.progress_bar=false", "logging.tensorboard=false", *args.overrides]
     runs = []
@@ -524,7 +527,7 @@ def bench_startup(args: argparse.Namespace) -> dict:
     median = statistics.median(r["first_step_s"] for r in runs)
     return {
         "benchmark": "startup", "command": " ".join(command), "cpus": os.cpu_count(),
-        "load_average_before": os.getloadavg()[0], "first_step_s": {"median": median, "min": best["first_step_s"]},
+        "load_average_before": load_before, "first_step_s": {"median": median, "min": best["first_step_s"]},
         "phases_of_the_fastest": best["phases"], "runs": runs,
         "goals": {"first_step_at_most_s": STARTUP_GOAL_S, "met": median <= STARTUP_GOAL_S},
         "note": "phases from the launcher's startup line (learner_rank_0: its next line, rank 0's setup by part); "
@@ -593,7 +596,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                                model=False))
     gpu_bench.add_arguments(_subcommand(sub, "gpu", "one GPU: rollout vs diffusers, learner vs bare, bf16 log-prob drift, memory vs plan",
                               model=False))
-    return parser.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    rest, overrides = split_overrides(argv)  # after `--recipe A B` or `--staleness 0 1` too, which argparse gives them to
+    if rest[:1] == ["gpu"]:  # its KEY=VALUE pairs are --overrides' values: it takes no positional overrides
+        args = parser.parse_args(argv)
+    else:
+        args = parser.parse_args(rest)
+        if overrides:
+            if not hasattr(args, "overrides"):
+                parser.error(f"bench.py {args.benchmark} takes no overrides; got {' '.join(overrides)}")
+            args.overrides = [*args.overrides, *overrides]
+    # Named before any work: the figures are printed, but the file is what is kept.
+    check_output_dirs(parser, {"--json": getattr(args, "json", None)})
+    return args
 
 
 BENCHMARKS = {"rollout": bench_rollout, "sync": bench_sync, "pipeline": bench_pipeline, "gpu": gpu_bench.run,
@@ -602,11 +617,11 @@ BENCHMARKS = {"rollout": bench_rollout, "sync": bench_sync, "pipeline": bench_pi
               "gradients": gradient_bench.run}
 
 
-COUNT_MINIMUMS = {"repeats": 1, "rounds": 1, "steps": 1, "batch": 1, "learner_batch": 2, "throughput_requests": 1,
+COUNT_MINIMUMS = {"repeats": 1, "rounds": 1, "steps": 1, "batch": 1, "learner_batch": 2, "throughput_requests": 2,
                   "warmup": 0, "decode_batch_size": 0, "lora_rank": 1, "threads": 1, "eval_every": 1, "batches": 3,
                   "height": 1, "width": 1, "bucket_mb": 1e-3, "depth": 1, "size": 1, "colocated_devices": 1}
 """The least each count option may be, in whichever benchmark has it (learner_batch: one group, advantages need two;
-batches: the gradient noise scale's jackknife needs three)."""
+batches: the gradient noise scale's jackknife needs three; throughput_requests: one for each W = 1 replica)."""
 
 
 def check_counts(args: argparse.Namespace) -> None:
@@ -620,6 +635,12 @@ def check_counts(args: argparse.Namespace) -> None:
     steps, warmup = getattr(args, "steps", None), getattr(args, "warmup", None)
     if steps is not None and warmup is not None and warmup >= steps:  # the medians would be of no step
         raise SystemExit(f"error: --warmup: got {warmup}; allowed: fewer than --steps ({steps}), the steps measured")
+    requests = getattr(args, "throughput_requests", None)
+    if requests is not None and requests % 2:
+        # The two W = 1 replicas take turns: with an odd count one serves a request more, the pair's time is the
+        # busier one's, and the W = 2 replica's throughput ratio reads higher than it is (1.33x at 3 for equal ones).
+        raise SystemExit(f"error: --throughput-requests: got {requests}; allowed: an even integer >= 2 "
+                         "(split evenly over the two W = 1 replicas)")
 
 
 RECIPE_FLAGS = {"recipe": "--recipe", "config": "--config"}

@@ -58,7 +58,7 @@ def noise_scale(grads: torch.Tensor, batch_size: int) -> dict[str, float]:
         |G|² ≈ (K·m2 − m1) / (K − 1),     tr(Σ) ≈ n·K·(m1 − m2) / (K − 1),     B_noise = tr(Σ) / |G|²
 
     `signal_sigmas`: |G|²'s estimate over its jackknife standard error (leaving out one batch at a time). Below 2 the
-    signal is not told apart from noise, and `b_noise_lower` is tr(Σ) / (|G|² + 2·SE): at least that many samples
+    signal is not told apart from noise, and `b_noise_lower` is tr(Σ) / (max(|G|², 0) + 2·SE): at least that many samples
     per batch before signal matches noise. `mean_cosine`: the mean cosine between two batches' gradients.
     """
     K, n = grads.shape[0], batch_size

@@ -98,6 +98,8 @@ def bench_learning(args: argparse.Namespace, start_local_ray) -> dict:
 
     if args.budget_s <= 0:
         raise SystemExit(f"error: --budget-s: got {args.budget_s}; allowed: seconds > 0")
+    if not 0 < args.target <= 1:  # an accuracy, the share of images correct: 60 for 60% is never reached
+        raise SystemExit(f"error: --target: got {args.target}; allowed: an accuracy in (0, 1], e.g. 0.6 for 60%")
     if any(s < 0 for s in args.staleness):
         raise SystemExit(f"error: --staleness: got {args.staleness}; allowed: integers >= 0")
     ray = start_local_ray(num_cpus=2)

@@ -63,11 +63,14 @@ def vit_l14_dir(root: str) -> str:
     return root
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--images", type=int, default=16)
     parser.add_argument("--threads", type=int, default=1)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    for flag, value in (("--images", args.images), ("--threads", args.threads)):
+        if value < 1:
+            parser.error(f"{flag}: got {value}; allowed: an integer >= 1")
     torch.set_num_threads(args.threads)
     images = text_images(args.images)
     prompts = ['a sign that says "OPEN" in red'] * args.images
