@@ -232,8 +232,8 @@ def test_skipped_steps_counts_runs_of_skips_and_stops_at_the_limit():
 
 
 def test_a_run_whose_steps_are_all_skipped_stops_and_keeps_its_last_healthy_checkpoint(tiny_model_dir, tmp_path, monkeypatch):
-    def nan_gradients_from_step_1(spec, model, policy, trajectories, version):
-        metrics = backward(spec, model, policy, trajectories, version)
+    def nan_gradients_from_step_1(spec, model, policy, trajectories, version, passes=None):
+        metrics = backward(spec, model, policy, trajectories, version, passes)
         if version >= 1:
             next(p for p in model.transformer.parameters() if p.requires_grad).grad[0, 0] = float("nan")
         return metrics

@@ -433,6 +433,10 @@ def test_a_replica_or_pool_created_with_ranks_that_fail_to_start_frees_its_place
 
     from rayflow.rollout import ReplicaError, RolloutReplica
 
+    # What earlier tests' actors held is released asynchronously: measure once it is back (it was 6 of 8 once).
+    deadline = time.time() + 30
+    while ray.available_resources().get("CPU", 0) < ray.cluster_resources().get("CPU", 0) and time.time() < deadline:
+        time.sleep(0.2)
     before = ray.available_resources().get("CPU", 0)
     spec = spec_for(str(tmp_path / "no-model-here"))
     with pytest.raises(ReplicaError, match="failed to start|died during start-up"):
