@@ -433,11 +433,6 @@ def test_a_replica_or_pool_created_with_ranks_that_fail_to_start_frees_its_place
 
     from rayflow.rollout import ReplicaError, RolloutReplica
 
-    # What earlier tests' actors held is released asynchronously: measure once it is back (it was 6 of 8 once).
-    deadline = time.time() + 30
-    while ray.available_resources().get("CPU", 0) < ray.cluster_resources().get("CPU", 0) and time.time() < deadline:
-        time.sleep(0.2)
-    before = ray.available_resources().get("CPU", 0)
     spec = spec_for(str(tmp_path / "no-model-here"))
     with pytest.raises(ReplicaError, match="failed to start|died during start-up"):
         RolloutReplica.create(spec, RolloutConfig(cfg_parallel_size=2), name="test-create-leak-r")
@@ -445,11 +440,9 @@ def test_a_replica_or_pool_created_with_ranks_that_fail_to_start_frees_its_place
         RolloutPool.create(spec, RolloutConfig(num_replicas=1, cfg_parallel_size=1), name="test-create-leak-p")
     table = {t["name"]: t["state"] for t in ray.util.placement_group_table().values()
              if t["name"].startswith("test-create-leak")}
+    # Removed, a placement group's bundles are free and the actors in it are killed. (Counting the session's free
+    # CPUs instead raced with earlier tests' actors releasing theirs, and module fixtures hold some all along.)
     assert table == {"test-create-leak-r": "REMOVED", "test-create-leak-p-0": "REMOVED"}
-    deadline = time.time() + 30
-    while ray.available_resources().get("CPU", 0) < before and time.time() < deadline:
-        time.sleep(0.2)
-    assert ray.available_resources().get("CPU", 0) == before
 
 
 def test_a_replacements_placement_does_not_block_the_pool_and_one_never_placed_counts_as_lost(ray_session,
