@@ -170,6 +170,12 @@ def flow_grpo_backward(
     return metrics.result()
 
 
+def nft_trained_count(num_steps: int, num_timesteps: int | None) -> int:
+    """How many of a rollout's `num_steps` timesteps DiffusionNFT trains per sample (algorithm.nft_timesteps; None:
+    all of them)."""
+    return num_steps if num_timesteps is None else min(num_timesteps, num_steps)
+
+
 def nft_noise_and_steps(trajectory: Trajectory, run_seed: int, version: int, num_timesteps: int | None
                         ) -> tuple[list[int], torch.Tensor]:
     """The timestep indices a sample trains on at this version, and its ε for each ([k, N, C]).
@@ -178,7 +184,7 @@ def nft_noise_and_steps(trajectory: Trajectory, run_seed: int, version: int, num
     any micro-batching and the reference trainer draw the same."""
     g = keyed_generator(run_seed, version, trajectory.seed)
     T = trajectory.params.num_steps
-    steps = list(range(T)) if num_timesteps is None else sorted(torch.randperm(T, generator=g)[: min(num_timesteps, T)].tolist())
+    steps = list(range(T)) if num_timesteps is None else sorted(torch.randperm(T, generator=g)[: nft_trained_count(T, num_timesteps)].tolist())
     final = trajectory.latent(T)
     noise = torch.randn((len(steps), *final.shape), generator=g, dtype=torch.float32)
     return steps, noise
@@ -251,7 +257,7 @@ def num_passes(spec: LearnerSpec, shard: list[Trajectory]) -> int:
         if algo.name == "flow_grpo":
             total += len(trained_steps(params, algo))
         else:
-            total += params.num_steps if algo.nft_timesteps is None else min(algo.nft_timesteps, params.num_steps)
+            total += nft_trained_count(params.num_steps, algo.nft_timesteps)
     return total
 
 
