@@ -209,6 +209,16 @@ def test_user_interpolation_resolves(tmp_path):
          "sampling.sde_window_size", 2, "unless sampling.sde_type is 'sde' or 'cps'"),
         (["cfg.avoid_scale=3"], "cfg.avoid_scale", 3.0, "its default 1.0 unless cfg.policy is 'dual_negative'"),
         (["cfg.avoid_prompt=ugly"], "cfg.avoid_prompt", "ugly", "here cfg.policy='true_cfg'"),
+        # The tiny model's keys with a model.path; async keys of a synchronous run; the memory figure with no check.
+        (["model.path=/models/Qwen-Image", "model.tiny_size=small"], "model.tiny_size", "small",
+         "its default 'tiny' unless model.path is null"),
+        (["model.path=/models/Qwen-Image", "model.tiny_seed=3"], "model.tiny_seed", 3, "here model.path='/models/Qwen-Image'"),
+        (["model.path=/models/Qwen-Image", "model.cache_dir=/scratch"], "model.cache_dir", "/scratch",
+         "unless model.path is null (they build the tiny offline model"),
+        (["async.over_stale=drop"], "async.over_stale", "drop", "its default 'regenerate' unless async.max_staleness is > 0"),
+        (["async.partial_rollout=false"], "async.partial_rollout", False, "here async.max_staleness=0, so nothing reads it"),
+        (["trainer.memory_check=false", "trainer.gpu_memory_gib=40"], "trainer.gpu_memory_gib", 40.0,
+         "its default None unless trainer.memory_check is true"),
         # A guidance scale the policy ignores; CFG-parallel ranks beyond the policy's branches.
         (["cfg.policy=none"], "sampling.guidance_scale", 4.0, "1.0 with cfg.policy=none"),
         (["cfg.policy=none", "sampling.guidance_scale=1", "trainer.eval_guidance_scale=3"], "trainer.eval_guidance_scale", 3.0,
@@ -228,6 +238,14 @@ def test_errors_name_key_value_and_allowed(overrides, key, value, allowed):
     assert (err.key, err.value) == (key, value)
     assert allowed in err.allowed
     assert str(err) == f"{key}: got {value!r}; allowed: {err.allowed}"
+
+
+def test_keys_read_only_under_a_setting_load_where_it_holds():
+    """The READ_ONLY_WHEN rows of the tiny model, the async keys and trainer.gpu_memory_gib are accepted where read."""
+    cfg = load_config(None, ["model.tiny_size=small", "model.tiny_seed=3", "model.cache_dir=/scratch",
+                             "async.max_staleness=1", "async.over_stale=drop", "async.partial_rollout=false",
+                             "trainer.gpu_memory_gib=40"])
+    assert (cfg.model.tiny_seed, cfg.async_.over_stale, cfg.trainer.gpu_memory_gib) == (3, "drop", 40)
 
 
 def test_an_override_that_is_not_yaml_and_a_nan_are_named():

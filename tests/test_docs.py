@@ -30,6 +30,15 @@ def test_configuration_reference_matches_the_code():
     assert generated in readme(), "README's configuration reference is stale: paste `python tools/config_reference.py`"
 
 
+def test_configuration_reference_tool_answers_help_and_refuses_arguments():
+    """--help prints the usage, not the reference (it printed the whole reference); an unknown argument is refused."""
+    tool = [sys.executable, "tools/config_reference.py"]
+    usage = subprocess.run([*tool, "--help"], cwd=REPO, capture_output=True, text=True, check=True).stdout
+    assert usage.startswith("usage: config_reference.py") and "### `model`" not in usage
+    refused = subprocess.run([*tool, "model"], cwd=REPO, capture_output=True, text=True)
+    assert refused.returncode == 2 and "unrecognized arguments: model" in refused.stderr and refused.stdout == ""
+
+
 def test_every_tensorboard_tag_is_documented():
     from rayflow.logging.monitor import SCALAR_TAGS
 

@@ -56,6 +56,7 @@ def test_the_engine_reads_as_flow_grpo_does_on_the_workers_threads():
         torch.set_num_threads(threads)
     assert engine.use_cls is False
     assert engine.text_det.infer.session.get_session_options().intra_op_num_threads == 1
+    assert engine.text_rec.session.session.get_session_options().intra_op_num_threads == 1  # recognition too
 
 
 def test_prompt_without_quoted_target():

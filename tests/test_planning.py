@@ -73,6 +73,29 @@ def test_flux_activations_count_both_block_stacks(tiny_twin, checkpointing):
     assert abs(estimate - measured) / measured < 0.15, (estimate, measured)
 
 
+def test_a_rollout_micro_batch_above_the_group_size_is_planned_at_the_group_size(tiny_model_dir):
+    """A prompt group is split into requests of at most rollout.micro_batch_size samples (PromptGroup.requests), so
+    no request exceeds algorithm.group_size: a larger micro-batch is planned as the group it is capped at (the plan
+    sized a 64-sample forward that never runs, and could refuse a config that fits)."""
+    from rayflow.data.prompts import PromptGroup
+    from rayflow.planning.memory import rollout_forward_batch, rollout_requests
+    from rayflow.types import SamplingParams
+
+    def rollout_rank(micro_batch: int):
+        cfg = load_config(None, [f"model.path={tiny_model_dir}", "algorithm.group_size=4",
+                                 f"rollout.micro_batch_size={micro_batch}"])
+        plan, _ = plan_config(cfg)
+        return cfg, next(r for r in plan if r.role == "rollout rank")
+
+    group = PromptGroup(group_id=0, prompt_id=0, prompt="a red apple", seeds=(1, 2, 3, 4))
+    assert [len(r.seeds) for r in group.requests(SamplingParams(), micro_batch_size=64)] == [4]
+    capped, capped_role = rollout_rank(64)
+    assert rollout_requests(capped)["rollout.micro_batch_size"][0] == 4
+    assert rollout_forward_batch(capped) == (4, "rollout.micro_batch_size")
+    _, group_role = rollout_rank(4)
+    assert (capped_role.phases, capped_role.resident) == (group_role.phases, group_role.resident)
+
+
 @pytest.fixture(scope="module")
 def recipe_sizes():
     """The 8-GPU recipe's model sizes (published configs, measured once per module) and where they came from."""
@@ -112,13 +135,15 @@ def test_plan_refuses_what_does_not_fit_naming_the_knob(recipe_plan):
     with pytest.raises(ConfigError, match=r"model\.dtype: got 'bfloat16'.*rollout rank.*GiB"):
         check_fits(cfg, plan, int(40 * GiB))  # a 40 GB card cannot hold the rollout rank's weights
     # A larger rollout batch grows the decode and denoising phases; the decode, the peak, is what to split: 8 images at a
-    # time (sampling.decode_batch_size) and the same batch fits.
-    big = load_config(RECIPE_8GPU, ["rollout.micro_batch_size=64"])
+    # time (sampling.decode_batch_size) and the same batch fits. (A request never exceeds its group: 64 samples need
+    # algorithm.group_size=64.)
+    big = load_config(RECIPE_8GPU, ["algorithm.group_size=64", "rollout.micro_batch_size=64"])
     big_plan = plan_config(big)[0]
     with pytest.raises(ConfigError, match=r"sampling\.decode_batch_size: got 0.*VAE decode alone is 24\.0 GiB.*"
                                           r"change sampling\.decode_batch_size \(or rollout\.micro_batch_size\)"):
         check_fits(big, big_plan, int(79.6 * GiB))
-    chunked = load_config(RECIPE_8GPU, ["rollout.micro_batch_size=64", "sampling.decode_batch_size=8"])
+    chunked = load_config(RECIPE_8GPU, ["algorithm.group_size=64", "rollout.micro_batch_size=64",
+                                        "sampling.decode_batch_size=8"])
     chunked_plan = plan_config(chunked)[0]
     assert chunked_plan[0].phases["VAE decode"] * 8 == big_plan[0].phases["VAE decode"]
     check_fits(chunked, chunked_plan, int(79.6 * GiB))

@@ -57,6 +57,20 @@ def test_color_reward_without_colour_names_the_prompt():
         make_reward("color")(flat((0, 0, 0)), ["a reddish fox"])
 
 
+def test_color_reward_refuses_a_prompt_naming_two_colours(tmp_path):
+    """One colour per image: "a red and blue ball" was scored against red alone, silently. Refused when scored and
+    before the run (the prompt file's line); a colour named twice is one colour."""
+    from rayflow.rewards.validation import check_prompt_file
+
+    with pytest.raises(ValueError, match=r"prompt 'a red and Blue ball' names several colours \['blue', 'red'\]"):
+        make_reward("color")(flat((255, 0, 0)), ["a red and Blue ball"])
+    path = tmp_path / "prompts.txt"
+    path.write_text("a red apple on a red plate\na black and white cat\n")
+    with pytest.raises(ValueError, match=rf"{path}:2: color reward: prompt 'a black and white cat' names several"):
+        check_prompt_file(["color"], str(path))
+    assert make_reward("color")(flat((255, 0, 0)), ["a red apple on a red plate"]) == 1.0
+
+
 @pytest.mark.parametrize("kwargs, quality", [({}, 95), ({"quality": 50}, 50)])
 def test_jpeg_compressibility(kwargs, quality):
     reward = make_reward("jpeg_compressibility", **kwargs)

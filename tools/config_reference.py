@@ -7,6 +7,7 @@ The README's "Configuration reference" is this output; tests/test_docs.py keeps 
 
 from __future__ import annotations
 
+import argparse
 import ast
 import dataclasses
 import inspect
@@ -61,5 +62,11 @@ def reference() -> str:
     return "\n".join(out)
 
 
-if __name__ == "__main__":
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.parse_args(argv)  # no options: --help answers, and a stray argument is refused instead of ignored
     print(reference())
+
+
+if __name__ == "__main__":
+    main()

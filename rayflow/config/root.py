@@ -34,6 +34,14 @@ READ_ONLY_WHEN: tuple[tuple[tuple[str, ...], str, Callable[[Any], bool], str], .
      lambda name: name == "flow_grpo", "'flow_grpo' (only FlowGRPO reads it)"),
     (("algorithm.nft_beta", "algorithm.adv_mode", "algorithm.ema_flat", "algorithm.ema_uprate", "algorithm.ema_uphold"),
      "algorithm.name", lambda name: name == "diffusion_nft", "'diffusion_nft' (only DiffusionNFT reads it)"),
+    # model.tiny_arch stays free: with a path it names the family the memory planner sizes when the path is elsewhere.
+    (("model.tiny_size", "model.tiny_seed", "model.cache_dir"), "model.path", lambda path: path is None,
+     "null (they build the tiny offline model, which a path replaces)"),
+    # Synchronous: no weights arrive while a request samples, and no group is ever older than the batch it joins.
+    (("async.partial_rollout", "async.over_stale"), "async.max_staleness", lambda staleness: staleness > 0,
+     "> 0 (a synchronous run has no newer weights mid-request and no stale group)"),
+    (("trainer.gpu_memory_gib",), "trainer.memory_check", lambda check: check is True,
+     "true (only the start-up memory check reads it; tools/plan.py takes --gpu-memory-gib)"),
 )
 """(keys, the key that decides whether they are read, whether they are at its value, the condition in words): keys
 nothing reads unless a condition holds (the algorithm keys with checks of their own, nft_timesteps and

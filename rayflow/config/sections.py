@@ -85,9 +85,12 @@ class RolloutConfig:
     cfg_parallel_size: int = 1
     """W: CFG-parallel ranks per replica (branch i runs on rank i % W)."""
     micro_batch_size: int = 4
-    """Samples per rollout request; a prompt's group is split into requests of this size."""
+    """Samples per rollout request; a prompt's group is split into requests of this size (at most algorithm.group_size:
+    a larger one makes one request of the group, as the memory plan counts it)."""
     gpus_per_rank: float | None = None
-    """GPUs per rollout rank; null: 1 when the cluster has GPUs or its autoscaler can add them, else 0 (decided when the run starts)."""
+    """GPUs per rollout rank; null: 1 when the cluster has GPUs or its autoscaler reports it can add them, else 0
+    (decided when the run starts; 0 with a warning naming the key where a v1 autoscaler, the shipped configs', may add
+    GPUs it does not report)."""
     cpus_per_rank: float = 1.0
     """CPUs reserved per rollout rank."""
     threads_per_rank: int = 1
@@ -99,7 +102,9 @@ class RolloutConfig:
     collective_timeout_s: float = 300.0
     """A collective that takes longer fails with the rank and node named, instead of hanging."""
     max_restarts: int = 3
-    """Times a replica that died is replaced by a new one (per replica, within restart_window_s); then the run goes on without it."""
+    """Times a replica that died or stalled is replaced by a new one (per replica, within restart_window_s); a replacement
+    that fails to start, or is not placed within 600 s, counts as another death. Then the run goes on without it, and
+    stops (ReplicaError) when no replica is left."""
     restart_window_s: float = 3600.0
     """max_restarts counts a replica's restarts within any this many seconds (0: over the whole run)."""
     stall_timeout_s: float = 600.0
@@ -172,7 +177,9 @@ class LearnerConfig:
     """placement.mode=colocated: the optimizer state waits on the CPU while the device samples (memory for the
     gathered weights and activations; costs a copy each way per step)."""
     gpus_per_rank: float | None = None
-    """GPUs per learner rank; null: 1 when the cluster has GPUs or its autoscaler can add them, else 0 (decided when the run starts)."""
+    """GPUs per learner rank; null: 1 when the cluster has GPUs or its autoscaler reports it can add them, else 0
+    (decided when the run starts; 0 with a warning naming the key where a v1 autoscaler, the shipped configs', may add
+    GPUs it does not report)."""
     cpus_per_rank: float = 1.0
     """CPUs reserved per learner rank."""
     threads_per_rank: int = 1
@@ -361,7 +368,8 @@ class RewardConfig:
     """A reward call that raises is retried this many times, then the run stops (never silent zeros)."""
     max_restarts: int = 3
     """Times a reward worker that died or stalled is replaced (per worker, within restart_window_s); its calls are
-    re-issued without spending a retry. Then the run goes on without it."""
+    re-issued without spending a retry. Then the run goes on without it, and stops (RewardError) when no worker is
+    left."""
     restart_window_s: float = 3600.0
     """max_restarts counts a worker's restarts within any this many seconds (0: over the whole run)."""
     stall_timeout_s: float = 600.0
@@ -434,7 +442,9 @@ class SyncConfig:
     """CPUs of the weight-sync actor."""
     gpus: float | None = None
     """GPUs of the weight-sync actor (the broadcast source: nccl needs it on a GPU of its own);
-    null: 1 when the cluster has GPUs or its autoscaler can add them, else 0 (decided when the run starts)."""
+    null: 1 when the cluster has GPUs or its autoscaler reports it can add them, else 0
+    (decided when the run starts; 0 with a warning naming the key where a v1 autoscaler, the shipped configs', may add
+    GPUs it does not report)."""
     resources: dict[str, float] = field(default_factory=dict)
     """Custom Ray resources per weight-sync actor (e.g. {"gpu_node": 1} to keep them on one node type)."""
     max_restarts: int = 3
@@ -465,7 +475,9 @@ class PlacementConfig:
     """Colocated: CPUs reserved per device's actor (rollout.* and learner.cpus_per_rank / gpus_per_rank apply to
     disaggregated placement only)."""
     gpus_per_device: float | None = None
-    """Colocated: GPUs per device's actor; null: 1 when the cluster has GPUs or its autoscaler can add them, else 0 (decided when the run starts)."""
+    """Colocated: GPUs per device's actor; null: 1 when the cluster has GPUs or its autoscaler reports it can add them,
+    else 0 (decided when the run starts; 0 with a warning naming the key where a v1 autoscaler, the shipped configs',
+    may add GPUs it does not report)."""
     resources: dict[str, float] = field(default_factory=dict)
     """Colocated: custom Ray resources per device's actor."""
 

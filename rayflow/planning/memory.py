@@ -78,10 +78,12 @@ def branches(config: RayflowConfig, scale: float | None = None) -> int:
 def rollout_requests(config: RayflowConfig) -> dict[str, tuple[int, int]]:
     """The config key that sizes each kind of request a rollout rank samples -> (samples, CFG branches). A request is
     sampled whole (one forward per branch, or per rank's branches with rollout.batch_branches): training requests,
-    rollout.micro_batch_size samples at sampling.guidance_scale; and when the run evaluates (trainer.eval_every,
+    rollout.micro_batch_size samples at sampling.guidance_scale, at most algorithm.group_size (PromptGroup.requests
+    splits one group: a larger micro-batch never runs); and when the run evaluates (trainer.eval_every,
     eval_at_start), evaluation requests, data.eval_seeds samples of one prompt at trainer.eval_guidance_scale
     (driver/evaluation.py: one request per prompt, whatever rollout.micro_batch_size)."""
-    kinds = {"rollout.micro_batch_size": (config.rollout.micro_batch_size, branches(config))}
+    training_request = min(config.rollout.micro_batch_size, config.algorithm.group_size)
+    kinds = {"rollout.micro_batch_size": (training_request, branches(config))}
     if config.trainer.eval_every or config.trainer.eval_at_start:
         kinds["data.eval_seeds"] = (config.data.eval_seeds, branches(config, config.trainer.eval_guidance_scale))
     return kinds

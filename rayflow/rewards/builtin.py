@@ -29,11 +29,15 @@ _MAX_RGB_DISTANCE = 3**0.5
 
 
 def named_colour(prompt: str) -> str:
-    """The first palette colour named in the prompt; a clear error if there is none."""
-    match = _COLOUR_WORD.search(prompt)
-    if match is None:
+    """The palette colour the prompt names; a clear error if it names none, or several: the reward scores the whole
+    image against one colour, so "a red and blue ball" scored against red alone would punish the blue it asks for."""
+    named = sorted({word.lower() for word in _COLOUR_WORD.findall(prompt)})
+    if not named:
         raise ValueError(f"color reward: prompt {prompt!r} names no colour; known colours: {sorted(PALETTE)}")
-    return match.group(1).lower()
+    if len(named) > 1:
+        raise ValueError(f"color reward: prompt {prompt!r} names several colours {named}; it scores an image against "
+                         f"one colour: name one per prompt")
+    return named[0]
 
 
 @register_reward("color")
@@ -44,7 +48,7 @@ class ColorReward:
 
     @staticmethod
     def check_prompt(prompt: str) -> None:
-        """Raise before the run (preflight) for a prompt that names no colour, as scoring it would."""
+        """Raise before the run (preflight) for a prompt that names no colour or several, as scoring it would."""
         named_colour(prompt)
 
     def __call__(self, images: torch.Tensor, prompts: list[str], metadata: list[dict] | None = None) -> torch.Tensor:
