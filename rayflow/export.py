@@ -33,8 +33,9 @@ def export_lora(path: str, out: str, adapter: str | None = None) -> str:
     lora = identity["lora"]
     config = LoraConfig(r=lora["rank"], lora_alpha=lora["alpha"], target_modules=lora["targets"])
     pipeline = getattr(diffusers, identity["model"]["pipeline"])
+    created = not os.path.isdir(out)
     pipeline.save_lora_weights(out, transformer_lora_layers=tensors, transformer_lora_adapter_metadata=config.to_dict())
-    os.chmod(os.path.join(out, "pytorch_lora_weights.safetensors"), 0o644)  # as readable as the run's other outputs
+    _readable(out, created, ["pytorch_lora_weights.safetensors"])
     return out
 
 
@@ -45,6 +46,7 @@ def export_transformer(path: str, out: str, weights: str | None = None) -> str:
     transformer class and config its identity records), in the dtype it was trained in. Returns `out`."""
     import diffusers
     from accelerate import init_empty_weights  # a dependency of peft
+    from diffusers.utils import CONFIG_NAME, SAFETENSORS_WEIGHTS_NAME
 
     from rayflow.learner import sharded
 
@@ -69,5 +71,19 @@ def export_transformer(path: str, out: str, weights: str | None = None) -> str:
         raise ValueError(f"{path}: weights {weights!r} do not fit {model['transformer']} of its config: missing "
                          f"{missing[:5]} ({len(missing)}), unexpected {loaded.unexpected_keys[:5]} "
                          f"({len(loaded.unexpected_keys)})")
+    created = not os.path.isdir(out)
     transformer.save_pretrained(out)
+    # save_pretrained removes the weight files of an earlier save there: every one named so is this export's.
+    weight_files = [name for name in os.listdir(out) if name.startswith(SAFETENSORS_WEIGHTS_NAME.split(".")[0])]
+    _readable(out, created, [CONFIG_NAME, *weight_files])
     return out
+
+
+def _readable(out: str, created: bool, names: list[str]) -> None:
+    """The export's files `names` 0644, and `out` 0755 when the export `created` it: as readable as a checkpoint and the
+    run's other outputs whatever the umask, under which diffusers writes (0600 and 0700 under 077). A directory that
+    was there keeps its mode, and the files in it the export did not write theirs."""
+    if created:
+        os.chmod(out, 0o755)
+    for name in names:
+        os.chmod(os.path.join(out, name), 0o644)

@@ -248,6 +248,29 @@ def test_a_sharded_checkpoint_proves_itself_by_checksums_and_its_ranks_finite_ch
         verify_checkpoint(intact)
 
 
+def test_an_exported_transformer_is_world_readable_under_a_private_umask(tmp_path, full_checkpoint):
+    """export_transformer's directory and files followed the umask (0700 and 0600 under 077), where a checkpoint and
+    a LoRA export are 0755 and 0644; a directory that was there keeps its mode, and a file in it the export did not
+    write keeps its own."""
+    from rayflow.export import export_transformer
+
+    mine = tmp_path / "mine"
+    mine.mkdir(mode=0o700)
+    (mine / "notes.txt").write_text("private")
+    (mine / "notes.txt").chmod(0o600)
+    old = os.umask(0o077)
+    try:
+        fresh = export_transformer(full_checkpoint, str(tmp_path / "transformer"))
+        export_transformer(full_checkpoint, str(mine))
+    finally:
+        os.umask(old)
+    modes = {name: stat.S_IMODE(os.stat(os.path.join(fresh, name)).st_mode) for name in os.listdir(fresh)}
+    assert stat.S_IMODE(os.stat(fresh).st_mode) == 0o755
+    assert modes == dict.fromkeys(["config.json", "diffusion_pytorch_model.safetensors"], 0o644)
+    assert stat.S_IMODE(mine.stat().st_mode) == 0o700 and stat.S_IMODE((mine / "notes.txt").stat().st_mode) == 0o600
+    assert stat.S_IMODE((mine / "config.json").stat().st_mode) == 0o644
+
+
 def test_refuses_a_checkpoint_of_the_other_train_mode_naming_key_files_and_what_to_do(tiny_model_dir, tmp_path, grpo_checkpoint,
                                                                                        full_checkpoint):
     from rayflow.runs import plan_resume

@@ -190,6 +190,7 @@ def test_checkpoint_and_export_files_are_world_readable_under_a_private_umask(tm
     assert stat.S_IMODE(os.stat(path).st_mode) == 0o755
     assert {name: stat.S_IMODE(os.stat(os.path.join(path, name)).st_mode) for name in os.listdir(path)} == dict.fromkeys(
         ["adapter_default.safetensors", "manifest.json", "meta.json", "optimizer.pt", "rng.safetensors"], 0o644)
+    assert stat.S_IMODE(os.stat(out).st_mode) == 0o755  # the directory the export made (0700: diffusers' makedirs)
     assert stat.S_IMODE(os.stat(os.path.join(out, "pytorch_lora_weights.safetensors")).st_mode) == 0o644
 
 

@@ -2,15 +2,24 @@
 FORM_TIMEOUT_FLOOR_S for a member that joins late, while each collective keeps the short timeout it was given; and a
 rank whose collective failed releases its connections when it destroys the group, so its peers fail at once."""
 
+import gc
 import multiprocessing
 import time
+import warnings
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from cluster_fake import free_port
 from rayflow.distributed import process_group
-from rayflow.distributed.process_group import FORM_TIMEOUT_FLOOR_S, CollectiveError, CollectiveGroup, Rendezvous
+from rayflow.distributed.process_group import (
+    FORM_TIMEOUT_FLOOR_S,
+    CollectiveError,
+    CollectiveGroup,
+    Rendezvous,
+    listening_socket,
+)
 
 LOOPBACK = "127.0.0.1"
 COLLECTIVE_S = 1.0
@@ -126,3 +135,58 @@ def test_a_destroyed_group_fails_the_peers_still_waiting_at_once_not_at_their_ti
     assert "closed by peer" in got["broadcast failed"] and "rank 0/3" in got["broadcast failed"]
     waited = got["survivor's broadcast ended"]
     assert waited < 5.0, f"the survivor waited {waited:.1f}s for connections the source had destroyed"
+
+
+class RefusingBackend:
+    """A process group whose collectives fail as they are enqueued, with `error` (NCCL raises DistBackendError there
+    on a communicator aborted by an earlier failure; gloo has no such path on the CPU)."""
+
+    def __init__(self, error: Exception):
+        self.error = error
+
+    def broadcast(self, *args):
+        raise self.error
+
+    def allgather(self, *args):
+        raise self.error
+
+
+def test_a_collective_the_backend_refuses_as_it_is_enqueued_raises_collective_error(monkeypatch):
+    """It came out of the enqueue raw, outside the wait's handling: a rollout replica took the DistBackendError for the
+    request's own error, not a fault of the replica. An argument the backend refuses stays the caller's error."""
+    monkeypatch.setattr(process_group, "node_ip", lambda: LOOPBACK)
+    group = CollectiveGroup("aborted", Rendezvous(LOOPBACK, free_port()), 0, 1, "cpu", timeout_s=COLLECTIVE_S)
+    live = group._pg
+    try:
+        group._pg = RefusingBackend(dist.DistBackendError("NCCL communicator was aborted on rank 0. Original reason"))
+        for what, call in (("broadcast", lambda: group.broadcast(torch.ones(2))),
+                           ("all_gather", lambda: group.all_gather(torch.ones(2)))):
+            with pytest.raises(CollectiveError) as failed:
+                call()
+            assert f"{what} in group 'aborted' failed on rank 0/1" in str(failed.value)
+            assert "NCCL communicator was aborted on rank 0" in str(failed.value)
+            assert isinstance(failed.value.__cause__, dist.DistBackendError)
+        group._pg = RefusingBackend(ValueError("Tensors must be contiguous"))
+        with pytest.raises(ValueError, match="contiguous"):
+            group.broadcast(torch.ones(2))
+    finally:
+        group._pg = live
+        group.destroy()
+
+
+def test_a_group_that_fails_to_form_releases_its_port_at_once_and_its_socket_once(monkeypatch):
+    """A member that never joins fails rank 0's construction (DistStoreError). The half-built group, held by the error's
+    traceback, kept the port listening as long as the error lived, and the garbage collector then closed the listening
+    descriptor twice: as the socket (the ResourceWarning) and as the store's server, which owns it."""
+    monkeypatch.setattr(process_group, "node_ip", lambda: LOOPBACK)
+    monkeypatch.setattr(process_group, "FORM_TIMEOUT_FLOOR_S", COLLECTIVE_S)
+    rendezvous = Rendezvous.on_this_node()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", ResourceWarning)
+        with pytest.raises(dist.DistStoreError) as failed:
+            CollectiveGroup("never-joined", rendezvous, 0, 2, "cpu", timeout_s=COLLECTIVE_S)
+        listening_socket(LOOPBACK, rendezvous.port).close()  # free while the error is still held (EADDRINUSE before)
+        del failed
+        gc.collect()
+    unclosed = [str(w.message) for w in caught if issubclass(w.category, ResourceWarning)]
+    assert not unclosed, unclosed

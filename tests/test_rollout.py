@@ -230,6 +230,33 @@ def test_spec_from_config_takes_the_learners_lora_and_the_apply_policy():
     assert RolloutRankSpec.from_config(cfg).apply_at == "request"
 
 
+def test_a_rank_whose_weight_sync_join_failed_refuses_a_broadcast_naming_the_failed_join(monkeypatch):
+    """join_sync closes the previous generation before forming the next; when forming fails (a peer never joins), the
+    rank kept the closed group, and a later receive_weights failed with an AttributeError on its released process group
+    (no Ray: the actor's class as a plain object, over loopback)."""
+    from types import SimpleNamespace
+
+    from cluster_fake import free_port
+    from rayflow.distributed import process_group
+    from rayflow.distributed.process_group import Rendezvous
+    from rayflow.rollout.worker import RolloutRankHost
+
+    monkeypatch.setattr(process_group, "node_ip", lambda: "127.0.0.1")
+    monkeypatch.setattr(process_group, "FORM_TIMEOUT_FLOOR_S", 1.0)
+    receiver = SimpleNamespace(receive=lambda group, manifest, bucket_bytes: group.broadcast(torch.zeros(2)))
+    host = RolloutRankHost()
+    host.rank = SimpleNamespace(rank=1, device=torch.device("cpu"), receiver=receiver,
+                                spec=SimpleNamespace(collective_timeout_s=1.0))
+    host.join_sync(Rendezvous("127.0.0.1", free_port()), "generation-1", 0, 1)
+    host.receive_weights(SimpleNamespace(version=1), 1 << 20)
+    with pytest.raises(RuntimeError):  # nobody hosts generation 2's store: the connect times out
+        host.join_sync(Rendezvous("127.0.0.1", free_port()), "generation-2", 1, 2)
+    with pytest.raises(RuntimeError, match=r"rollout rank 1: no weight-sync group to receive version 2 from "
+                                           r"\(its last join_sync failed"):
+        host.receive_weights(SimpleNamespace(version=2), 1 << 20)
+    host.close()
+
+
 @pytest.mark.parametrize("fails", ["to start", "to be placed"])
 def test_requests_waiting_for_a_replacement_that_never_comes_fail_instead_of_waiting_forever(fails, monkeypatch):
     """The pool's only replica died; a request waits for its replacement, which fails to start (or is never placed)

@@ -1,5 +1,6 @@
 """The driver-loop simulator against step times worked out by hand, and its input checks."""
 
+import dataclasses
 import json
 import os
 
@@ -176,3 +177,21 @@ def test_the_cli_takes_overrides_after_a_list_option_and_names_a_bad_basis(tmp_p
     with pytest.raises(SystemExit):
         simulate_main(["--costs", measured, "--top", "0"])
     assert "--top: got 0; allowed: an integer >= 1" in capsys.readouterr().err
+
+
+def test_a_calibration_the_model_cannot_match_is_reported_not_passed_off_as_fitted():
+    """bench.py simulator fits each overhead so that the model's step equals a real run's. When the model with no
+    overhead is already slower than the real step, the bisection returned about 0 silently, and the JSON showed it as a
+    fitted figure: now it says the calibration did not match, with both step times, and the bench prints a warning."""
+    from tools.sim_bench import Calibration, _calibrate
+
+    at_zero = simulate(COSTS, SHAPE).step_s
+    fitted = _calibrate(COSTS, SHAPE, at_zero + 0.4, "overhead_request_s")
+    assert fitted.matched and fitted.warning() is None and fitted.value > 0
+    assert simulate(dataclasses.replace(COSTS, overhead_request_s=fitted.value), SHAPE).step_s == pytest.approx(at_zero + 0.4)
+    unmatched = _calibrate(COSTS, SHAPE, at_zero / 2, "overhead_request_s")
+    assert unmatched == Calibration("overhead_request_s", 0.0, at_zero / 2, at_zero, matched=False)
+    assert unmatched.warning() == (f"warning: overhead_request_s could not be calibrated: with no overhead the model's "
+                                   f"step is already longer than the real one (model {at_zero:.4f} s, real "
+                                   f"{at_zero / 2:.4f} s); it is left at 0.0000 s, and the predictions carry the "
+                                   f"difference")

@@ -24,8 +24,8 @@ from rayflow.models import load_model
 from rayflow.rollout.pool import RolloutPool
 from rayflow.rollout.spec import RolloutRankSpec
 from rayflow.rollout.replica import RolloutReplica
-from rayflow.sync.broadcast import ReceiveBuffers
-from rayflow.sync.buckets import checksum, make_manifest, pack_all, plan_buckets, to_wire
+from rayflow.sync.broadcast import ReceiveBuffers, verify_checksums
+from rayflow.sync.buckets import checksum, from_wire, make_manifest, pack_all, plan_buckets, to_wire
 from rayflow.sync.source import ReceiversLost, WeightSyncError
 from rayflow.sync.weight_sync import WeightSync
 from rayflow.types import RolloutRequest, SamplingParams
@@ -57,6 +57,20 @@ def test_buckets_split_by_size_and_dtype_and_round_trip():
     flipped = tensors["a"].clone()
     flipped[0, 0] = torch.nextafter(flipped[0, 0], torch.tensor(10.0))
     assert checksum(flipped) != checksum(tensors["a"])
+
+
+def test_a_0_dim_tensor_is_checksummed_and_round_trips_through_the_wire_and_buckets():
+    """A scalar parameter (none in the supported models yet): its checksum viewed a 0-dim tensor as bytes, which torch
+    refuses for any dtype wider than a byte ("self.dim() cannot be 0"), so sync.verify_checksum failed every push."""
+    tensors = {"scale": torch.tensor(0.75), "shift": torch.tensor(-2.0, dtype=torch.bfloat16), "w": torch.randn(3, 2)}
+    assert checksum(tensors["scale"]) == checksum(torch.tensor([0.75])) != checksum(torch.tensor(0.5))
+    manifest = make_manifest(3, tensors, with_checksums=True)
+    packed = from_wire(to_wire(3, tensors), bucket_bytes=8, device="cpu", with_checksums=True)
+    assert packed.manifest.checksums == manifest.checksums
+    out = pack_all(manifest, tensors, bucket_bytes=8, device="cpu").tensors()
+    verify_checksums(manifest, out, where="test")
+    for name, t in tensors.items():
+        assert out[name].shape == t.shape and out[name].dtype == t.dtype and torch.equal(out[name], t)
 
 
 def test_receive_buffers_are_a_ring_that_never_reuses_a_slot_in_use():

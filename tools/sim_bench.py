@@ -19,6 +19,7 @@ import dataclasses
 import os
 import shutil
 import statistics
+import sys
 import time
 from collections.abc import Callable
 
@@ -85,15 +86,48 @@ def bench_costs(args) -> dict:
                     "per-request overhead are not measured here (bench.py simulator calibrates them on a real run)"}
 
 
-def _calibrate(costs: Costs, shape: Shape, real_step_s: float, field: str) -> float:
-    """The value of the overhead `field` that makes the model's step time equal `real_step_s` (bisection: the
-    step time grows with it)."""
+@dataclasses.dataclass(frozen=True)
+class Calibration:
+    """An overhead fitted to a real run's step time, and whether the model could be made to equal it."""
+
+    field: str
+    value: float
+    real_step_s: float
+    model_step_s: float
+    """The model's step time with `value`: equal to `real_step_s` when `matched`."""
+    matched: bool
+
+    def warning(self) -> str | None:
+        if self.matched:
+            return None
+        why = ("with no overhead the model's step is already longer than the real one"
+               if self.value == 0.0 else "even an overhead as long as the real step leaves the model's step shorter")
+        return (f"warning: {self.field} could not be calibrated: {why} (model {self.model_step_s:.4f} s, real "
+                f"{self.real_step_s:.4f} s); it is left at {self.value:.4f} s, and the predictions carry the difference")
+
+
+CALIBRATION_TOLERANCE = 1e-3
+"""Relative difference between the model's and the real step time within which a calibration matched."""
+
+
+def _calibrate(costs: Costs, shape: Shape, real_step_s: float, field: str) -> Calibration:
+    """The value of the overhead `field` in [0, real_step_s] that makes the model's step time equal `real_step_s`
+    (bisection: the step time grows with it). Not matched when even 0 makes the model slower than the real step (the
+    other costs already exceed it: the value is 0), or `real_step_s` leaves it faster: the bisection ended at a bound,
+    and the figure must not pass for a fitted one."""
+    def step_s(value: float) -> float:
+        return simulate(dataclasses.replace(costs, **{field: value}), shape).step_s
+
     low, high = 0.0, real_step_s
+    if step_s(low) > real_step_s * (1 + CALIBRATION_TOLERANCE):
+        return Calibration(field, 0.0, real_step_s, step_s(0.0), matched=False)
     for _ in range(40):
         mid = (low + high) / 2
-        predicted = simulate(dataclasses.replace(costs, **{field: mid}), shape).step_s
-        low, high = (mid, high) if predicted < real_step_s else (low, mid)
-    return (low + high) / 2
+        low, high = (mid, high) if step_s(mid) < real_step_s else (low, mid)
+    value = (low + high) / 2
+    model_step_s = step_s(value)
+    return Calibration(field, value, real_step_s, model_step_s,
+                       matched=abs(model_step_s / real_step_s - 1) <= CALIBRATION_TOLERANCE)
 
 
 def bench_simulator(args, start_local_ray: Callable) -> dict:
@@ -131,10 +165,14 @@ def bench_simulator(args, start_local_ray: Callable) -> dict:
     costs = Costs(**measured, push_s=sync["perf/push_s"], broadcast_s=max(0.0, sync["perf/sync_s"] - sync["perf/push_s"]))
     # The learner-bound asynchronous run fixes the overhead on the learner's path (its step is that path alone);
     # then the synchronous run, where every piece is in series, fixes the per-request overhead.
-    costs = dataclasses.replace(costs, overhead_batch_s=_calibrate(
-        costs, shape_of(configs[SHAPES[1]], cores), overlapped["perf/step_s"], "overhead_batch_s"))
-    costs = dataclasses.replace(costs, overhead_request_s=_calibrate(
-        costs, shape_of(configs[SHAPES[0]], cores), sync["perf/step_s"], "overhead_request_s"))
+    calibrations = []
+    for key, real_step_s, field in ((SHAPES[1], overlapped["perf/step_s"], "overhead_batch_s"),
+                                    (SHAPES[0], sync["perf/step_s"], "overhead_request_s")):
+        calibration = _calibrate(costs, shape_of(configs[key], cores), real_step_s, field)
+        if calibration.warning():
+            print(calibration.warning(), file=sys.stderr, flush=True)
+        calibrations.append(calibration)
+        costs = dataclasses.replace(costs, **{field: calibration.value})
     rows = []
     for key, cfg in configs.items():
         predicted = simulate(costs, shape_of(cfg, cores))
@@ -151,6 +189,10 @@ def bench_simulator(args, start_local_ray: Callable) -> dict:
         "setup": {"recipe": args.recipe, "overrides": base, "steps": args.steps, "warmup_steps_dropped": args.warmup,
                   "cores": cores, "load_average_before": load_before, "torch": torch.__version__, "ray": ray.__version__},
         "costs": dataclasses.asdict(costs),
+        # A calibration not matched (the model slower than the real step with no overhead at all) is named here and on
+        # stderr: its overhead is 0, not a fitted figure, and its shape's row shows the difference.
+        "calibrations": [dataclasses.asdict(c) for c in calibrations],
+        "calibrated": all(c.matched for c in calibrations),
         "shapes": rows,
         "worst_error_uncalibrated": worst,
         "goals": {"error_at_most": SIMULATOR_ERROR_GOAL, "met": worst <= SIMULATOR_ERROR_GOAL},

@@ -7,7 +7,8 @@
   group, say): each CollectiveGroup is a standalone ProcessGroup on its own store prefix, not
   carved out of a global default group, so groups of different membership coexist.
 - Every collective has a timeout; a timed-out or broken collective raises CollectiveError naming
-  the group, this rank and the node, instead of hanging. Forming a group waits at least
+  the group, this rank and the node, instead of hanging, whether it fails while it runs or as it is enqueued (NCCL
+  refuses a collective on an aborted communicator there). Forming a group waits at least
   FORM_TIMEOUT_FLOOR_S: a short collective timeout (noticing a stalled peer fast) must not fail a join
   that a loaded node merely starts late.
 - Collective traffic and the rank-0 store bind to the network interface that holds the node's Ray
@@ -20,6 +21,7 @@ from __future__ import annotations
 import datetime
 import os
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -45,9 +47,13 @@ def node_ip() -> str:
 def listening_socket(address: str, port: int = 0) -> socket.socket:
     """A TCP socket bound to `address` (only) and `port` (0: a free one), listening."""
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    listener.bind((address, port))
-    listener.listen()
+    try:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind((address, port))
+        listener.listen()
+    except OSError:
+        listener.close()  # a port taken: its descriptor is not left to the garbage collector
+        raise
     return listener
 
 
@@ -138,30 +144,55 @@ class CollectiveGroup:
         timeout = datetime.timedelta(seconds=timeout_s)
         # Forming the group may take longer than a collective may: a member on a loaded node starts its join late.
         forming = datetime.timedelta(seconds=max(timeout_s, FORM_TIMEOUT_FLOOR_S))
+        self._pg = None
         self._store, self._listener = open_store(rendezvous, rank, size, forming)
         store = dist.PrefixStore(f"rayflow/{name}", self._store)
-        if self.backend == "gloo":
-            options = dist.ProcessGroupGloo._Options()
-            options._timeout = forming  # gloo connects every pair here; each collective carries `timeout`
-            options._devices = [dist.ProcessGroupGloo.create_device(hostname=self.address)]
-            self._pg = dist.ProcessGroupGloo(store, rank, size, options)
-        else:
-            options = dist.ProcessGroupNCCL.Options()
-            options._timeout = timeout
-            self._pg = dist.ProcessGroupNCCL(store, rank, size, options)
+        try:
+            if self.backend == "gloo":
+                options = dist.ProcessGroupGloo._Options()
+                options._timeout = forming  # gloo connects every pair here; each collective carries `timeout`
+                options._devices = [dist.ProcessGroupGloo.create_device(hostname=self.address)]
+                self._pg = dist.ProcessGroupGloo(store, rank, size, options)
+            else:
+                options = dist.ProcessGroupNCCL.Options()
+                options._timeout = timeout
+                self._pg = dist.ProcessGroupNCCL(store, rank, size, options)
+        except BaseException:
+            # A member that never joined (DistStoreError): the raised error's traceback holds this frame, so the store
+            # (and on rank 0 its port, listening) lived as long as the error, and the garbage collector then closed the
+            # listening descriptor twice, once as the socket and once as the store's server (another thread's file,
+            # had it reused the number in between). Release them now, once, as destroy() does.
+            store = None
+            self.destroy()
+            raise
 
-    def _wait(self, work, what: str) -> None:
+    def _run(self, enqueue: Callable[[], dist.Work], what: str) -> None:
+        """Enqueue a collective and wait for it; either failing raises CollectiveError.
+
+        The backend's own errors at enqueue (DistError: NCCL refuses a collective on a communicator aborted by an
+        earlier failure, DistBackendError) are the group's fault as much as a failed wait: raised raw, a rollout
+        replica took one for the request's own error instead of a replica fault. An argument the backend refuses
+        (a plain RuntimeError, ValueError) is the caller's and is raised as it is."""
+        try:
+            work = enqueue()
+        except dist.DistError as e:
+            raise self._error(what, e) from e
         try:
             work.wait()
             return
         except RuntimeError as e:
-            cause = str(e).splitlines()[0]
+            error = self._error(what, e)
         # A failed work holds the group's connections, and the raised error's traceback would hold this frame: let it
         # go first, so that destroy() closes them at once and the peers still waiting fail now, not at their timeout.
         del work
-        raise CollectiveError(
+        raise error
+
+    def _error(self, what: str, cause: RuntimeError) -> CollectiveError:
+        """`what`'s failure naming the group, this rank and node, and the first line of the backend's `cause`."""
+        first_line = str(cause).splitlines()[0] if str(cause) else type(cause).__name__
+        return CollectiveError(
             f"{what} in group {self.name!r} failed on rank {self.rank}/{self.size} at node {self.address} "
-            f"(timeout {self.timeout_s:.0f}s): a peer died or stalled. {cause}"
+            f"(timeout {self.timeout_s:.0f}s): a peer died or stalled. {first_line}"
         )
 
     def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
@@ -173,7 +204,7 @@ class CollectiveGroup:
         out = [torch.empty_like(tensor) for _ in range(self.size)]
         options = c10d.AllgatherOptions()
         options.timeout = datetime.timedelta(seconds=self.timeout_s)
-        self._wait(self._pg.allgather([out], [tensor], options), "all_gather")
+        self._run(lambda: self._pg.allgather([out], [tensor], options), "all_gather")
         return out
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
@@ -181,7 +212,7 @@ class CollectiveGroup:
         options = dist.BroadcastOptions()
         options.rootRank = src
         options.timeout = datetime.timedelta(seconds=self.timeout_s)
-        self._wait(self._pg.broadcast([tensor], options), "broadcast")
+        self._run(lambda: self._pg.broadcast([tensor], options), "broadcast")
         return tensor
 
     def destroy(self) -> None:

@@ -82,12 +82,18 @@ class RolloutRankHost(GroupHost):
         """Join (a new generation of) the weight-sync group as `rank`; the previous generation is closed."""
         if self.sync_group is not None:
             self.sync_group.destroy()
+            # Not left pointing at the destroyed generation if this one fails to form: a later receive_weights then
+            # names the failed join instead of an AttributeError from the destroyed group.
+            self.sync_group = None
         r = self.rank
         self.sync_group = CollectiveGroup(group_name, rendezvous, rank, size, r.device, timeout_s=r.spec.collective_timeout_s)
 
     @ray.method(concurrency_group="weights")
     def receive_weights(self, manifest: Manifest, bucket_bytes: int) -> None:
         """Join the sync source's broadcast of one version and stage it (runs beside a request)."""
+        if self.sync_group is None:
+            raise RuntimeError(f"rollout rank {self.rank.rank}: no weight-sync group to receive version {manifest.version} "
+                               f"from (its last join_sync failed, or none was asked for)")
         self.rank.receiver.receive(self.sync_group, manifest, bucket_bytes)
 
     @ray.method(concurrency_group="monitor")

@@ -50,8 +50,9 @@ class Manifest:
 
 
 def checksum(tensor: torch.Tensor) -> int:
-    """CRC32 of the tensor's bytes (bit-exact comparison across processes)."""
-    data = tensor.detach().contiguous().cpu()
+    """CRC32 of the tensor's bytes (bit-exact comparison across processes). Flattened first: a 0-dim tensor (a scalar
+    parameter) cannot be viewed as bytes of another element size."""
+    data = tensor.detach().reshape(-1).contiguous().cpu()
     return zlib.crc32(data.view(torch.uint8).numpy().tobytes()) if data.numel() else 0
 
 
