@@ -323,3 +323,97 @@ def test_a_learner_death_in_the_push_to_a_replaced_weight_sync_actor_rewinds(ray
         assert_equal_to_undisturbed(trainer, undisturbed)
     finally:
         trainer.shutdown()
+
+
+def hang_push_of(trainer: Trainer, version: int) -> None:
+    """The weight-sync actor gets stuck inside the push of `version`: the call neither returns nor fails, and the actor
+    lives on (its other calls answer)."""
+    def hang(actor, version):  # defined here: Ray ships it by value to the actor's process
+        import threading
+
+        push = actor.source.push
+
+        def hanging(wire):
+            if wire.manifest.version == version:
+                threading.Event().wait()
+            return push(wire)
+        actor.source.push = hanging
+
+    ray.get(trainer.sync.actor.__ray_call__.remote(hang, version))
+
+
+def after_step(trainer: Trainer, monkeypatch, step: int, action: Callable[[], None]) -> None:
+    """Run `action()` once step `step` is done (logged, checkpointed); once, even if a rewind trains it again."""
+    step_done, done = trainer._step_done, []
+
+    def step_done_then_act(*args):
+        step_done(*args)
+        if trainer.version == step and not done:
+            done.append(step)
+            action()
+
+    monkeypatch.setattr(trainer, "_step_done", step_done_then_act)
+
+
+def test_a_weight_sync_actor_stuck_in_a_push_is_replaced_as_stalled_in_a_synchronous_run(
+        ray_session, tiny_model_dir, tmp_path, undisturbed, monkeypatch, caplog):
+    """Version 2's push is never taken: the driver's wait for it ends at the sync's deadline (it stopped the run with a
+    TimeoutError), the actor is replaced as stalled and the version pushed again; the run equals an undisturbed one."""
+    trainer = Trainer(small_cfg(GRPO, tiny_model_dir, tmp_path, *SYNCHRONOUS, "rollout.collective_timeout_s=5"))
+    try:
+        after_step(trainer, monkeypatch, 1, lambda: hang_push_of(trainer, 2))
+        trainer.run()
+        assert trainer.sync.restarts == 1 and trainer.learners.restarts == 0
+        assert "the weight-sync actor stalled (WeightSyncStalled: version 2 not taken" in caplog.text
+        assert_equal_to_undisturbed(trainer, undisturbed)
+    finally:
+        trainer.shutdown()
+
+
+def test_a_weight_sync_actor_stuck_in_a_push_is_replaced_as_stalled_not_blamed_on_the_learners(
+        ray_session, tiny_model_dir, tmp_path, monkeypatch, caplog):
+    """Asynchronous: version 2's push is never taken, and learner rank 0 waited for it with no deadline as it pushed 3,
+    blocking the learners' step until their watchdog stopped the run naming them (LearnerStalled). It waits the sync's
+    timeout (rollout.collective_timeout_s) and reports the push not taken; the driver replaces the actor."""
+    cfg = small_cfg(GRPO, tiny_model_dir, tmp_path, "trainer.eval_every=0", "logging.progress_bar=false",
+                    "async.max_staleness=1", "trainer.save_every=0", "trainer.total_steps=4",
+                    "rollout.collective_timeout_s=5", "learner.stall_timeout_s=60")
+    trainer = Trainer(cfg)
+    try:
+        after_step(trainer, monkeypatch, 1, lambda: hang_push_of(trainer, 2))
+        trainer.run()
+        assert trainer.sync.restarts == 1 and trainer.learners.restarts == 0 and len(trainer.history) == 4
+        assert "the weight-sync actor stalled (WeightSyncStalled: version 2 not taken from learner rank 0" in caplog.text
+        assert [h["staleness/max"] <= 1 for h in trainer.history] == [True] * 4  # the rollouts followed the learners
+    finally:
+        trainer.shutdown()
+
+
+def test_a_learner_death_releases_the_rollouts_waiting_for_a_version_the_rewind_voids(
+        ray_session, tiny_model_dir, tmp_path, monkeypatch, caplog):
+    """Asynchronous: version 3 is pushed but never broadcast (the weight-sync actor is stuck in its push), the requests
+    admitted after step 3 wait for it, and a learner rank dies in step 4. The rewind to step 2 voids version 3, and the
+    new timeline reaches it only by training on requests queued behind those waiting: dropping them waited out the
+    rollout watchdog's deadline, and the replica, still waiting, was replaced as stalled. They fail at once instead."""
+    cfg = small_cfg(GRPO, tiny_model_dir, tmp_path, "trainer.eval_every=0", "logging.progress_bar=false",
+                    "async.max_staleness=1", "trainer.save_every=2", "trainer.total_steps=4",
+                    "learner.max_restarts=1", "rollout.stall_timeout_s=60")
+    trainer = Trainer(cfg)
+    try:
+        after_step(trainer, monkeypatch, 2, lambda: hang_push_of(trainer, 3))
+        kill_after_steps(trainer, monkeypatch, {3: lambda: [trainer.learners.workers[0]]})
+        drop_in_flight, dropping_s = trainer._drop_in_flight, []
+
+        def timed_drop():
+            start = time.monotonic()
+            drop_in_flight()
+            dropping_s.append(time.monotonic() - start)
+
+        monkeypatch.setattr(trainer, "_drop_in_flight", timed_drop)
+        trainer.run()
+        assert trainer.learners.restarts == 1 and len(trainer.history) == 4
+        assert "rewound to step 2" in caplog.text
+        assert len(dropping_s) == 1 and dropping_s[0] < 30.0, f"dropping the requests in flight took {dropping_s}"
+        assert trainer.rollout.restarts == [0], "a replica waiting for the voided version was replaced as stalled"
+    finally:
+        trainer.shutdown()

@@ -9,6 +9,7 @@ import os
 import re
 import signal
 import sys
+import threading
 import time
 
 import pytest
@@ -284,6 +285,35 @@ def test_a_learners_pushes_reach_the_threaded_sync_actor_one_at_a_time_in_versio
         assert newest == 40
     finally:
         sync.shutdown()
+
+
+def test_a_push_the_sync_actor_does_not_take_is_reported_stalled_within_the_timeout_not_waited_for(ray_session,
+                                                                                                     tiny_model_dir):
+    """A weight-sync actor stuck inside a push (it neither dies nor returns): learner rank 0's next push waited for it
+    with no deadline, blocking the learners' step until their watchdog blamed them. It waits spec.push_timeout_s, sends
+    nothing, and reports the version not taken; the driver replaces the actor (test_faults.py)."""
+
+    @ray.remote(num_cpus=0, max_concurrency=2)
+    class StuckInPush:
+        def push(self, wire):
+            time.sleep(3600)
+
+    cfg = small_cfg(GRPO, tiny_model_dir, "/tmp/unused-run")
+    learner = LearnerWorker(dataclasses.replace(LearnerSpec.from_config(cfg), push_timeout_s=1.0), rank=0)
+    actor = StuckInPush.remote()
+    try:
+        learner.backend = StubBackend(1, 10)
+        assert "stalled_version" not in learner.push_weights(actor)  # sent: the actor is stuck in it
+        learner.backend = StubBackend(2, 10)
+        pushed: list[dict] = []
+        thread = threading.Thread(target=lambda: pushed.append(learner.push_weights(actor)), daemon=True)
+        start = time.monotonic()
+        thread.start()
+        thread.join(30.0)
+        assert pushed, "learner rank 0 still waits for the push the actor never took"
+        assert pushed[0]["stalled_version"] == 1 and pushed[0]["version"] == 2 and time.monotonic() - start < 10.0
+    finally:
+        ray.kill(actor)
 
 
 def test_a_receiver_that_dies_or_stalls_is_left_out_and_the_newest_version_is_sent_again(ray_session, tiny_model_dir, tmp_path):

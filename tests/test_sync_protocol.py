@@ -10,7 +10,7 @@ import torch
 
 from rayflow.sync.buckets import make_manifest, pack_all, to_wire
 from rayflow.sync.broadcast import SyncMismatch
-from rayflow.sync.receiver import KEEP_STAGED, VOID_VERSION, WeightReceiver
+from rayflow.sync.receiver import KEEP_STAGED, VOID_VERSION, VersionAbandoned, WeightReceiver
 from rayflow.sync.source import ReceiversLost, SyncSpec, WeightSource, WeightSyncError
 
 CPU = torch.device("cpu")
@@ -293,6 +293,43 @@ def test_a_rank_waits_for_a_requests_min_version_until_the_receiving_thread_stag
     assert waited.wait(5.0), "version 2 was staged but the request still waits"
     thread.join()
     assert receiver.agree([receiver.newest()], apply=True) == 2
+
+
+def test_a_learner_restart_fails_the_requests_waiting_for_a_version_until_the_rewind():
+    """A request waiting for version 2 when the learners die: the rewind to 1 voids 2 (and 2's push may have died with
+    them), so it waited until the rollout watchdog replaced its replica, the new timeline's requests queued behind it.
+    Abandoned, it fails at once, and so does every later one of the old timeline, until the rewind; after it, requests
+    wait for the new timeline's versions again."""
+    receiver, _ = receiver_with()
+    receiver.stage(1, weights(1))
+    receiver.agree([1], apply=True)
+    failed: list[BaseException] = []
+
+    def start_request(version: int) -> None:  # the sampling thread, as RolloutRank.generate with min_version
+        try:
+            receiver.wait_for(version)
+        except VersionAbandoned as e:
+            failed.append(e)
+
+    waiting = threading.Thread(target=start_request, args=(2,))
+    waiting.start()
+    waiting.join(0.2)
+    assert waiting.is_alive(), "started without version 2"
+    receiver.abandon_waits()
+    waiting.join(5.0)
+    assert not waiting.is_alive(), "the abandoned request still waits for version 2"
+    assert len(failed) == 1 and "rollout rank 0/1: a request waited for version 2 (this rank holds 1)" in str(failed[0])
+    with pytest.raises(VersionAbandoned, match="version 3"):
+        receiver.wait_for(3)  # a later request of the old timeline fails without waiting
+    receiver.wait_for(1)  # one the rank holds samples (and is dropped by the driver)
+    receiver.rewind(1)
+    waiting = threading.Thread(target=start_request, args=(2,))  # the new timeline's version 2
+    waiting.start()
+    waiting.join(0.2)
+    assert waiting.is_alive() and len(failed) == 1, "after the rewind, a request waits for the new timeline's version"
+    receiver.stage(2, weights(2))
+    waiting.join(5.0)
+    assert not waiting.is_alive() and len(failed) == 1
 
 
 def test_applying_a_version_drops_older_staged_ones_and_staging_keeps_the_newest_two():

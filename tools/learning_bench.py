@@ -117,6 +117,6 @@ def bench_learning(args: argparse.Namespace, start_local_ray) -> dict:
         },
         "runs": runs,
         "note": "train_s and time_to_target_s count training time only (trainer.time_limit_s's clock: evaluations "
-                "excluded); accuracy is the share of the held-out prompts x data.eval_seeds images whose every "
+                "excluded, steps a learner rewind trained again included); accuracy is the share of the held-out prompts x data.eval_seeds images whose every "
                 "requirement is met (GenEval's per-prompt 'correct')",
     }

@@ -48,7 +48,7 @@ from rayflow.rollout.pool import PoolFuture, RolloutPool
 from rayflow.rollout.spec import RolloutRankSpec
 from rayflow.sampling.window import window_params
 from rayflow.sync.source import ReceiversLost
-from rayflow.sync.weight_sync import WeightSync
+from rayflow.sync.weight_sync import WeightSync, WeightSyncStalled
 from rayflow.types import RolloutRequest, Trajectory, TrajectoryRef
 
 log = logging.getLogger("rayflow")
@@ -87,7 +87,8 @@ class Trainer:
         self.skips = SkippedSteps(cfg.trainer.max_skipped_steps)
         self.history: list[dict[str, float]] = []
         self.train_s = 0.0
-        """This start's training time so far: its steps' wall time, evaluations excluded (trainer.time_limit_s)."""
+        """This start's training time so far: its steps' wall time, evaluations excluded (trainer.time_limit_s); a
+        rewind keeps the time of the steps it trains again (time spent, though their first log lines are dropped)."""
         self.evaluating: set[PoolFuture] = set()
         """Requests the driver waits for itself (evaluation) instead of scoring them for training."""
         self.learner_watchdog = Watchdog(cfg.learner.stall_timeout_s, cfg.rollout.stall_factor)
@@ -266,8 +267,22 @@ class Trainer:
             self._push_weights()
 
     def _push_weights(self) -> dict[str, float]:
-        """Learner rank 0 hands the current version to the weight-sync actor; the ranks' push timings."""
-        return self.learners.get(self.learners.push_weights(self.sync.actor))[0]
+        """Learner rank 0 hands the current version to the weight-sync actor; the ranks' push timings. An actor that
+        had not taken rank 0's previous push is replaced as stalled, and the version pushed to its replacement."""
+        while True:
+            push = self.learners.get(self.learners.push_weights(self.sync.actor))[0]
+            if "stalled_version" not in push:
+                return push
+            self._sync_stalled(int(push["stalled_version"]))
+
+    def _sync_stalled(self, version: int) -> None:
+        """The weight-sync actor neither died nor took learner rank 0's push of `version` within the sync's timeout
+        (stuck in it, or stopped): it is replaced as a dead one is (sync.max_restarts), not blamed on the learners,
+        whose rank 0 waited for it (with no deadline it blocked their step until the learners' watchdog stopped the
+        run). The caller pushes the current version to the replacement."""
+        self.sync.restart(self.rollout.replicas, WeightSyncStalled(
+            f"version {version} not taken from learner rank 0 or not staged within {self.sync.timeout_s:.0f}s "
+            f"(rollout.collective_timeout_s): stuck or stopped"))
 
     def _check_sync(self, push: bool = True) -> None:
         """A broadcast that met a dead receiver: find the dead replicas; a new sync group resends the newest version.
@@ -303,6 +318,9 @@ class Trainer:
         step trains behind it (the run then stops after that one when out of time)."""
         cfg, batch = self.cfg, step.batch
         self.version += 1
+        if "sync/stalled_version" in metrics and self.sync.actor is step.pushing_to:
+            # Learner rank 0 sent no push: the actor had not taken its previous one. Replaced, it is pushed to below.
+            self._sync_stalled(int(metrics["sync/stalled_version"]))
         if self.sync.actor is step.pushing_to:  # learner rank 0 pushed the version when the step ended
             push_s = metrics.get("sync/gather_s", 0.0) + metrics.get("sync/push_s", 0.0)
         elif queued:
@@ -398,6 +416,9 @@ class Trainer:
                 self._check_sync()
             except ray.exceptions.RayActorError as e:  # the weight-sync actor died
                 self._sync_failed(e)
+            except TimeoutError:  # not staged in time: its push not taken (or not broadcast), or the actor stopped
+                self._sync_stalled(self.version)
+                self._push_weights()
 
     # -- checkpoints -------------------------------------------------------------------------------
     def _save(self) -> None:
@@ -480,6 +501,9 @@ class Trainer:
             path = self.rewind_point
             log.error("%s; learner group restarted (restart %d), rewinding from step %d to %s", died,
                       self.learners.restarts, lost, path or "the start")
+            # Requests in flight waiting for a version the rewind voids, or whose push died with the learners, would
+            # hold their replicas (dropping them waited out the rollout watchdog's deadline): they fail at once.
+            self.sync.abandon_waits(self.rollout.replicas)
             self._drop_in_flight()
             # A rollout rank may have died with it (one node lost): an idle pool has not noticed, and the rewind asks
             # every rank in service to forget the newer versions.

@@ -31,6 +31,9 @@ class LearnerSpec:
     """The run's checkpoints directory, under which learner.train_mode=full ranks stage their shards."""
     max_staleness: int
     """async.max_staleness: how many versions a prefetched rollout request may wait for its train step."""
+    push_timeout_s: float = 300.0
+    """rollout.collective_timeout_s, the weight sync's timeout: how long learner rank 0 waits for the weight-sync actor
+    to take its previous push before it reports the actor stalled (LearnerWorker.push_weights)."""
 
     @classmethod
     def from_config(cls, config: RayflowConfig) -> "LearnerSpec":
@@ -45,4 +48,5 @@ class LearnerSpec:
             ema_blends=config.trainer.ema_blends,
             checkpoint_dir=checkpoint_root(config.trainer.run_dir),
             max_staleness=config.async_.max_staleness,
+            push_timeout_s=config.rollout.collective_timeout_s,
         )

@@ -72,6 +72,8 @@ class LearnerWorker(GroupHost):
         self.trajectories = TrajectoryCache(spec.max_staleness, hold=spec.learner.world_size == 1)
         self.last_push: ray.ObjectRef | None = None
         """The newest push_weights call to a weight-sync actor; the next push waits for it to be taken."""
+        self.last_push_version = 0
+        """The version `last_push` carries (named when the actor does not take it)."""
 
     def setup(self, rendezvous: Rendezvous) -> dict:
         """Join the group, build the sharded model; returns the policy identity. Every rank at once."""
@@ -121,6 +123,8 @@ class LearnerWorker(GroupHost):
         if push_to is not None:
             push = self.push_weights(push_to)
             metrics.update({"sync/gather_s": push["gather_s"], "sync/push_s": push["push_s"]})
+            if "stalled_version" in push:
+                metrics["sync/stalled_version"] = push["stalled_version"]
         return metrics
 
     def adapter_weights(self, adapter: str) -> dict[str, torch.Tensor] | None:
@@ -135,18 +139,27 @@ class LearnerWorker(GroupHost):
         Every rank takes part in gathering the adapter, which rank 0 copies once into one flat buffer
         (gather_s); Ray moves that buffer into its object store with one memcpy (push_s: how long rank 0
         is blocked handing it over). The broadcast goes on without the learner; `WeightSync.wait`
-        reports how it ended."""
+        reports how it ended.
+
+        A previous push the actor has not taken within spec.push_timeout_s (stuck in it, or stopped) is reported as
+        "stalled_version" (its version), and this one is not sent: the driver replaces the actor and pushes again
+        (rank 0 waited for it with no deadline, blocked in its train step until the learners' watchdog blamed them)."""
         start = time.perf_counter()
         wire = self.backend.rollout_wire()
         gathered = time.perf_counter()
+        stalled: dict[str, int] = {}
         if wire is not None:
             # The weight-sync actor is threaded (max_concurrency > 1), so Ray runs its calls side by side and out of
             # order: a push sent before the last one is taken could be refused as older, and stop the sync. The last
             # one was almost always taken during the train step between them. Its outcome is the sync's to report.
-            if self.last_push is not None:
-                ray.wait([self.last_push], fetch_local=False)
-            self.last_push = sync_actor.push.remote(wire)
-        return {"version": self.backend.version, "gather_s": gathered - start, "push_s": time.perf_counter() - gathered}
+            taken = self.last_push is None or ray.wait([self.last_push], timeout=self.spec.push_timeout_s,
+                                                       fetch_local=False)[0]
+            if taken:
+                self.last_push, self.last_push_version = sync_actor.push.remote(wire), wire.manifest.version
+            else:
+                stalled["stalled_version"] = self.last_push_version
+        return {"version": self.backend.version, "gather_s": gathered - start, "push_s": time.perf_counter() - gathered,
+                **stalled}
 
     def state_dict(self, directory: str | None) -> dict:
         return self.backend.state_dict(directory)

@@ -77,6 +77,11 @@ class RolloutRankHost(GroupHost):
     def rewind_weights(self, version: int) -> None:
         self.rank.receiver.rewind(version)
 
+    @ray.method(concurrency_group="monitor")
+    def abandon_waits(self) -> None:
+        """WeightReceiver.abandon_waits; on the monitor thread, which answers while the weights thread receives."""
+        self.rank.receiver.abandon_waits()
+
     @ray.method(concurrency_group="weights")
     def join_sync(self, rendezvous: Rendezvous, group_name: str, rank: int, size: int) -> None:
         """Join (a new generation of) the weight-sync group as `rank`; the previous generation is closed."""

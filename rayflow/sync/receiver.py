@@ -15,6 +15,9 @@ Ordering rules and version protocol (DESIGN §8, §9; the source's side: rayflow
   hold, so every rank samples under the same weights. Applying v drops every staged version older than v.
 - `rewind(v)`: the learners restarted from a checkpoint of v; staged versions after v are dropped, and a
   rank that applied a later one holds no valid version (VOID_VERSION) until v is received again.
+- `abandon_waits()`: the learners died, and the versions the requests in flight wait for may never come (voided by
+  the rewind, or their push lost with the learners or the weight-sync actor): from then until the `rewind`, a request
+  that would wait for a version fails at once with VersionAbandoned (the driver drops those requests).
 """
 
 from __future__ import annotations
@@ -36,6 +39,10 @@ applied (a reception waits while all three are in use: an apply is a copy, short
 
 VOID_VERSION = -1
 """A rank's version after a rewind past the weights it holds: older than any version the learners push."""
+
+
+class VersionAbandoned(RuntimeError):
+    """A request waited for a version the learners' restart abandoned (WeightReceiver.abandon_waits)."""
 
 
 def check_adapter(expected: dict[str, torch.Tensor], got: dict[str, torch.Tensor]) -> None:
@@ -64,6 +71,8 @@ class StagedWeights:
         self._by_version: dict[int, dict[str, torch.Tensor]] = {}
         self._applying: int | None = None
         """The version taken and being loaded into the synced tensors: its tensors are still read."""
+        self._abandoned = False
+        """Set by `abandon(True)`: every wait not met at once returns unmet."""
 
     def in_use_below(self, limit: int) -> set[int]:
         """The versions whose tensors are still read (staged, or being applied), once there are fewer than `limit`."""
@@ -88,10 +97,20 @@ class StagedWeights:
         with self._staging:
             return max(self._by_version, default=default)
 
-    def wait_newest(self, at_least: int, default: int) -> None:
-        """Block until newest(default) >= at_least: another thread stages it."""
+    def wait_newest(self, at_least: int, default: int) -> bool:
+        """Block until newest(default) >= at_least (another thread stages it); False if the wait was abandoned first."""
         with self._staging:
-            self._staging.wait_for(lambda: max(self._by_version, default=default) >= at_least)
+            def met() -> bool:
+                return max(self._by_version, default=default) >= at_least
+
+            self._staging.wait_for(lambda: met() or self._abandoned)
+            return met()
+
+    def abandon(self, abandoned: bool) -> None:
+        """`abandoned`: release every wait, and return the later ones at once, unmet; False: they wait again."""
+        with self._staging:
+            self._abandoned = abandoned
+            self._staging.notify_all()
 
     def drop_after(self, version: int) -> None:
         """Forget every staged version newer than `version` (voided by a rewind of the learners)."""
@@ -159,6 +178,15 @@ class WeightReceiver:
         self.staged.drop_after(version)
         if self.version > version:
             self.version = VOID_VERSION
+        self.staged.abandon(False)  # the requests from now on are the new timeline's: they wait for its versions
+
+    def abandon_waits(self) -> None:
+        """The learners died: a request waiting for a version, or starting to wait for one, fails with VersionAbandoned
+        until `rewind`. The version may never come: a rewind voids it (the new timeline reaches it only after training
+        on requests that would queue behind this one), and its push may have died with the learners or the weight-sync
+        actor. Waiting, the request held its replica, and the new timeline's requests behind it, until the rollout
+        watchdog replaced the replica (rollout.stall_timeout_s). The driver drops every request in flight anyway."""
+        self.staged.abandon(True)
 
     def newest(self) -> int:
         """What this rank announces in the step header: its newest staged version, or the applied one."""
@@ -167,9 +195,11 @@ class WeightReceiver:
     def wait_for(self, version: int) -> None:
         """Block until this rank holds `version` or a newer one (applied or staged by the receiving thread), so the
         replica agrees on it at the request's start (RolloutRequest.min_version). A version that never comes
-        leaves the request in flight without progress: the rollout watchdog's to report (and replace the replica)."""
-        if self.version < version:
-            self.staged.wait_newest(version, default=self.version)
+        leaves the request in flight without progress: the rollout watchdog's to report (and replace the replica),
+        unless the learners died (`abandon_waits`): then VersionAbandoned."""
+        if self.version < version and not self.staged.wait_newest(version, default=self.version):
+            raise VersionAbandoned(f"{self.where}: a request waited for version {version} (this rank holds "
+                                   f"{self.newest()}), abandoned as the learners restarted; the driver dropped it")
 
     def agree(self, newest_per_rank: list[int], apply: bool) -> int:
         """The replica's version: the minimum of its ranks' `newest` (a version every rank holds); loaded into the

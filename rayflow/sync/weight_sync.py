@@ -40,13 +40,18 @@ WAIT_GRACE_S = 10.0
 """A waiter's margin over the actor's broadcast deadline, so the actor's verdict arrives first."""
 
 
+class WeightSyncStalled(RuntimeError):
+    """The weight-sync actor neither died nor took a push within the sync's timeout (stuck in it, or stopped)."""
+
+
 class SyncedReplica(Protocol):
     """What WeightSync needs of a rollout replica (rayflow.rollout.RolloutReplica is one)."""
 
     name: str
     world_size: int
     workers: list[ray.actor.ActorHandle]
-    """Rank actors serving `join_sync`, `receive_weights` and `rewind_weights` (rayflow.rollout.worker.RolloutRankHost)."""
+    """Rank actors serving `join_sync`, `receive_weights`, `rewind_weights` and `abandon_waits`
+    (rayflow.rollout.worker.RolloutRankHost)."""
 
     @property
     def alive(self) -> bool: ...
@@ -125,8 +130,10 @@ class WeightSync:
         return self.actor.slot_tensors.remote(adapter)
 
     def wait(self, version: int, timeout_s: float | None = None) -> SyncReport:
-        """Block until `version` is staged on every rollout rank; raises the sync's failure."""
-        return ray.get(self.actor.wait.remote(version, timeout_s))
+        """Block until `version` is staged on every rollout rank; raises the sync's failure, or TimeoutError when it is
+        not staged within `timeout_s` (the actor's verdict; a stopped actor, which gives none, a grace later)."""
+        return ray.get(self.actor.wait.remote(version, timeout_s),
+                       timeout=None if timeout_s is None else timeout_s + WAIT_GRACE_S)
 
     def lost_versions(self) -> list[int]:
         """Versions whose broadcast met a dead receiver since the last `connect`; raises the sync's failure."""
@@ -151,17 +158,18 @@ class WeightSync:
         raise AssertionError("WeightSyncActor.watch returned without a failure")
 
     def restart(self, replicas: list[SyncedReplica], died: BaseException) -> None:
-        """Replace the dead actor in its bundle and form a new group generation with the live `replicas`; the
-        caller pushes the current version again. Raises WeightSyncError once sync.max_restarts per
-        sync.restart_window_s are used up."""
-        cause = one_line(died)
+        """Replace the dead actor (`died` a WeightSyncStalled: the stalled one, killed first) in its bundle and form a
+        new group generation with the live `replicas`; the caller pushes the current version again. Raises
+        WeightSyncError once sync.max_restarts per sync.restart_window_s are used up."""
+        cause, what = one_line(died), "stalled" if isinstance(died, WeightSyncStalled) else "died"
         if not self.budget.take():
             raise WeightSyncError(
-                f"the weight-sync actor died ({cause}) and its restarts are used up (sync.max_restarts="
+                f"the weight-sync actor {what} ({cause}) and its restarts are used up (sync.max_restarts="
                 f"{self.cfg.max_restarts} per sync.restart_window_s={self.cfg.restart_window_s}); stopping the run"
             ) from died
         self.restarts += 1
-        log.error("the weight-sync actor died (%s); replacing it (restart %d) and re-forming its group", cause, self.restarts)
+        log.error("the weight-sync actor %s (%s); replacing it (restart %d) and re-forming its group", what, cause,
+                  self.restarts)
         self._replace_actor(replicas)
 
     def rewind(self, version: int, replicas: list[SyncedReplica]) -> None:
@@ -171,6 +179,13 @@ class WeightSync:
         ray.kill(self.actor)  # first: it broadcasts none of those versions after the ranks forgot them
         ray.get([w.rewind_weights.remote(version) for r in replicas if r.alive for w in r.workers])
         self._replace_actor(replicas)
+
+    def abandon_waits(self, replicas: list[SyncedReplica]) -> None:
+        """The learners died: every rank of the live `replicas` fails the requests that wait for a version until the
+        `rewind` (rayflow.sync.receiver.WeightReceiver.abandon_waits), so that dropping the requests in flight does not
+        wait for versions that will never come. A dead or stopped rank is not waited for: the pool finds it."""
+        refs = [w.abandon_waits.remote() for r in replicas if r.alive for w in r.workers]
+        ray.wait(refs, num_returns=len(refs), timeout=WAIT_GRACE_S)
 
     def _replace_actor(self, replicas: list[SyncedReplica]) -> None:
         ray.kill(self.actor)
