@@ -3,6 +3,8 @@ run before another step, naming its cause; a killed weight-sync actor or learner
 last; with one actor of each kind killed, a synchronous run stays equal, step for step, to the single-process
 reference trainer."""
 
+import os
+import signal
 import time
 from types import SimpleNamespace
 from typing import Callable
@@ -386,6 +388,35 @@ def test_a_weight_sync_actor_stuck_in_a_push_is_replaced_as_stalled_not_blamed_o
         assert "the weight-sync actor stalled (WeightSyncStalled: version 2 not taken from learner rank 0" in caplog.text
         assert [h["staleness/max"] <= 1 for h in trainer.history] == [True] * 4  # the rollouts followed the learners
     finally:
+        trainer.shutdown()
+
+
+def test_a_stopped_weight_sync_actor_is_replaced_as_stalled_in_an_asynchronous_run(
+        ray_session, tiny_model_dir, tmp_path, monkeypatch, caplog):
+    """Asynchronous: the weight-sync actor is stopped (SIGSTOP) after step 1: it neither answers nor dies. The driver
+    asked it for the versions a broadcast lost with no deadline after every step, and the run hung there; it waits the
+    sync's timeout (rollout.collective_timeout_s) and replaces the actor as stalled."""
+    cfg = small_cfg(GRPO, tiny_model_dir, tmp_path, "trainer.eval_every=0", "logging.progress_bar=false",
+                    "async.max_staleness=1", "trainer.save_every=0", "trainer.total_steps=4",
+                    "rollout.collective_timeout_s=5", "learner.stall_timeout_s=60")
+    trainer, stopped = Trainer(cfg), []
+
+    def stop_sync_actor():
+        stopped.append(ray.get(trainer.sync.actor.__ray_call__.remote(lambda actor: os.getpid())))
+        os.kill(stopped[0], signal.SIGSTOP)
+
+    try:
+        after_step(trainer, monkeypatch, 1, stop_sync_actor)
+        trainer.run()
+        assert trainer.sync.restarts == 1 and trainer.learners.restarts == 0 and len(trainer.history) == 4
+        assert "the weight-sync actor stalled" in caplog.text
+        assert [h["staleness/max"] <= 1 for h in trainer.history] == [True] * 4
+    finally:
+        for pid in stopped:
+            try:
+                os.kill(pid, signal.SIGCONT)  # killed by the replacement unless the test failed before it
+            except ProcessLookupError:
+                pass
         trainer.shutdown()
 
 

@@ -286,11 +286,17 @@ class Trainer:
 
     def _check_sync(self, push: bool = True) -> None:
         """A broadcast that met a dead receiver: find the dead replicas; a new sync group resends the newest version.
-        A dead weight-sync actor is replaced (`push`: _sync_failed's)."""
+        A dead weight-sync actor is replaced (`push`: _sync_failed's), and a stopped one, which gives no answer, as stalled
+        (asked with no deadline, it hung the run)."""
         try:
             lost = self.sync.lost_versions()
         except ray.exceptions.RayActorError as e:
             self._sync_failed(e, push=push)
+            return
+        except TimeoutError:
+            self._sync_stalled(self.version)
+            if push:
+                self._push_weights()
             return
         if lost:
             self.rollout.find_dead()

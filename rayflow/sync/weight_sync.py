@@ -136,8 +136,10 @@ class WeightSync:
                        timeout=None if timeout_s is None else timeout_s + WAIT_GRACE_S)
 
     def lost_versions(self) -> list[int]:
-        """Versions whose broadcast met a dead receiver since the last `connect`; raises the sync's failure."""
-        return ray.get(self.actor.lost_versions.remote())
+        """Versions whose broadcast met a dead receiver since the last `connect`; raises the sync's failure, or
+        TimeoutError when the actor gives no answer within the sync's timeout (stopped: its other threads answer while
+        one is stuck in a push)."""
+        return ray.get(self.actor.lost_versions.remote(), timeout=self.timeout_s)
 
     @property
     def watching(self) -> ray.ObjectRef:
