@@ -3,6 +3,7 @@ run before another step, naming its cause; a killed weight-sync actor or learner
 last; with one actor of each kind killed, a synchronous run stays equal, step for step, to the single-process
 reference trainer."""
 
+import dataclasses
 import os
 import signal
 import time
@@ -19,7 +20,7 @@ from rayflow.driver.trainer import Trainer
 from rayflow.learner.worker import LearnerError, LearnerGroup
 from rayflow.sync.source import WeightSyncError
 from rayflow.sync.buckets import to_wire
-from tiny_run import GRPO, slow_learners, small_cfg, wait_until_dead
+from tiny_run import GRPO, lost_ref, slow_learners, small_cfg, wait_until_dead
 
 STEPS = 4
 SYNCHRONOUS = ("trainer.eval_every=0", "logging.progress_bar=false", "async.max_staleness=0", "trainer.save_every=2",
@@ -244,6 +245,43 @@ def test_a_learner_and_a_rollout_rank_lost_together_rewind_and_replace_the_rank(
         trainer.run()
         assert trainer.learners.restarts == 1 and trainer.rollout.restarts == [1]
         assert "rewound to step 0 (steps 1..2 are trained again)" in caplog.text
+        assert_equal_to_undisturbed(trainer, undisturbed)
+    finally:
+        trainer.shutdown()
+
+
+def test_trajectories_lost_with_their_node_are_sampled_again_and_the_run_stays_equal_to_an_undisturbed_one(
+        ray_session, tiny_model_dir, tmp_path, undisturbed, monkeypatch, caplog):
+    """A request's trajectories live in the object store of the rollout node that sampled them. Lost before they are
+    scored (step 2's request): the reward call failed with an ObjectLostError, was retried and stopped the run as
+    "reward failed". Lost before the learners fetch them (step 3's batch): the learner rank raised and the run stopped.
+    Now the request is sampled again (counted in rollout/regenerated), and the learners' step is handled as a death:
+    the group restarts and rewinds to step 2, which samples the batch again. The run ends equal to an undisturbed one."""
+    trainer = Trainer(small_cfg(GRPO, tiny_model_dir, tmp_path, *SYNCHRONOUS))
+    submit_rollout, train_step = trainer.rewards.submit_rollout, trainer.learners.train_step
+    lost = {}
+
+    def scored_after_its_node_is_lost(ref, request):
+        if trainer.version == 1 and "reward" not in lost:
+            lost["reward"] = request.request_id
+            ref = lost_ref()
+        submit_rollout(ref, request)
+
+    def fetched_after_its_node_is_lost(batch, push_to=None):
+        if trainer.version == 2 and "learner" not in lost:
+            lost["learner"] = True
+            batch = [dataclasses.replace(batch[0], ref=lost_ref()), *batch[1:]]
+        return train_step(batch, push_to)
+
+    monkeypatch.setattr(trainer.rewards, "submit_rollout", scored_after_its_node_is_lost)
+    monkeypatch.setattr(trainer.learners, "train_step", fetched_after_its_node_is_lost)
+    try:
+        trainer.run()
+        assert lost == {"reward": "g1-s0", "learner": True}
+        assert trainer.rewards.restarts == [0] and "retrying" not in caplog.text
+        assert trainer.trajectory_losses == {"g1-s0": 1} and "sampling rollout request g1-s0 again" in caplog.text
+        assert [h["rollout/regenerated"] for h in trainer.history] == [0, 1, 1, 1]
+        assert trainer.learners.restarts == 1 and "rewound to step 2 (no finished step is lost)" in caplog.text
         assert_equal_to_undisturbed(trainer, undisturbed)
     finally:
         trainer.shutdown()

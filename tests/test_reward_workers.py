@@ -21,9 +21,9 @@ from rayflow.config import RewardConfig, RewardFnConfig
 from rayflow.rewards import make_reward
 from rayflow.rewards.weighted import WeightedReward
 from rayflow.rewards.worker import RewardError, RewardPool
-from rayflow.types import SamplingParams, Trajectory
+from rayflow.types import RolloutRequest, SamplingParams, Trajectory
 from reward_server import RewardServer, score_mean_red
-from tiny_run import wait_until_dead
+from tiny_run import lost_ref, wait_until_dead
 
 PROMPTS = ["a red apple", "a blue car", "a green tree", "a white cat", "a yellow duck"]
 
@@ -290,3 +290,23 @@ def test_a_drain_drops_the_calls_in_flight_without_retrying_them_and_a_failing_o
         pool.submit(more)
         assert sorted(map(id, collect_all(pool))) == sorted(map(id, more))
     assert all(t.reward is not None for t in more)
+
+
+def test_a_request_whose_trajectories_are_lost_is_handed_back_spending_no_retry(make_pool, caplog):
+    """A rollout request's trajectories live in the object store of the node that sampled them. Lost with that node
+    before they were scored, the reward call fails with an ObjectLostError: it was retried (reward.max_retries) and
+    then stopped the run with "reward failed 2 times", blaming the reward. It is handed back to be sampled again."""
+    pool = make_pool([RewardFnConfig("color")], max_retries=1)
+    request = RolloutRequest("g7-s0", ["a red apple"] * 2, [0, 0], [7, 7], [11, 12], SamplingParams(num_steps=1))
+    with caplog.at_level(logging.WARNING, logger="rayflow.rewards"):
+        pool.submit_rollout(lost_ref(), request)
+        deadline = time.monotonic() + 60
+        while pool.calls:
+            assert time.monotonic() < deadline, "the call on the lost trajectories did not finish"
+            assert pool.collect(timeout_s=5.0) == []
+    assert pool.take_lost() == [request] and pool.take_lost() == []
+    assert pool.pending == 0 and pool.restarts == [0, 0] and pool.dead == set()
+    assert "retrying" not in caplog.text and "g7-s0" in caplog.text and "lost before they were scored" in caplog.text
+    scored = [trajectory(i) for i in range(2)]  # the pool serves on
+    pool.submit(scored)
+    assert collect_all(pool) == scored and all(t.reward is not None for t in scored)

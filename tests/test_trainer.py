@@ -86,14 +86,16 @@ def test_synchronous_run_equals_the_reference_trainer_and_resumes_exactly(ray_se
     assert [r.metrics["loss/policy"] for r in ref_resumed] == [h["loss/policy"] for h in history[1:]]
 
 
-def test_a_resumed_run_goes_on_from_its_checkpoints_regenerated_and_dropped_totals(ray_session, tiny_model_dir, tmp_path):
-    """rollout/regenerated and rollout/dropped are the run's totals: the checkpoint keeps them (a resumed run counted
-    from 0)."""
+def test_a_resumed_run_goes_on_from_its_checkpoints_regenerated_dropped_and_restart_totals(ray_session, tiny_model_dir,
+                                                                                          tmp_path):
+    """rollout/regenerated, rollout/dropped and rollout/replica_restarts are the run's totals: the checkpoint keeps
+    them (a resumed run counted from 0; replica restarts did, until they joined the checkpoint's counters)."""
     cfg = small_cfg(GRPO, tiny_model_dir, tmp_path / "run", "trainer.total_steps=1", "trainer.save_every=1",
                     "trainer.eval_every=0", "logging.progress_bar=false", "async.max_staleness=1")
     first = Trainer(cfg)
     try:
         first.queue.stats.regenerated, first.queue.stats.dropped = 5, 2  # as if groups had gone stale
+        first.rollout.restarts = [3]  # as if its replica had been replaced 3 times
         first.run()
     finally:
         first.shutdown()
@@ -103,6 +105,7 @@ def test_a_resumed_run_goes_on_from_its_checkpoints_regenerated_and_dropped_tota
         assert resumed.version == 1 and (resumed.queue.stats.regenerated, resumed.queue.stats.dropped) == (5, 2)
         (step_2,) = resumed.run()
         assert step_2["rollout/regenerated"] >= 5 and step_2["rollout/dropped"] >= 2
+        assert resumed.rollout.restarts == [0] and step_2["rollout/replica_restarts"] == 3
     finally:
         resumed.shutdown()
 
@@ -250,6 +253,70 @@ def test_time_limit_stops_after_the_step_that_passes_it_evaluating_and_checkpoin
     events = EventAccumulator(cfg.trainer.logdir)
     events.Reload()
     assert [e.step for e in events.Scalars("eval/reward_mean")] == [1]
+
+
+def test_a_synchronous_batch_submitted_before_the_limit_passes_in_the_broadcast_is_trained(ray_session, tiny_model_dir,
+                                                                                          tmp_path):
+    """Synchronous mode submits the next batch before the step's weight broadcast, while in time. When
+    trainer.time_limit_s passed during the broadcast, the run stopped after that step anyway: the batch rolled out for
+    nothing, and the final evaluation's requests queued behind it. It is trained, and the run stops after it,
+    evaluating and checkpointing there."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    cfg = small_cfg(GRPO, tiny_model_dir, tmp_path, "trainer.total_steps=50", "trainer.eval_every=25",
+                    "trainer.save_every=25", "logging.progress_bar=false", "async.max_staleness=0")
+    trainer = Trainer(cfg)
+    try:
+        wait_synced = trainer._wait_synced
+
+        def limit_passes_during_the_broadcast() -> float:
+            if trainer.version == 1:  # step 2's batch has just been submitted, in time
+                trainer.cfg.trainer.time_limit_s = 1e-3
+            return wait_synced()
+        trainer._wait_synced = limit_passes_during_the_broadcast
+        submitted = []  # the training requests (evaluation's pass their weights)
+        submit = trainer.rollout.submit
+
+        def recording_submit(request, *evaluation):
+            if not evaluation:
+                submitted.append(request.request_id)
+            return submit(request, *evaluation)
+        trainer.rollout.submit = recording_submit
+        history = trainer.run()
+    finally:
+        trainer.shutdown()
+    assert len(history) == 2 and submitted == ["g0-s0", "g1-s0"]  # every batch rolled out was trained
+    assert load_checkpoint(step_dir(checkpoint_root(cfg.trainer.run_dir), 2)).version == 2
+    events = EventAccumulator(cfg.trainer.logdir)
+    events.Reload()
+    assert [e.step for e in events.Scalars("eval/reward_mean")] == [2]
+
+
+def test_a_checkpoint_saves_time_counts_in_the_next_steps_wall_time(ray_session, tiny_model_dir, tmp_path):
+    """perf/step_s leaves out evaluation, not a checkpoint save: the next batch rolls out during the save (a synchronous
+    run submits it before the step's broadcast, which comes before the save; asynchronous requests are in flight), so
+    the save's time cannot be taken out of a step without that rollout's. It is in the next step's perf/step_s, and
+    in perf/train_s (trainer.time_limit_s)."""
+    save_s = 3.0
+    cfg = small_cfg(GRPO, tiny_model_dir, tmp_path, "trainer.total_steps=2", "trainer.eval_every=0",
+                    "trainer.save_every=1", "logging.progress_bar=false", "async.max_staleness=0")
+    trainer = Trainer(cfg)
+    try:
+        events = []  # (what, driver version)
+        save, submit = trainer._save, trainer.rollout.submit
+
+        def slow_save() -> None:
+            events.append(("save", trainer.version))
+            save()
+            if trainer.version == 1:
+                time.sleep(save_s)
+        trainer._save = slow_save
+        trainer.rollout.submit = lambda request, *rest: events.append(("submit", trainer.version)) or submit(request, *rest)
+        history = trainer.run()
+    finally:
+        trainer.shutdown()
+    assert events == [("submit", 0), ("submit", 1), ("save", 1), ("save", 2)]  # step 2's batch rolled out in the save
+    assert history[1]["perf/step_s"] >= save_s and history[1]["perf/train_s"] >= save_s
 
 
 def test_a_synchronous_step_after_an_evaluation_times_its_own_rollout(ray_session, tiny_model_dir, tmp_path):

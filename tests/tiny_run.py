@@ -47,6 +47,33 @@ def wait_until_dead(actor, timeout_s: float = 30.0) -> None:
     raise AssertionError("the killed actor still answers")
 
 
+def lost_ref():
+    """A reference to an object that is gone, as a lost node's objects are: an actor puts it and is killed (its owner:
+    `ray.get`, or a task given it, raises OwnerDiedError, one of ObjectLostError's kinds, as for an object whose node
+    was lost: ObjectReconstructionFailedError; checked on a ray.cluster_utils.Cluster with a node removed)."""
+    import ray
+
+    @ray.remote(num_cpus=0)
+    class Owner:
+        def put(self) -> list:
+            # In a list: returned as a reference the actor owns. Past Ray's inline size (100 KiB): in its object store,
+            # not copied into the reply (which kept it alive).
+            return [ray.put(bytes(1 << 20))]
+
+    owner = Owner.remote()
+    (ref,) = ray.get(owner.put.remote())
+    ray.kill(owner)
+    wait_until_dead(owner)
+    deadline = time.monotonic() + 30.0
+    while time.monotonic() < deadline:  # the raylet lets the dead owner's objects go a moment after its death
+        try:
+            ray.get(ref, timeout=5)
+        except ray.exceptions.ObjectLostError:
+            return ref
+        time.sleep(0.1)
+    raise AssertionError("the object outlived its owner")
+
+
 def slow_learners(trainer, seconds: float) -> None:
     """Every learner rank sleeps `seconds` before each train step (so rollout outpaces training)."""
     import ray

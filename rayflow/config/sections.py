@@ -549,9 +549,11 @@ class TrainerConfig:
     out with dpm2 and evaluates with Euler)."""
     time_limit_s: float | None = None
     """Stop after the step during which this run's training time (perf/train_s: its steps' wall time, evaluations
-    excluded, counted from this start or resume) passes this many seconds, evaluating and checkpointing there as
-    at total_steps (asynchronously, a step already handed to the learners behind it is trained first, and the run
-    stops after that one); null: no limit (total_steps only)."""
+    excluded, checkpoint saves included, counted from this start or resume) passes this many seconds, evaluating and
+    checkpointing there as at total_steps (asynchronously, a step already handed to the learners behind it is trained
+    first, and the run stops after that one; synchronously, likewise the batch submitted in time before the step's
+    weight broadcast, when the limit passed during that broadcast: it rolled out for nothing, and the final evaluation
+    waited behind it); null: no limit (total_steps only)."""
     resume: str = "auto"
     """"auto" continues the run named run_name from its newest checkpoint, if it has one; "never" starts over
     (and refuses a run directory that holds checkpoints); or the path of a checkpoint (or of a run's checkpoints)."""

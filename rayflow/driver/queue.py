@@ -88,7 +88,8 @@ class StalenessQueue:
 
     @property
     def depth(self) -> int:
-        """Samples finished and waiting to be trained on."""
+        """Samples finished and in the queue, not yet taken into a batch (asynchronously, a batch handed to the learners
+        behind the step training has left it)."""
         return sum(len(e.trajectories) for e in self.groups.values())
 
     # -- batches ---------------------------------------------------------------------------

@@ -56,6 +56,14 @@ log = logging.getLogger("rayflow")
 POLL_S = 1.0
 """The longest the loop waits for something to finish before it looks at deadlines and replacements again."""
 
+TRAJECTORY_LOSSES_PER_REQUEST = 3
+"""How often one rollout request's trajectories may be lost before they are scored (each time with the node that
+sampled them, whose object store held them) and the request be sampled again; one loss more stops the run."""
+
+
+class TrajectoriesLost(RuntimeError):
+    """A rollout request's trajectories were lost more than TRAJECTORY_LOSSES_PER_REQUEST times."""
+
 
 @dataclasses.dataclass
 class TrainStep:
@@ -89,8 +97,14 @@ class Trainer:
         self.train_s = 0.0
         """This start's training time so far: its steps' wall time, evaluations excluded (trainer.time_limit_s); a
         rewind keeps the time of the steps it trains again (time spent, though their first log lines are dropped)."""
+        self.next_batch_committed = False
+        """Synchronous mode: the next batch went to the rollout in time, before its step's broadcast, and
+        trainer.time_limit_s passed during that broadcast. It is trained, as an asynchronous step already handed to the
+        learners is, rather than left rolling out for nothing ahead of the final evaluation's requests."""
         self.evaluating: set[PoolFuture] = set()
         """Requests the driver waits for itself (evaluation) instead of scoring them for training."""
+        self.trajectory_losses: collections.Counter[str] = collections.Counter()
+        """Per rollout request id: how often its trajectories were lost before they were scored."""
         self.learner_watchdog = Watchdog(cfg.learner.stall_timeout_s, cfg.rollout.stall_factor)
         """The deadline of a train step."""
         self.components: list = []  # shut down in reverse order
@@ -150,19 +164,21 @@ class Trainer:
         if cfg.trainer.eval_at_start and self.version == 0:
             self.evaluator.run(0, self.monitor)
         clock = StepClock()
-        while (self.version < cfg.trainer.total_steps and not self.out_of_time) or training:
+        while (self.version < cfg.trainer.total_steps and self._forms_batches) or training:
             try:
                 self._check_sync_failure(training_in_flight=bool(training))
             except LearnerError as e:  # a rank died in the push to a replaced weight-sync actor (none in flight)
                 self._restart_learners(e)
                 continue
-            if not self.out_of_time:
-                self._admit()
+            if self._forms_batches:
+                if not self.out_of_time:
+                    self._admit()
                 if not training or (len(training) == 1 and self._may_queue_behind(self.version + 1)):
                     version = self.version + len(training)  # the version this batch is trained at
                     batch, stale = self.queue.take_batch(version)
                     self._submit(stale)  # regenerated under the current weights
                     if batch is not None:
+                        self.next_batch_committed = False
                         training.append(self._train(batch, version))
             clock.tick(rollout_busy=bool(self.rollout.in_flight), learner_busy=bool(training))
             self._serve(training[0].refs if training else None)
@@ -176,6 +192,12 @@ class Trainer:
             elif training and self.learner_watchdog.overdue():
                 self._learner_stalled(training[0].refs)
         return self.history
+
+    @property
+    def _forms_batches(self) -> bool:
+        """Whether the loop admits groups and forms batches: in time, or (without admitting) to train a synchronous
+        batch submitted in time (`next_batch_committed`)."""
+        return not self.out_of_time or self.next_batch_committed
 
     def _may_queue_behind(self, version_after: int) -> bool:
         """Whether the next batch may be handed to the learners while the step that ends at `version_after` trains,
@@ -221,6 +243,27 @@ class Trainer:
             self.learners.prefetch([future.ref for future in finished], self.version)
         for trajectory in self.rewards.collect(timeout_s=0):
             self.queue.finished(trajectory)
+        for request in self.rewards.take_lost():
+            self._sample_again(request)
+
+    def _sample_again(self, request: RolloutRequest) -> None:
+        """`request`'s trajectories were lost before they were scored (the node that sampled them is gone, and its
+        object store with them): it is sampled again as a dead replica's request is (same prompts, seeds and version
+        bound: a synchronous run's samples are the same), and its group counted in rollout/regenerated. Its samples
+        still count as running for admission: none of them reached the queue."""
+        self.trajectory_losses[request.request_id] += 1
+        losses = self.trajectory_losses[request.request_id]
+        if losses > TRAJECTORY_LOSSES_PER_REQUEST:
+            raise TrajectoriesLost(
+                f"the trajectories of rollout request {request.request_id} (prompt {request.prompts[0]!r}) were lost "
+                f"{losses} times before they were scored (each time with the node that sampled them; at most "
+                f"{TRAJECTORY_LOSSES_PER_REQUEST} are sampled again); stopping the run. Continue from the last "
+                f"checkpoint with trainer.resume=auto"
+            )
+        self.queue.stats.regenerated += 1
+        log.warning("sampling rollout request %s again (its trajectories were lost, %d of %d times allowed)",
+                    request.request_id, losses, TRAJECTORY_LOSSES_PER_REQUEST)
+        self.rollout.submit(request)
 
     def _learner_stalled(self, training: list[ray.ObjectRef]) -> None:
         """A stalled learner rank holds the whole optimizer state: the run stops loudly (the last checkpoint is
@@ -339,6 +382,7 @@ class Trainer:
             push = self._push_weights()
             push_s = push["gather_s"] + push["push_s"]
         sync_s = push_s
+        submitted_next = False
         if cfg.async_.max_staleness == 0:
             # The next batch rolls out as soon as the broadcast lands on the rollout ranks: its requests go now. Not
             # before an evaluation: it would roll out behind the evaluation's requests, inside the time excluded from
@@ -347,6 +391,7 @@ class Trainer:
             if (self.version < cfg.trainer.total_steps and not self._out_of_time_at(clock.elapsed())
                     and not self._evaluates_at(self.version)):
                 self._admit()
+                submitted_next = True
             sync_s += self._wait_synced()
         else:
             self._check_sync(push=not queued)
@@ -372,7 +417,7 @@ class Trainer:
             "rollout/regenerated": q.regenerated,
             "rollout/dropped": q.dropped,
             "rollout/queue_depth": self.queue.depth,
-            "rollout/replica_restarts": sum(self.rollout.restarts),
+            "rollout/replica_restarts": self.replica_restarts,
             "perf/sync_s": sync_s,
             "perf/push_s": push_s,
             "perf/fetch_s": metrics["perf/fetch_s"],
@@ -387,22 +432,34 @@ class Trainer:
         if not cfg.logging.progress_bar:
             log.info("step %d  reward %.4f  loss %+.5f  staleness %.2f  %.2fs", self.version, scalars["reward/mean"],
                      scalars["loss/policy"], scalars["staleness/mean"], scalars["perf/step_s"])
-        stopping = self.out_of_time and self.version < cfg.trainer.total_steps and not queued
+        # A synchronous batch submitted before the broadcast, in time, is trained even if the limit passed during the
+        # broadcast (it rolled out for nothing, and the final evaluation's requests queued behind it); the run stops
+        # after it.
+        self.next_batch_committed = submitted_next and self.out_of_time
+        stopping = self.out_of_time and self.version < cfg.trainer.total_steps and not queued and not submitted_next
         if cfg.trainer.eval_every and (self._evaluates_at(self.version) or stopping):
             with clock.excluded():  # neither this step's time nor the next one's
                 self.evaluator.run(self.version, self.monitor, self._eval_weights())
         if is_save_step(self.version, cfg.trainer.save_every, cfg.trainer.total_steps) or stopping:
+            # Not left out of the clock as evaluation is: the next batch rolls out meanwhile (a synchronous one went
+            # before the broadcast), and its rollout would go uncounted. The save is in the next step's perf/step_s.
             self._save()
 
     @property
     def out_of_time(self) -> bool:
-        """trainer.time_limit_s has passed (the loop ends after this step, or after the one queued behind it)."""
+        """trainer.time_limit_s has passed (the loop ends after this step, or after the one queued behind it, or the
+        synchronous batch submitted before its broadcast: `next_batch_committed`)."""
         return self._out_of_time_at(0.0)
 
     def _out_of_time_at(self, step_s: float) -> bool:
         """trainer.time_limit_s has passed once the step in progress has taken `step_s`."""
         limit = self.cfg.trainer.time_limit_s
         return limit is not None and self.train_s + step_s >= limit
+
+    @property
+    def replica_restarts(self) -> int:
+        """Rollout replicas replaced in the whole run (rollout/replica_restarts): this start's and those before it."""
+        return self.replica_restarts_before + sum(self.rollout.restarts)
 
     def _eval_weights(self) -> ray.ObjectRef | None:
         """With trainer.ema_decay > 0, the "ema" adapter as the rollout ranks' slot holds it (flow_grpo evaluates
@@ -435,6 +492,7 @@ class Trainer:
         ckpt.counters["consecutive_skipped"] = self.skips.in_a_row
         ckpt.counters["regenerated_groups"] = self.queue.stats.regenerated  # the run's totals, as logged
         ckpt.counters["dropped_groups"] = self.queue.stats.dropped
+        ckpt.counters["replica_restarts"] = self.replica_restarts
         path = save_checkpoint(checkpoint_root(self.cfg.trainer.run_dir), ckpt, self.cfg.trainer.keep_checkpoints)
         self.rewind_point = path
         log.info("saved %s", path)
@@ -447,6 +505,9 @@ class Trainer:
         else the one it started from), never one the run directory holds from an abandoned timeline (a later step
         that a resume from an earlier checkpoint left behind, set aside only at the first save) or another run."""
         self.first_version = 0
+        self.replica_restarts_before = 0
+        """Rollout replica restarts of the run before this start (its checkpoint's): rollout/replica_restarts is the
+        run's total, as rollout/regenerated and rollout/dropped are."""
         if self.resumed_from is not None:
             self._restore(self.resumed_from)
             self.first_version = self.version
@@ -468,6 +529,8 @@ class Trainer:
         self.version = version
         if rewind:
             self.sync.rewind(version, self.rollout.replicas)
+        else:  # a rewind goes on from this process's restarts, which happened
+            self.replica_restarts_before = counters.get("replica_restarts", 0)
         self._push_weights()
         self._wait_synced()
         # A rewind goes on from this process's totals (groups regenerated since the checkpoint were regenerated); a
@@ -496,11 +559,13 @@ class Trainer:
         part is gone), so the group is started again in its bundles (learner.max_restarts) and the run rewinds to
         `rewind_point`: the work in flight is dropped, the weight-sync actor replaced (no push of the dead
         ranks can reach the rollouts), the rollout ranks forget later versions, and the steps after it are trained
-        again. A rank that raised (not died) would raise again: the run stops. A rank that dies during the restore
-        restarts the group again (each restart counts against learner.max_restarts)."""
+        again. A rank that raised (not died) would raise again: the run stops. A rank that could not fetch its batch's
+        trajectories (lost with the node that sampled them: ObjectLostError and its kinds) is handled as a death: the
+        batch is gone, and its peers may wait for that rank in a collective; the rewind samples the batch again. A
+        rank that dies during the restore restarts the group again (each restart counts against learner.max_restarts)."""
         lost = self.version
         while True:
-            if not isinstance(died.__cause__, ray.exceptions.RayActorError):
+            if not isinstance(died.__cause__, (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError)):
                 raise died
             self.learner_watchdog.forget("learners")  # its clock starts with the next step, not the restart
             self.learners.restart(died)
@@ -530,6 +595,7 @@ class Trainer:
         belong to the steps being rewound."""
         self.rollout.drop_in_flight()
         self.rewards.drain()
+        self.next_batch_committed = False  # its requests were among those dropped
 
     def shutdown(self) -> None:
         for component in reversed(self.components):

@@ -1,7 +1,10 @@
 """Rewards on Ray: RewardWorker actors (their own resources) and the driver-side RewardPool.
 
 A reward call that raises is logged with its traceback and retried (reward.max_retries times);
-then the run stops with a clear message. Rewards are never silently zero. A worker whose process
+then the run stops with a clear message. Rewards are never silently zero. A call whose trajectories are gone
+from the object store (the rollout node that held them was lost: ObjectLostError and its kinds) is not a
+failure of the reward: it spends no retry, and its request is handed back to the caller (`take_lost`) to be
+sampled again. A worker whose process
 dies, or that finishes nothing within the watchdog's deadline (a stopped process neither answers nor
 dies), is reported, killed and replaced in its own bundle (reward.max_restarts per
 reward.restart_window_s), and its calls are issued again: a lost worker spends no retry of the
@@ -114,6 +117,8 @@ class RewardPool:
         self.calls: list[_Call] = []
         self._held: list[Trajectory | TrajectoryRef] = []
         """Results that finished while `score` waited for its own; the next `collect` returns them."""
+        self._lost: list[RolloutRequest] = []
+        """Requests whose trajectories were gone when their call fetched them; the next `take_lost` returns them."""
 
     @staticmethod
     def reserve(cfg: RewardConfig, name: str = "rayflow-rewards") -> Reservation:
@@ -174,6 +179,13 @@ class RewardPool:
         self._held = []
         return scored
 
+    def take_lost(self) -> list[RolloutRequest]:
+        """The rollout requests whose trajectories were lost before they were scored (the object store of the node
+        that sampled them went with that node), since the last call: the caller samples them again. No retry of the
+        reward is spent on them: the reward did not fail, and scoring the same reference again would fail alike."""
+        lost, self._lost = self._lost, []
+        return lost
+
     def score(self, trajectories: list[Trajectory]) -> None:
         """Score trajectories held by the caller now (blocking, with the same retries and deadlines), e.g. an
         evaluation between training steps; other calls that finish meanwhile wait for the next `collect`."""
@@ -189,7 +201,7 @@ class RewardPool:
         and a reward failing on it stopped the run over a batch that is never trained."""
         while self.calls:
             self._finish(POLL_S, dropping=True)
-        self._held = []
+        self._held, self._lost = [], []
 
     def _finish(self, timeout_s: float | None, dropping: bool = False) -> list[Trajectory | TrajectoryRef]:
         """Scored trajectories of the calls that finished; the others stay in `calls` (retried, re-issued; `dropping`:
@@ -218,6 +230,15 @@ class RewardPool:
                     self.calls.remove(call)
                     log.warning("reward call on %s failed while its results were being dropped (worker %d); dropped, "
                                 "not retried:\n%s", call.describe(), call.worker, e)
+                elif call.request is not None and isinstance(e, ray.exceptions.ObjectLostError):
+                    # The argument could not be fetched (a RayTaskError whose cause is the loss is an instance of it):
+                    # the trajectories went with their rollout node. Retrying the reward would fail alike, and stop
+                    # the run blaming the reward; the request is sampled again instead.
+                    self.calls.remove(call)
+                    self._lost.append(call.request)
+                    log.warning("the trajectories of rollout request %s were lost before they were scored (worker %d "
+                                "could not fetch them: %s); handing the request back to be sampled again",
+                                call.request.request_id, call.worker, type(e).__name__)
                 else:
                     self._retry(call, e)
             else:
