@@ -15,7 +15,7 @@ import ray
 import torch
 
 from rayflow import reference
-from rayflow.checkpoint import checkpoint_root, load_checkpoint, step_dir
+from rayflow.checkpoint import checkpoint_root, load_checkpoint, sharded_staging_dir, step_dir
 from rayflow.driver.trainer import Trainer
 from rayflow.learner.worker import LearnerError, LearnerGroup
 from rayflow.sync.source import WeightSyncError
@@ -319,7 +319,8 @@ def test_a_learner_death_rewinds_within_the_runs_own_timeline(ray_session, tiny_
     """Started from another run's step-2 checkpoint in a directory that holds an older step of its own (step 1): a
     learner killed after step 3, before this run's first save, rewinds to the step it started from, not to the
     directory's step 1 (which it used to pick, slicing its history with a negative index), and the run ends equal to
-    the undisturbed one."""
+    the undisturbed one. The staging directory of shards a rank dying in a full fine-tuning save leaves is removed at
+    the restart, not at the next start."""
     other = small_cfg(GRPO, tiny_model_dir, tmp_path / "other", *SYNCHRONOUS)
     reference.train(other, log=lambda *_: None)  # steps 2 and 4 saved
     cfg = small_cfg(GRPO, tiny_model_dir, tmp_path / "run", *SYNCHRONOUS)
@@ -328,10 +329,15 @@ def test_a_learner_death_rewinds_within_the_runs_own_timeline(ray_session, tiny_
     cfg.trainer.resume = step_dir(checkpoint_root(other.trainer.run_dir), 2)
     trainer = Trainer(cfg)
     try:
-        kill_after_steps(trainer, monkeypatch, {3: lambda: [trainer.learners.workers[0]]})
+        root = checkpoint_root(cfg.trainer.run_dir)
+        died_saving = []
+        kill_after_steps(trainer, monkeypatch, {3: lambda: died_saving.append(sharded_staging_dir(root, 4)) or
+                                                [trainer.learners.workers[0]]})
         trainer.run()
         assert trainer.learners.restarts == 1
         assert "rewound to step 2 (step 3 is trained again)" in caplog.text
+        assert died_saving and not os.path.exists(died_saving[0])
+        assert f"removing {died_saving[0]}, left by a checkpoint save that did not finish" in caplog.text
         expected, adapters = undisturbed
         assert [h["reward/mean"] for h in trainer.history] == [r.reward_mean for r in expected[2:]]
         final = load_checkpoint(step_dir(checkpoint_root(cfg.trainer.run_dir), STEPS)).adapters

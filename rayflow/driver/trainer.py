@@ -27,7 +27,8 @@ import ray
 import torch
 
 from rayflow.algorithms.advantages import assign_advantages
-from rayflow.checkpoint import base_model_record, checkpoint_root, is_save_step, load_checkpoint, resolve_resume, save_checkpoint
+from rayflow.checkpoint import (base_model_record, checkpoint_root, is_save_step, load_checkpoint, remove_leftovers,
+                                resolve_resume, save_checkpoint)
 from rayflow.config import RayflowConfig, to_dict
 from rayflow.data.prompts import GroupSampler, PromptGroup, load_prompts
 from rayflow.distributed.colocated import ColocatedDevices
@@ -569,6 +570,9 @@ class Trainer:
                 raise died
             self.learner_watchdog.forget("learners")  # its clock starts with the next step, not the restart
             self.learners.restart(died)
+            # A rank that died saving (full fine-tuning) left its shards' staging directory: removed now, not at the
+            # next start (a run with restarts left could leave one of a model's size per death).
+            remove_leftovers(checkpoint_root(self.cfg.trainer.run_dir))
             path = self.rewind_point
             log.error("%s; learner group restarted (restart %d), rewinding from step %d to %s", died,
                       self.learners.restarts, lost, path or "the start")
