@@ -25,6 +25,10 @@ from tiny_run import GRPO, lost_ref, slow_learners, small_cfg, wait_until_dead
 STEPS = 4
 SYNCHRONOUS = ("trainer.eval_every=0", "logging.progress_bar=false", "async.max_staleness=0", "trainer.save_every=2",
                f"trainer.total_steps={STEPS}")
+ASYNCHRONOUS = ("trainer.eval_every=0", "logging.progress_bar=false", "async.max_staleness=1")
+SYNC_STALLS_IN_5_S = ("trainer.save_every=0", "trainer.total_steps=4", "rollout.collective_timeout_s=5",
+                      "learner.stall_timeout_s=60")
+"""A weight-sync actor that takes no push is found within 5 s, long before the learners' watchdog."""
 
 
 @pytest.fixture(scope="module")
@@ -93,8 +97,7 @@ def test_a_learner_ranks_death_is_reported_over_its_peers_collective_error(ray_s
 
 def test_faults_past_recovery_stop_an_asynchronous_run_before_another_step_naming_the_cause(
         ray_session, tiny_model_dir, tmp_path):
-    cfg = small_cfg(GRPO, tiny_model_dir, tmp_path, "trainer.eval_every=0", "logging.progress_bar=false",
-                    "async.max_staleness=1", "learner.max_restarts=0")
+    cfg = small_cfg(GRPO, tiny_model_dir, tmp_path, *ASYNCHRONOUS, "learner.max_restarts=0")
     trainer = Trainer(cfg)
     try:
         run_to(trainer, 1)
@@ -115,9 +118,8 @@ def test_faults_past_recovery_stop_an_asynchronous_run_before_another_step_namin
 
 def test_a_killed_weight_sync_actor_or_learner_rank_is_replaced_in_an_asynchronous_run_while_restarts_last(
         ray_session, tiny_model_dir, tmp_path, monkeypatch, caplog):
-    cfg = small_cfg(GRPO, tiny_model_dir, tmp_path, "trainer.eval_every=0", "logging.progress_bar=false",
-                    "async.max_staleness=1", "trainer.save_every=2", "trainer.total_steps=5", "sync.max_restarts=1",
-                    "sync.restart_window_s=0", "learner.max_restarts=1")
+    cfg = small_cfg(GRPO, tiny_model_dir, tmp_path, *ASYNCHRONOUS, "trainer.save_every=2", "trainer.total_steps=5",
+                    "sync.max_restarts=1", "sync.restart_window_s=0", "learner.max_restarts=1")
     trainer = Trainer(cfg)
     try:
         kill_after_steps(trainer, monkeypatch, {
@@ -170,9 +172,8 @@ def test_a_weight_sync_actor_killed_with_a_step_queued_behind_the_one_training_i
     actor, which is killed: the replacement gets each version once. The driver pushed again as the first step ended,
     which ran on the learners after the queued step and carried its version; that step's end pushed it again, refused
     as not newer: "weight sync stopped at version 2: ValueError: push of version 2: not newer than version 2"."""
-    cfg = small_cfg(GRPO, tiny_model_dir, tmp_path, "trainer.eval_every=0", "logging.progress_bar=false",
-                    "async.max_staleness=1", "trainer.save_every=0", "trainer.total_steps=5", "sync.max_restarts=1",
-                    "sync.restart_window_s=0")
+    cfg = small_cfg(GRPO, tiny_model_dir, tmp_path, *ASYNCHRONOUS, "trainer.save_every=0", "trainer.total_steps=5",
+                    "sync.max_restarts=1", "sync.restart_window_s=0")
     trainer = Trainer(cfg)
     try:
         slow_learners(trainer, 1.0)  # rollout outpaces training: batches queue behind the step in flight
@@ -421,9 +422,7 @@ def test_a_weight_sync_actor_stuck_in_a_push_is_replaced_as_stalled_not_blamed_o
     """Asynchronous: version 2's push is never taken, and learner rank 0 waited for it with no deadline as it pushed 3,
     blocking the learners' step until their watchdog stopped the run naming them (LearnerStalled). It waits the sync's
     timeout (rollout.collective_timeout_s) and reports the push not taken; the driver replaces the actor."""
-    cfg = small_cfg(GRPO, tiny_model_dir, tmp_path, "trainer.eval_every=0", "logging.progress_bar=false",
-                    "async.max_staleness=1", "trainer.save_every=0", "trainer.total_steps=4",
-                    "rollout.collective_timeout_s=5", "learner.stall_timeout_s=60")
+    cfg = small_cfg(GRPO, tiny_model_dir, tmp_path, *ASYNCHRONOUS, *SYNC_STALLS_IN_5_S)
     trainer = Trainer(cfg)
     try:
         after_step(trainer, monkeypatch, 1, lambda: hang_push_of(trainer, 2))
@@ -440,9 +439,7 @@ def test_a_stopped_weight_sync_actor_is_replaced_as_stalled_in_an_asynchronous_r
     """Asynchronous: the weight-sync actor is stopped (SIGSTOP) after step 1: it neither answers nor dies. The driver
     asked it for the versions a broadcast lost with no deadline after every step, and the run hung there; it waits the
     sync's timeout (rollout.collective_timeout_s) and replaces the actor as stalled."""
-    cfg = small_cfg(GRPO, tiny_model_dir, tmp_path, "trainer.eval_every=0", "logging.progress_bar=false",
-                    "async.max_staleness=1", "trainer.save_every=0", "trainer.total_steps=4",
-                    "rollout.collective_timeout_s=5", "learner.stall_timeout_s=60")
+    cfg = small_cfg(GRPO, tiny_model_dir, tmp_path, *ASYNCHRONOUS, *SYNC_STALLS_IN_5_S)
     trainer, stopped = Trainer(cfg), []
 
     def stop_sync_actor():
@@ -470,8 +467,7 @@ def test_a_learner_death_releases_the_rollouts_waiting_for_a_version_the_rewind_
     admitted after step 3 wait for it, and a learner rank dies in step 4. The rewind to step 2 voids version 3, and the
     new timeline reaches it only by training on requests queued behind those waiting: dropping them waited out the
     rollout watchdog's deadline, and the replica, still waiting, was replaced as stalled. They fail at once instead."""
-    cfg = small_cfg(GRPO, tiny_model_dir, tmp_path, "trainer.eval_every=0", "logging.progress_bar=false",
-                    "async.max_staleness=1", "trainer.save_every=2", "trainer.total_steps=4",
+    cfg = small_cfg(GRPO, tiny_model_dir, tmp_path, *ASYNCHRONOUS, "trainer.save_every=2", "trainer.total_steps=4",
                     "learner.max_restarts=1", "rollout.stall_timeout_s=60")
     trainer = Trainer(cfg)
     try:
