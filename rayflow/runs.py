@@ -26,7 +26,7 @@ import torch
 import yaml
 
 from rayflow.checkpoint import CheckpointMismatch, check_train_mode, checkpoint_root, read_meta, resolve_resume
-from rayflow.config import RayflowConfig, to_dict, to_yaml
+from rayflow.config import RayflowConfig, to_dict, to_yaml, unread_at_defaults
 from rayflow.data.prompts import load_prompts
 from rayflow.errors import ConfigError
 from rayflow.models.base import pipeline_class_of
@@ -93,7 +93,8 @@ def plan_resume(cfg: RayflowConfig) -> ResumePlan:
     if not os.path.isfile(saved_file):
         return ResumePlan(path, step, [f"(no {CONFIG_FILE} beside {path}: settings not compared)"])
     with open(saved_file) as f:
-        saved_config = yaml.safe_load(f) or {}
+        # A value its own settings left unread (an older version accepted one) was no setting of the run.
+        saved_config = unread_at_defaults(yaml.safe_load(f) or {})
     current_config = to_dict(cfg)
     moved = _compare_inputs_by_content(saved_config, current_config, _read_inputs(run_dir))
     saved, current = _flatten(saved_config), _flatten(current_config)

@@ -106,6 +106,11 @@ def test_cfg_parallel_ranks_of_a_replica_share_a_node():
     with pytest.raises(ConfigError) as info:
         replica_ranks(uneven, 4, 2)
     assert info.value.key == "rollout.cfg_parallel_size" and "{'aaaaaaaaaaaa': 3, 'bbbbbbbbbbbb': 1}" in info.value.allowed
+    # Nodes of 4 devices each, which 2 divides: the group was split because something else held a device of node a.
+    with pytest.raises(ConfigError) as info:
+        replica_ranks(uneven, 4, 2, node_capacity={"a" * 16: 4, "b" * 16: 4})
+    assert "{'aaaaaaaaaaaa': '3 of its 4', 'bbbbbbbbbbbb': '1 of its 4'}" in info.value.allowed
+    assert "held by other placement groups or actors" in info.value.allowed
 
 
 def test_colocated_recipes_ask_for_one_bundle_per_device_and_fit_their_gpus():

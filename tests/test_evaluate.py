@@ -12,6 +12,7 @@ import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from rayflow.config import load_config
+from rayflow.errors import ConfigError
 from rayflow.data.prompts import GroupSampler, load_prompts
 from rayflow.driver.evaluation import evaluation_requests
 from rayflow.driver.trainer import Trainer
@@ -96,6 +97,24 @@ def test_a_run_without_a_checkpoint_points_to_base(tmp_path):
     with pytest.raises(SystemExit) as stopped:
         main([cfg.trainer.run_dir])
     assert "the run has no checkpoint yet" in str(stopped.value.code) and "--base" in str(stopped.value.code)
+
+
+def test_a_run_whose_config_holds_values_nothing_read_is_evaluated(tmp_path):
+    """A run's config.yaml from a version that accepted values nothing read (trainer.gpu_memory_gib without the memory
+    check) loads with them at their defaults: the run was refused ("nothing reads it"). An override still counts."""
+    import yaml
+
+    cfg = load_config(recipe("flowgrpo_tiny.yaml"), [f"trainer.output_dir={tmp_path}", "trainer.run_name=old",
+                                                     "trainer.memory_check=false"])
+    saved = write_run_config(cfg)
+    config = yaml.safe_load(open(saved))
+    config["trainer"]["gpu_memory_gib"] = 40.0
+    with open(saved, "w") as f:
+        yaml.safe_dump(config, f)
+    run_cfg, checkpoint = run_config(cfg.trainer.run_dir, [], base=True)
+    assert (run_cfg.trainer.gpu_memory_gib, checkpoint) == (None, None)
+    with pytest.raises(ConfigError, match=r"^trainer\.gpu_memory_gib: got 40\.0"):
+        run_config(cfg.trainer.run_dir, ["trainer.gpu_memory_gib=40"], base=True)
 
 
 def test_a_run_directory_with_an_equals_sign_in_its_path_is_the_target(tmp_path):

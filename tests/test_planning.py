@@ -344,6 +344,23 @@ def test_a_family_without_published_configs_is_not_planned_as_qwen_image(monkeyp
     assert "the memory plan is not checked: model.path /home/ray/models/stable-diffusion-3.5-medium" in caplog.text
 
 
+def test_plan_tool_checks_against_the_configs_gpu_memory_unless_told_another(recipe_plan, monkeypatch, capsys):
+    """tools/plan.py checks what the run's start-up check would: the config's trainer.gpu_memory_gib when
+    --gpu-memory-gib is not given (it checked 79.6 GiB, passing a config made for a 40 GiB card that start-up refused)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("plan_tool", os.path.join(ROOT, "tools", "plan.py"))
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    _, planned = recipe_plan
+    monkeypatch.setattr(tool, "plan_config", lambda *args, **kwargs: planned)  # the recipe's, measured once
+    assert tool.main(["--config", RECIPE_8GPU, "trainer.gpu_memory_gib=40"]) == 1
+    assert "/ 40.0 GiB" in capsys.readouterr().out
+    assert tool.main(["--config", RECIPE_8GPU, "trainer.gpu_memory_gib=40", "--gpu-memory-gib", "79.6"]) == 0  # the flag wins
+    assert tool.main(["--config", RECIPE_8GPU]) == 0
+    assert "/ 79.6 GiB" in capsys.readouterr().out
+
+
 def test_plan_inputs_and_the_receive_ring_name_what_to_change(tmp_path):
     """The receive ring of disaggregated full fine-tuning (three folded transformers on every rollout rank) is named
     with placement.mode, not model.dtype (the model is bf16 already); a path that is not a pipeline is not "not on

@@ -84,6 +84,28 @@ def test_input_files_are_compared_by_what_they_hold_not_where_they_are(tiny_mode
         plan_resume(small_cfg(GRPO, tiny_model_dir, run_dir, "trainer.total_steps=5", f"data.prompts={prompts}"))
 
 
+def test_a_run_whose_config_holds_values_nothing_read_resumes(tiny_model_dir, finished_run, tmp_path):
+    """A version before READ_ONLY_WHEN's rows accepted values nothing read (model.tiny_seed with a model.path,
+    async.over_stale when synchronous) and wrote them into the run's config.yaml. They were no setting of that run:
+    the run resumes with them at their defaults (with model.tiny_seed=3 dropped from the command line, the resume was
+    refused as a changed model.* setting; kept, the config was refused: the run could not be continued at all)."""
+    import yaml
+
+    run_dir = tmp_path / "run"
+    shutil.copytree(finished_run, run_dir)
+    saved = yaml.safe_load((run_dir / "config.yaml").read_text())
+    assert saved["model"]["path"] == tiny_model_dir and saved["async"]["max_staleness"] == 0
+    saved["model"]["tiny_seed"], saved["async"]["over_stale"] = 3, "drop"
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(saved))
+    plan = plan_resume(small_cfg(GRPO, tiny_model_dir, run_dir, "trainer.total_steps=5", "trainer.save_every=1"))
+    assert plan.step == 2 and plan.changed == ["trainer.total_steps: 2 -> 5"]
+    # A key the run read still counts: the same tiny_seed is refused once the saved run built its tiny model.
+    saved["model"]["path"] = None
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(saved))
+    with pytest.raises(ResumeRefused, match=r"model\.tiny_seed: 3 -> 0"):
+        plan_resume(small_cfg(GRPO, tiny_model_dir, run_dir, "trainer.total_steps=5", "trainer.save_every=1"))
+
+
 def test_lora_targets_that_bind_no_module_are_named_before_ray_starts(tiny_model_dir, tmp_path):
     """Checked against the transformer's module names (built on meta from its config), not only by every learner
     rank once Ray has started them."""

@@ -131,7 +131,7 @@ def run_config(target: str, overrides: list[str], base: bool = False,
     if not os.path.isfile(config):
         raise FileNotFoundError(f"{target!r}: no {CONFIG_FILE} in it or one or two levels up: not a run's directory or "
                                 f"a checkpoint of one (tools/evaluate.py RECIPE.yaml evaluates a recipe's base)")
-    cfg = load_config(config, overrides)
+    cfg = load_config(config, overrides, saved_run=True)  # as written by the run's version, maybe an older one
     if base:
         return cfg, None
     if checkpoint is None:

@@ -10,7 +10,9 @@ what is allowed. Each component receives its own section, never the root.
     loading.py    YAML + overrides -> RayflowConfig (and back)
 """
 
-from rayflow.config.loading import default_run_name, from_dict, load_config, split_overrides, to_dict, to_yaml
+from rayflow.config.loading import (
+    default_run_name, from_dict, load_config, split_overrides, to_dict, to_yaml, unread_at_defaults,
+)
 from rayflow.config.root import RayflowConfig, yaml_key
 from rayflow.config.sections import (
     AlgorithmConfig, AsyncConfig, CFGConfig, DataConfig, LearnerConfig, LoggingConfig, ModelConfig, PlacementConfig,
@@ -20,5 +22,6 @@ from rayflow.config.sections import (
 __all__ = [
     "AlgorithmConfig", "AsyncConfig", "CFGConfig", "DataConfig", "LearnerConfig", "LoggingConfig", "ModelConfig",
     "PlacementConfig", "RayflowConfig", "RewardConfig", "RewardFnConfig", "RolloutConfig", "SyncConfig",
-    "TrainerConfig", "default_run_name", "from_dict", "load_config", "split_overrides", "to_dict", "to_yaml", "yaml_key",
+    "TrainerConfig", "default_run_name", "from_dict", "load_config", "split_overrides", "to_dict", "to_yaml",
+    "unread_at_defaults", "yaml_key",
 ]

@@ -16,7 +16,7 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from rayflow.config.root import RayflowConfig, yaml_key
+from rayflow.config.root import READ_ONLY_WHEN, RayflowConfig, yaml_key
 from rayflow.errors import ConfigError
 
 
@@ -285,10 +285,14 @@ def _refuse_yaml11_numbers(key: str, raw: str) -> None:
                                         f"number meant, e.g. 10 not 010, 90 not 1:30")
 
 
-def load_config(path: str | None = None, overrides: list[str] | None = None, key: str = "--config") -> RayflowConfig:
+def load_config(path: str | None = None, overrides: list[str] | None = None, key: str = "--config",
+                saved_run: bool = False) -> RayflowConfig:
     """Read a recipe YAML (optional; its `base`s first), apply dotlist overrides, convert and validate. `key`: the
-    flag that named the recipe (a missing file is reported under it)."""
+    flag that named the recipe (a missing file is reported under it). `saved_run`: `path` is a run's config.yaml,
+    whose unread keys are put back to their defaults before the overrides (`unread_at_defaults`)."""
     merged = _read_recipe(path, key) if path else OmegaConf.create({})
+    if saved_run:
+        merged = OmegaConf.create(unread_at_defaults(OmegaConf.to_container(merged, resolve=False)))
     for layer in [_parse_override(text) for text in overrides or []]:  # every override checked before any merge
         merged = _merge(merged, layer, "overrides")
     data = OmegaConf.to_container(merged, resolve=False)
@@ -351,6 +355,29 @@ def default_run_name(config_path: str | None) -> str:
 def _strip_interpolations(data: Any) -> Any:
     if isinstance(data, dict):
         return {k: _strip_interpolations(v) for k, v in data.items() if not (isinstance(v, str) and "${" in v)}
+    return data
+
+
+def unread_at_defaults(data: dict) -> dict:
+    """`data` (a config as plain data with YAML keys: a run's saved config.yaml) with each key of READ_ONLY_WHEN that its
+    own settings leave unread put back to its default, in place. A version that accepted such a value (nothing read
+    it: no setting of that run) wrote it into the run's config.yaml; compared or validated as it stands, it refused to
+    resume or evaluate the run (model.tiny_seed=3 with a model.path: dropped from the command line, the resume saw a
+    changed model.* setting; kept, the config was refused)."""
+    defaults = to_dict(RayflowConfig())
+
+    def value(key: str) -> Any:
+        section, name = key.split(".")
+        held = data.get(section)
+        return held[name] if isinstance(held, dict) and name in held else defaults[section][name]
+
+    for keys, decider, reads, _ in READ_ONLY_WHEN:  # in order: a key reset by one row decides a later one as reset
+        if reads(value(decider)):
+            continue
+        for key in keys:
+            section, name = key.split(".")
+            if isinstance(data.get(section), dict) and name in data[section]:
+                data[section][name] = defaults[section][name]
     return data
 
 

@@ -41,7 +41,7 @@ READ_ONLY_WHEN: tuple[tuple[tuple[str, ...], str, Callable[[Any], bool], str], .
     (("async.partial_rollout", "async.over_stale"), "async.max_staleness", lambda staleness: staleness > 0,
      "> 0 (a synchronous run has no newer weights mid-request and no stale group)"),
     (("trainer.gpu_memory_gib",), "trainer.memory_check", lambda check: check is True,
-     "true (only the start-up memory check reads it; tools/plan.py takes --gpu-memory-gib)"),
+     "true (only the start-up memory check reads it, and tools/plan.py without --gpu-memory-gib)"),
 )
 """(keys, the key that decides whether they are read, whether they are at its value, the condition in words): keys
 nothing reads unless a condition holds (the algorithm keys with checks of their own, nft_timesteps and

@@ -158,20 +158,38 @@ class SharedWeights:
         pass
 
 
-def replica_ranks(placed: PlacedGroup, devices: int, replica_size: int) -> list[list[int]]:
+def replica_ranks(placed: PlacedGroup, devices: int, replica_size: int,
+                  node_capacity: dict[str, int] | None = None) -> list[list[int]]:
     """Device ranks of each rollout replica: consecutive runs of `replica_size`, which must lie on one node (a
-    replica's all_gather runs every denoising step). Raises ConfigError naming the node counts otherwise."""
+    replica's all_gather runs every denoising step). Raises ConfigError naming the devices placed per node otherwise,
+    and, given `node_capacity` (node id -> the devices it holds in all), the nodes where other placement groups or
+    actors held some of them: Ray's PACK strategy then split the group across nodes whose own device counts
+    rollout.cfg_parallel_size divides."""
     replicas = [list(range(i, i + replica_size)) for i in range(0, devices, replica_size)]
     for ranks in replicas:
         nodes = {placed.node_of_rank(r) for r in ranks}
         if len(nodes) > 1:
-            per_node = dict(collections.Counter(placed.node_of_rank(r)[:12] for r in range(devices)))
+            placed_on = collections.Counter(placed.node_of_rank(r) for r in range(devices))
+            per_node = {node[:12]: count for node, count in placed_on.items()}
+            short = {node[:12]: f"{count} of its {node_capacity[node]}" for node, count in placed_on.items()
+                     if node_capacity and node_capacity.get(node, 0) > count}
+            cause = (f"; nodes {short} (devices placed of those the node holds) had the others held by other placement "
+                     f"groups or actors: free them, or give learner.world_size a count the free devices hold in whole "
+                     f"replicas" if short else " (the nodes' own device counts" +
+                     ("" if node_capacity else ", or other placement groups or actors holding some of them") + ")")
             raise ConfigError(
                 "rollout.cfg_parallel_size", replica_size,
-                f"a divisor of every node's device count in placement.mode=colocated (a replica's ranks must share a "
-                f"node; devices per node: {per_node})",
+                f"a divisor of the devices placed on every node in placement.mode=colocated (a replica's ranks must "
+                f"share a node; devices placed per node: {per_node}{cause})",
             )
     return replicas
+
+
+def node_device_capacity(gpus_per_device: float) -> dict[str, int] | None:
+    """Node id -> the devices of `gpus_per_device` GPUs each its GPUs hold, over the live nodes; None without GPUs."""
+    if gpus_per_device <= 0:
+        return None
+    return {n["NodeID"]: int(n["Resources"].get("GPU", 0) // gpus_per_device) for n in ray.nodes() if n["Alive"]}
 
 
 class ColocatedDevices:
@@ -186,7 +204,7 @@ class ColocatedDevices:
         self.workers: list = []
         self.replicas: list[RolloutReplica] = []
         try:
-            groups = replica_ranks(self.placed, devices, W)
+            groups = replica_ranks(self.placed, devices, W, node_device_capacity(self.placed.bundles[0].get("GPU", 0)))
             spec = dataclasses.replace(spec, threads=learner_spec.learner.threads_per_rank)
             self.workers = [
                 self.placed.spawn(d, DeviceWorker, learner_spec, d, spec, d % W, W) for d in range(devices)
