@@ -316,6 +316,37 @@ def test_a_push_the_sync_actor_does_not_take_is_reported_stalled_within_the_time
         ray.kill(actor)
 
 
+@pytest.mark.parametrize("collective_timeout_s", [300.0, 600.0])
+def test_learner_rank_0_waits_for_a_push_well_within_its_peers_collective_timeout(tiny_model_dir, tmp_path, monkeypatch,
+                                                                                  collective_timeout_s):
+    """Asynchronous, a step queued behind the one training: its peers go on into that step while learner rank 0 waits
+    for the stuck push, and their first collective waits for rank 0 up to the learner group's timeout. Rank 0 waited
+    rollout.collective_timeout_s, 300 s by default as the group's: with world size 2, a gloo group of 15 s and a wait
+    of 15 s (or 25 s), rank 1 failed "Timed out waiting 15000ms" three times out of three, and the run stopped naming
+    the learners. Rank 0 waits at most half the group's timeout."""
+    import inspect
+
+    import rayflow.learner.worker as worker
+
+    class Joined(Exception):
+        pass
+
+    group_timeouts = []
+
+    def init_default_group(rendezvous, rank, size, device,
+                           timeout_s=inspect.signature(worker.init_default_group).parameters["timeout_s"].default):
+        group_timeouts.append(timeout_s)
+        raise Joined  # the group's timeout is all this test reads of the start-up
+
+    monkeypatch.setattr(worker, "init_default_group", init_default_group)
+    cfg = small_cfg(GRPO, tiny_model_dir, tmp_path, "learner.world_size=2",
+                    f"rollout.collective_timeout_s={collective_timeout_s}")
+    spec = LearnerSpec.from_config(cfg)
+    with pytest.raises(Joined):
+        LearnerWorker(spec, rank=1).setup(None)
+    assert spec.push_timeout_s <= group_timeouts[0] / 2
+
+
 def test_a_receiver_that_dies_or_stalls_is_left_out_and_the_newest_version_is_sent_again(ray_session, tiny_model_dir, tmp_path):
     cfg = small_cfg(GRPO, tiny_model_dir, tmp_path, "sync.cpus=0.5")
     spec = dataclasses.replace(RolloutRankSpec.from_config(cfg), collective_timeout_s=5.0)

@@ -9,6 +9,10 @@ from rayflow.checkpoint import checkpoint_root
 from rayflow.config import AlgorithmConfig, LearnerConfig, ModelConfig, RayflowConfig
 
 
+LEARNER_COLLECTIVE_TIMEOUT_S = 300.0
+"""The learner group's collective timeout (its default process group, rayflow.learner.worker.LearnerWorker.setup)."""
+
+
 @dataclass(frozen=True)
 class LearnerSpec:
     """The policy model, how it trains and what it replays; the same for every learner rank (and the reference
@@ -31,9 +35,10 @@ class LearnerSpec:
     """The run's checkpoints directory, under which learner.train_mode=full ranks stage their shards."""
     max_staleness: int
     """async.max_staleness: how many versions a prefetched rollout request may wait for its train step."""
-    push_timeout_s: float = 300.0
-    """rollout.collective_timeout_s, the weight sync's timeout: how long learner rank 0 waits for the weight-sync actor
-    to take its previous push before it reports the actor stalled (LearnerWorker.push_weights)."""
+    push_timeout_s: float = 150.0
+    """How long learner rank 0 waits for the weight-sync actor to take its previous push before it reports the actor
+    stalled (LearnerWorker.push_weights): the sync's timeout (rollout.collective_timeout_s), at most half the learner
+    group's collective timeout (from_config)."""
 
     @classmethod
     def from_config(cls, config: RayflowConfig) -> "LearnerSpec":
@@ -48,5 +53,8 @@ class LearnerSpec:
             ema_blends=config.trainer.ema_blends,
             checkpoint_dir=checkpoint_root(config.trainer.run_dir),
             max_staleness=config.async_.max_staleness,
-            push_timeout_s=config.rollout.collective_timeout_s,
+            # Rank 0 waits at the end of its train step while its peers go on into a step queued behind it
+            # (asynchronous mode), whose first collective then waits for rank 0: waiting as long as their collective
+            # timeout, or longer, failed them (the learners were blamed for the weight-sync actor's stall).
+            push_timeout_s=min(config.rollout.collective_timeout_s, LEARNER_COLLECTIVE_TIMEOUT_S / 2),
         )

@@ -37,7 +37,7 @@ from rayflow.learner.backend import LearnerBackend
 from rayflow.learner.prefetch import TrajectoryCache
 from rayflow.distributed.parallelize import build_mesh
 from rayflow.learner.sharded import missing_files
-from rayflow.learner.spec import LearnerSpec
+from rayflow.learner.spec import LEARNER_COLLECTIVE_TIMEOUT_S, LearnerSpec
 from rayflow.rng import get_rng_state
 from rayflow.types import Trajectory, TrajectoryRef
 
@@ -88,7 +88,7 @@ class LearnerWorker(GroupHost):
                 torch.cuda.set_device(device)
         world_size = self.spec.learner.world_size
         with phase("process group"):
-            init_default_group(rendezvous, self.rank, world_size, device)
+            init_default_group(rendezvous, self.rank, world_size, device, timeout_s=LEARNER_COLLECTIVE_TIMEOUT_S)
         with phase("model"):
             self.backend = LearnerBackend(self.spec, build_mesh(device, world_size), device,
                                           transformer_only=not self.whole_pipeline)
