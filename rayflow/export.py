@@ -33,7 +33,7 @@ def export_lora(path: str, out: str, adapter: str | None = None) -> str:
     lora = identity["lora"]
     config = LoraConfig(r=lora["rank"], lora_alpha=lora["alpha"], target_modules=lora["targets"])
     pipeline = getattr(diffusers, identity["model"]["pipeline"])
-    created = not os.path.isdir(out)
+    created = _missing_directories(out)
     pipeline.save_lora_weights(out, transformer_lora_layers=tensors, transformer_lora_adapter_metadata=config.to_dict())
     _readable(out, created, ["pytorch_lora_weights.safetensors"])
     return out
@@ -71,7 +71,7 @@ def export_transformer(path: str, out: str, weights: str | None = None) -> str:
         raise ValueError(f"{path}: weights {weights!r} do not fit {model['transformer']} of its config: missing "
                          f"{missing[:5]} ({len(missing)}), unexpected {loaded.unexpected_keys[:5]} "
                          f"({len(loaded.unexpected_keys)})")
-    created = not os.path.isdir(out)
+    created = _missing_directories(out)
     transformer.save_pretrained(out)
     # save_pretrained removes the weight files of an earlier save there: every one named so is this export's.
     weight_files = [name for name in os.listdir(out) if name.startswith(SAFETENSORS_WEIGHTS_NAME.split(".")[0])]
@@ -79,11 +79,26 @@ def export_transformer(path: str, out: str, weights: str | None = None) -> str:
     return out
 
 
-def _readable(out: str, created: bool, names: list[str]) -> None:
-    """The export's files `names` 0644, and `out` 0755 when the export `created` it: as readable as a checkpoint and the
-    run's other outputs whatever the umask, under which diffusers writes (0600 and 0700 under 077). A directory that
-    was there keeps its mode, and the files in it the export did not write theirs."""
-    if created:
-        os.chmod(out, 0o755)
+def _missing_directories(out: str) -> list[str]:
+    """`out` and each of its parents up to the first that exists: the directories diffusers' save (os.makedirs) will
+    create for the export, taken before it does."""
+    missing = []
+    path = os.path.abspath(out)
+    while not os.path.exists(path):
+        missing.append(path)
+        parent = os.path.dirname(path)
+        if parent == path:
+            break
+        path = parent
+    return missing
+
+
+def _readable(out: str, created: list[str], names: list[str]) -> None:
+    """The export's files `names` 0644, and every directory the export `created` (`out` and the parents made on the way
+    to it) 0755: as readable as a checkpoint and the run's other outputs whatever the umask, under which diffusers
+    writes (0600 and 0700 under 077; a 0700 parent alone hides everything below it). A directory that was there keeps
+    its mode, and the files in it the export did not write theirs."""
+    for directory in created:
+        os.chmod(directory, 0o755)
     for name in names:
         os.chmod(os.path.join(out, name), 0o644)

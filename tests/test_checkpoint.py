@@ -260,12 +260,12 @@ def test_an_exported_transformer_is_world_readable_under_a_private_umask(tmp_pat
     (mine / "notes.txt").chmod(0o600)
     old = os.umask(0o077)
     try:
-        fresh = export_transformer(full_checkpoint, str(tmp_path / "transformer"))
+        fresh = export_transformer(full_checkpoint, str(tmp_path / "new" / "transformer"))  # new/ made on the way
         export_transformer(full_checkpoint, str(mine))
     finally:
         os.umask(old)
     modes = {name: stat.S_IMODE(os.stat(os.path.join(fresh, name)).st_mode) for name in os.listdir(fresh)}
-    assert stat.S_IMODE(os.stat(fresh).st_mode) == 0o755
+    assert stat.S_IMODE(os.stat(fresh).st_mode) == stat.S_IMODE((tmp_path / "new").stat().st_mode) == 0o755
     assert modes == dict.fromkeys(["config.json", "diffusion_pytorch_model.safetensors"], 0o644)
     assert stat.S_IMODE(mine.stat().st_mode) == 0o700 and stat.S_IMODE((mine / "notes.txt").stat().st_mode) == 0o600
     assert stat.S_IMODE((mine / "config.json").stat().st_mode) == 0o644

@@ -178,15 +178,21 @@ def test_a_write_error_names_the_file_and_the_free_space(tmp_path, monkeypatch):
 
 
 def test_checkpoint_and_export_files_are_world_readable_under_a_private_umask(tmp_path):
+    """An export into directories it creates on the way (new/dir/ under a private parent that was there) has them all
+    0755 (diffusers' makedirs made new/ and new/dir/ 0700 under 077); the parent that was there keeps its mode."""
+    private = tmp_path / "private"
+    private.mkdir(mode=0o700)
     old = os.umask(0o077)
     try:
         ckpt = fake_checkpoint(1)
         ckpt.identity = {"model": {"pipeline": "QwenImagePipeline"}, "lora": {"rank": 2, "alpha": 2, "targets": ["to_q"]}}
         ckpt.adapters = {"default": {"transformer_blocks.0.attn.to_q.lora_A.weight": torch.zeros(2, 8)}}
         path = save_checkpoint(str(tmp_path / "ckpts"), ckpt, keep=1)
-        out = export_lora(path, str(tmp_path / "export"))
+        out = export_lora(path, str(private / "new" / "dir" / "export"))
     finally:
         os.umask(old)
+    assert stat.S_IMODE(private.stat().st_mode) == 0o700
+    assert [stat.S_IMODE((private / sub).stat().st_mode) for sub in ("new", "new/dir")] == [0o755, 0o755]
     assert stat.S_IMODE(os.stat(path).st_mode) == 0o755
     assert {name: stat.S_IMODE(os.stat(os.path.join(path, name)).st_mode) for name in os.listdir(path)} == dict.fromkeys(
         ["adapter_default.safetensors", "manifest.json", "meta.json", "optimizer.pt", "rng.safetensors"], 0o644)

@@ -87,6 +87,64 @@ def test_stale_group_is_dropped_and_counted():
     assert q.capacity(1) == 2 * B - G
 
 
+def resumed(max_staleness: int, over_stale: str, version: int, pending: list[int]) -> StalenessQueue:
+    """The queue Trainer._restore builds from a checkpoint at `version` (a resume, or a learner rewind to it): admission
+    counts the batches trained so far, and the checkpoint's pending groups are submitted again first."""
+    q = StalenessQueue(batch_size=B, group_size=G, max_staleness=max_staleness, over_stale=over_stale)
+    q.accepted = version * B
+    for gid in pending:
+        q.submitted(group(gid))
+    return q
+
+
+def test_a_synchronous_run_resumed_or_rewound_from_its_own_checkpoint_has_no_stale_group():
+    """A synchronous run saves after admitting the next batch (Trainer._finish), so its checkpoint's pending groups are
+    one batch, drawn again under the checkpoint's version: the whole of the next batch, nothing left to go stale."""
+    q = StalenessQueue(batch_size=B, group_size=G, max_staleness=0)
+    for gid in (0, 1):
+        q.submitted(group(gid))
+        finish_group(q, group(gid), [0, 0, 0])
+    assert q.take_batch(version=0)[0] is not None
+    for gid in (2, 3):  # step 1 ends: the next batch is submitted, then the checkpoint saved
+        q.submitted(group(gid))
+    assert not q.can_admit(version=1)
+    pending = sorted(q.groups)
+    assert pending == [2, 3]
+    q = resumed(0, "regenerate", version=1, pending=pending)
+    assert not q.can_admit(version=1)
+    for gid in pending:
+        finish_group(q, group(gid), [1, 1, 1])
+    batch, resubmit = q.take_batch(version=1)
+    assert batch is not None and resubmit == [] and q.groups == {}
+
+
+@pytest.mark.parametrize("over_stale", ["regenerate", "drop"])
+def test_a_synchronous_run_resumed_from_an_asynchronous_checkpoint_regenerates_or_drops_its_stale_groups(over_stale):
+    """async.* changes on a resume (not in rayflow.runs.BREAKING). An asynchronous run at max_staleness=2 saves with up to
+    two batches pending; resumed (or rewound to that checkpoint) with max_staleness=0, the first batch trains at the
+    checkpoint's version and the second, sampled under it too, is one version stale at the next: async.over_stale is
+    read by a synchronous run (config.root.READ_ONLY_WHEN leaves it free)."""
+    q = StalenessQueue(batch_size=B, group_size=G, max_staleness=2)
+    while q.can_admit(version=0):
+        gid = len(q.groups)
+        q.submitted(group(gid))
+        finish_group(q, group(gid), [0, 0, 0])
+    assert q.take_batch(version=0)[0] is not None
+    pending = sorted(q.groups)  # step 1 ends and saves (Trainer._save), before the loop admits again
+    assert pending == [2, 3, 4, 5]
+    q = resumed(0, over_stale, version=1, pending=pending)
+    for gid in pending:  # all submitted at once under version 1 (min_version)
+        finish_group(q, group(gid), [1, 1, 1])
+    batch, resubmit = q.take_batch(version=1)
+    assert {t.group_id for t in batch} == {2, 3} and resubmit == []
+    batch, resubmit = q.take_batch(version=2)  # groups 4 and 5: staleness 1 > 0
+    assert batch is None
+    if over_stale == "regenerate":
+        assert resubmit == [group(4), group(5)] and q.stats.regenerated == 2 and q.running == B
+    else:
+        assert resubmit == [] and q.stats.dropped == 2 and q.capacity(2) == B  # the next batch is admitted in their place
+
+
 def test_staleness_and_partial_figures_of_a_batch():
     q = StalenessQueue(batch_size=B, group_size=G, max_staleness=2)
     for gid in range(2):

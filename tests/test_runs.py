@@ -86,7 +86,7 @@ def test_input_files_are_compared_by_what_they_hold_not_where_they_are(tiny_mode
 
 def test_a_run_whose_config_holds_values_nothing_read_resumes(tiny_model_dir, finished_run, tmp_path):
     """A version before READ_ONLY_WHEN's rows accepted values nothing read (model.tiny_seed with a model.path,
-    async.over_stale when synchronous) and wrote them into the run's config.yaml. They were no setting of that run:
+    async.partial_rollout when synchronous) and wrote them into the run's config.yaml. They were no setting of that run:
     the run resumes with them at their defaults (with model.tiny_seed=3 dropped from the command line, the resume was
     refused as a changed model.* setting; kept, the config was refused: the run could not be continued at all)."""
     import yaml
@@ -95,7 +95,7 @@ def test_a_run_whose_config_holds_values_nothing_read_resumes(tiny_model_dir, fi
     shutil.copytree(finished_run, run_dir)
     saved = yaml.safe_load((run_dir / "config.yaml").read_text())
     assert saved["model"]["path"] == tiny_model_dir and saved["async"]["max_staleness"] == 0
-    saved["model"]["tiny_seed"], saved["async"]["over_stale"] = 3, "drop"
+    saved["model"]["tiny_seed"], saved["async"]["partial_rollout"] = 3, False
     (run_dir / "config.yaml").write_text(yaml.safe_dump(saved))
     plan = plan_resume(small_cfg(GRPO, tiny_model_dir, run_dir, "trainer.total_steps=5", "trainer.save_every=1"))
     assert plan.step == 2 and plan.changed == ["trainer.total_steps: 2 -> 5"]

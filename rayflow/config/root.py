@@ -37,9 +37,12 @@ READ_ONLY_WHEN: tuple[tuple[tuple[str, ...], str, Callable[[Any], bool], str], .
     # model.tiny_arch stays free: with a path it names the family the memory planner sizes when the path is elsewhere.
     (("model.tiny_size", "model.tiny_seed", "model.cache_dir"), "model.path", lambda path: path is None,
      "null (they build the tiny offline model, which a path replaces)"),
-    # Synchronous: no weights arrive while a request samples, and no group is ever older than the batch it joins.
-    (("async.partial_rollout", "async.over_stale"), "async.max_staleness", lambda staleness: staleness > 0,
-     "> 0 (a synchronous run has no newer weights mid-request and no stale group)"),
+    # Synchronous: a trajectory that newer weights reach mid-request is one its batch finds stale, never trained.
+    # async.over_stale stays free: a synchronous run resumed from (or rewound to) the checkpoint of an asynchronous one
+    # at max_staleness >= 2 draws more than a batch of pending groups again, and those left over go stale
+    # (tests/test_queue.py -k asynchronous_checkpoint).
+    (("async.partial_rollout",), "async.max_staleness", lambda staleness: staleness > 0,
+     "> 0 (a synchronous run trains no trajectory that newer weights reached mid-request)"),
     (("trainer.gpu_memory_gib",), "trainer.memory_check", lambda check: check is True,
      "true (only the start-up memory check reads it, and tools/plan.py without --gpu-memory-gib)"),
 )

@@ -419,7 +419,8 @@ class AsyncConfig:
     """true: new weights reach a trajectory in flight at its next denoising-step boundary (each step records its
     version); false: rollout ranks apply new weights only between requests, so a trajectory keeps one version."""
     over_stale: str = "regenerate"
-    """A group staler than max_staleness is "regenerate"d or "drop"ped (and counted)."""
+    """A group staler than max_staleness is "regenerate"d or "drop"ped (and counted). Read with max_staleness=0 too: a
+    synchronous run resumed from an asynchronous run's checkpoint may hold more pending groups than a batch."""
 
     def validate(self, prefix: str = "async") -> None:
         _need(self.max_staleness >= 0, f"{prefix}.max_staleness", self.max_staleness, "an integer >= 0")
