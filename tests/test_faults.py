@@ -16,7 +16,7 @@ import torch
 
 from rayflow import reference
 from rayflow.checkpoint import checkpoint_root, load_checkpoint, sharded_staging_dir, step_dir
-from rayflow.driver.trainer import Trainer
+from rayflow.driver.trainer import Trainer, TrajectoriesLost
 from rayflow.learner.worker import LearnerError, LearnerGroup
 from rayflow.sync.source import WeightSyncError
 from rayflow.sync.buckets import to_wire
@@ -288,6 +288,35 @@ def test_trajectories_lost_with_their_node_are_sampled_again_and_the_run_stays_e
         trainer.shutdown()
 
 
+def test_an_evaluation_requests_trajectories_lost_with_their_node_are_sampled_again_the_evaluation_unchanged(
+        ray_session, tiny_model_dir, tmp_path, monkeypatch, caplog):
+    """An evaluation request's trajectories are lost before the driver fetches them (the node that sampled them gone:
+    simulated with an object whose owner was killed): the ObjectLostError stopped the run. The same request (seeds,
+    version bound) is sampled again, and the evaluation equals an undisturbed one; a fourth loss stops the run."""
+    trainer = Trainer(small_cfg(GRPO, tiny_model_dir, tmp_path, *SYNCHRONOUS))
+    try:
+        undisturbed = trainer.evaluator.run(0, trainer.monitor)
+        lost, collect, losses_left = lost_ref(), trainer.rollout.collect, [1]
+
+        def collect_losing_eval_0():
+            finished = collect()
+            for future in finished:
+                if future.request.request_id == "eval-0" and losses_left[0] > 0:
+                    losses_left[0] -= 1
+                    future.result = lambda: ray.get(lost)  # as PoolFuture.result meets a lost object
+            return finished
+
+        monkeypatch.setattr(trainer.rollout, "collect", collect_losing_eval_0)
+        assert trainer.evaluator.run(0, trainer.monitor) == undisturbed
+        assert losses_left == [0]
+        assert "sampling evaluation request eval-0 again (its trajectories were lost: OwnerDiedError; 1 of 3" in caplog.text
+        losses_left[0] = 4
+        with pytest.raises(TrajectoriesLost, match="evaluation request eval-0 .* lost 4 times"):
+            trainer.evaluator.run(0, trainer.monitor)
+    finally:
+        trainer.shutdown()
+
+
 def test_a_learner_death_during_the_rewinds_restore_restarts_the_group_again(ray_session, tiny_model_dir, tmp_path,
                                                                             undisturbed, monkeypatch, caplog):
     """A learner rank killed after step 3, and a rank of the restarted group killed while it loads step 2's
@@ -451,6 +480,42 @@ def test_a_stopped_weight_sync_actor_is_replaced_as_stalled_in_an_asynchronous_r
         trainer.run()
         assert trainer.sync.restarts == 1 and trainer.learners.restarts == 0 and len(trainer.history) == 4
         assert "the weight-sync actor stalled" in caplog.text
+        assert [h["staleness/max"] <= 1 for h in trainer.history] == [True] * 4
+    finally:
+        for pid in stopped:
+            try:
+                os.kill(pid, signal.SIGCONT)  # killed by the replacement unless the test failed before it
+            except ProcessLookupError:
+                pass
+        trainer.shutdown()
+
+
+def test_a_weight_sync_actor_stopped_as_a_rollout_replica_dies_is_replaced_as_stalled(
+        ray_session, tiny_model_dir, tmp_path, monkeypatch, caplog):
+    """Asynchronous: after step 1 the weight-sync actor is stopped (SIGSTOP) and a rollout rank dies. The pool re-forms
+    the sync group without the dead replica (`connect`), and the stopped actor's settle for it went unanswered: a bare
+    TimeoutError out of the pool stopped the run. `connect` marks the actor stalled instead, the driver replaces it as
+    stalled on sync.max_restarts (the replacement connects the live replicas) and pushes the version again."""
+    cfg = small_cfg(GRPO, tiny_model_dir, tmp_path, *ASYNCHRONOUS, *SYNC_STALLS_IN_5_S)
+    trainer, stopped = Trainer(cfg), []
+
+    def stop_sync_actor_and_kill_a_rollout_rank():
+        stopped.append(ray.get(trainer.sync.actor.__ray_call__.remote(lambda actor: os.getpid())))
+        os.kill(stopped[0], signal.SIGSTOP)
+        rank = trainer.rollout.replicas[0].workers[0]
+        ray.kill(rank)
+        wait_until_dead(rank)
+        # What the pool does as it finds the death (a failed request in `collect`), here before the learners' next push
+        # to the stopped actor could have it replaced first.
+        trainer.rollout.take_out_dead()
+
+    try:
+        after_step(trainer, monkeypatch, 1, stop_sync_actor_and_kill_a_rollout_rank)
+        trainer.run()
+        assert "not formed: the actor did not settle" in caplog.text
+        assert trainer.sync.restarts == 1 and trainer.learners.restarts == 0 and len(trainer.history) == 4
+        assert "the weight-sync actor stalled (WeightSyncStalled: weight-sync group" in caplog.text
+        assert trainer.rollout.restarts == [1]
         assert [h["staleness/max"] <= 1 for h in trainer.history] == [True] * 4
     finally:
         for pid in stopped:

@@ -8,6 +8,7 @@ bad requests, a pool of replicas, weights staged on live actors, a killed rank, 
 import dataclasses
 import importlib.util
 import os
+import threading
 import time
 
 import numpy as np
@@ -24,7 +25,7 @@ from rayflow.models import load_model
 from rayflow.rollout.rank import RolloutRank
 from rayflow.rollout.pool import RolloutPool
 from rayflow.rollout.spec import RolloutRankSpec
-from rayflow.sync.receiver import VOID_VERSION
+from rayflow.sync.receiver import VOID_VERSION, VersionAbandoned
 from rayflow.sampling.denoise import advance, finish_rollout, generate, local_guided_velocity, start_rollout
 from rayflow.types import RolloutRequest, SamplingParams
 from test_cfg_parallel import ThreadGroup, run_ranks
@@ -180,6 +181,40 @@ def test_ranks_on_different_requests_fail_instead_of_mixing(tiny_model_dir):
         ranks[r].join(group.rank(r))
     with pytest.raises(RuntimeError, match="different requests"):
         run_ranks(2, lambda r: ranks[r].generate(request(f"req-{r}")))
+
+
+def test_a_wait_abandoned_on_one_rank_fails_the_request_on_every_rank_and_their_collectives_still_pair(tiny_model_dir):
+    """The learners died (abandon_waits) while a request for version 1 starts: rank 0 holds 1 already, rank 1 does not.
+    Rank 1 raised VersionAbandoned before the request's first collective, which rank 0 was in: rank 0 waited there for
+    a peer that never came (its collective would have paired with rank 1's next request). Both ranks raise it, after
+    that collective, and stay in step: after the rewind the next request samples on both."""
+    model = lora_model(tiny_model_dir)
+    weights = random_adapter(model, seed=1)
+    ranks = [RolloutRank(spec_for(tiny_model_dir), r, 2) for r in range(2)]
+    group = ThreadGroup(2)
+    group.barrier = threading.Barrier(2, timeout=5)  # a rank left alone in a collective fails in 5 s, not 30
+    for r in range(2):
+        ranks[r].join(group.rank(r))
+    ranks[0].receiver.stage(1, weights)
+    for rank in ranks:
+        rank.receiver.abandon_waits()
+    errors: list[BaseException | None] = [None, None]
+
+    def start(r: int) -> None:
+        try:
+            ranks[r].generate(dataclasses.replace(request("waits-for-1"), min_version=1))
+        except BaseException as e:  # noqa: BLE001  (checked below, per rank)
+            errors[r] = e
+
+    run_ranks(2, start)
+    assert [type(e) for e in errors] == [VersionAbandoned, VersionAbandoned], errors
+    assert [rank.out_of_step for rank in ranks] == [None, None]
+    for rank in ranks:
+        rank.receiver.rewind(0)
+        rank.receiver.stage(1, weights)  # the new timeline's version 1
+    after = dataclasses.replace(request("after-the-rewind"), min_version=1)
+    got = run_ranks(2, lambda r: ranks[r].generate(after))
+    assert got[1] is None and got[0][0].versions.tolist() == [1] * 4
 
 
 def test_staging_checks_names_and_shapes_against_the_ranks_lora_slot(tiny_model_dir):

@@ -301,10 +301,11 @@ class Trainer:
             self._sync_failed(failure, push=not training_in_flight)
 
     def _sync_failed(self, failure: BaseException, push: bool = True) -> None:
-        """Raise a stopped sync's failure; replace a dead weight-sync actor (sync.max_restarts), re-forming its group
-        with the rollout ranks, and push the current version again (`push`; else the next one is pushed to the new
-        actor when the train step in flight ends, whose own push went to the dead one)."""
-        if not isinstance(failure, ray.exceptions.RayActorError):
+        """Raise a stopped sync's failure; replace a dead weight-sync actor, or one the rollout pool's `connect` found
+        stalled (sync.max_restarts), re-forming its group with the rollout ranks, and push the current version again
+        (`push`; else the next one is pushed to the new actor when the train step in flight ends, whose own push went
+        to the dead one)."""
+        if not isinstance(failure, (ray.exceptions.RayActorError, WeightSyncStalled)):
             raise failure
         self.sync.restart(self.rollout.replicas, failure)
         if push:
@@ -347,13 +348,45 @@ class Trainer:
 
     def _generate(self, requests: list[RolloutRequest], weights: ray.ObjectRef | None = None) -> list[Trajectory]:
         """Blocking (evaluation): the requests' trajectories in request order, sampled under `weights` (synced-slot
-        tensors; None: the rollout weights) while the loop serves the training requests in flight."""
+        tensors; None: the rollout weights) while the loop serves the training requests in flight. A request whose
+        trajectories are lost before the driver fetches them (with the node that sampled them, whose object store held
+        them: ObjectLostError and its kinds) is sampled again, the same request (prompts, seeds, version bound: the
+        evaluation's samples are the same), at most TRAJECTORY_LOSSES_PER_REQUEST times (it stopped the run)."""
         futures = self.rollout.map(requests, weights=weights)
         self.evaluating = set(futures)
-        while not all(f.finished for f in futures):
-            self._serve(training=None)
-        self.evaluating = set()
-        return [t for future in futures for t in future.result()]
+        results: list[list[Trajectory] | None] = [None] * len(futures)
+        losses: collections.Counter[int] = collections.Counter()
+        try:
+            while any(r is None for r in results):
+                for i, future in enumerate(futures):
+                    if results[i] is not None or not future.finished:
+                        continue
+                    try:
+                        results[i] = future.result()
+                    except ray.exceptions.ObjectLostError as e:
+                        losses[i] += 1
+                        futures[i] = self._evaluate_again(future, losses[i], e)
+                        self.evaluating.add(futures[i])
+                if any(r is None for r in results):
+                    self._serve(training=None)
+        finally:
+            self.evaluating = set()
+        return [t for result in results for t in result]
+
+    def _evaluate_again(self, lost: PoolFuture, losses: int, error: ray.exceptions.ObjectLostError) -> PoolFuture:
+        """An evaluation request whose trajectories were lost (`losses` times now) sent again, as `_sample_again` does
+        for a training request's; one loss more than TRAJECTORY_LOSSES_PER_REQUEST stops the run."""
+        request = lost.request
+        if losses > TRAJECTORY_LOSSES_PER_REQUEST:
+            raise TrajectoriesLost(
+                f"the trajectories of evaluation request {request.request_id} (prompt {request.prompts[0]!r}) were "
+                f"lost {losses} times before the driver fetched them (each time with the node that sampled them; at "
+                f"most {TRAJECTORY_LOSSES_PER_REQUEST} are sampled again); stopping the run. Continue from the last "
+                f"checkpoint with trainer.resume=auto"
+            ) from error
+        log.warning("sampling evaluation request %s again (its trajectories were lost: %s; %d of %d times allowed)",
+                    request.request_id, type(error).__name__, losses, TRAJECTORY_LOSSES_PER_REQUEST)
+        return self.rollout.submit(request, lost.policy, lost.weights)
 
     def _finish(self, step: TrainStep, clock: StepClock, queued: bool) -> None:
         """The learners' step `step` has settled: its metrics (LearnerError if a rank failed), then `_step_done`."""

@@ -5,7 +5,7 @@ threads of one process over an in-process group. Per request every rank of a rep
 
     start_rollout (validates: a bad request fails on every rank alike, before any collective)
     wait until the request's min_version is staged (RolloutRequest.min_version)
-    agree on the newest version staged on all ranks -> apply it
+    agree on the newest version staged on all ranks -> apply it (a wait abandoned on any rank: VersionAbandoned on all)
     per step: CFG-parallel velocity (one all_gather, carrying each rank's newest staged version)
               -> advance(state, v, version) -> at the boundary, apply the newly agreed version
     decode: rank 0 alone, or every rank its share of the chunks (sampling.decode_batch_size, parallel_decode)
@@ -33,7 +33,7 @@ from rayflow.models import DiffusionModel, load_configured
 from rayflow.models.speed import apply_speed_options
 from rayflow.distributed.process_group import CollectiveError, LeftGroup
 from rayflow.rollout.spec import RolloutRankSpec
-from rayflow.sync.receiver import WeightReceiver
+from rayflow.sync.receiver import VersionAbandoned, WeightReceiver
 from rayflow.sampling.denoise import advance, finish_rollout, split_trajectories, start_rollout
 from rayflow.types import RolloutRequest, Trajectory
 
@@ -138,14 +138,19 @@ class RolloutRank:
     def _header(self, tag: int) -> list[int]:
         return [self.receiver.newest(), tag]
 
-    def _agree(self, headers: torch.Tensor, tag: int, apply: bool) -> None:
-        """Check every rank runs this request; apply the newest version staged on all ranks if `apply`."""
+    def _agree(self, headers: torch.Tensor, tag: int, apply: bool, held: int | None = None) -> None:
+        """Check every rank runs this request, and holds version `held` (its min_version: VersionAbandoned on every
+        rank alike if one's wait was abandoned); apply the newest version staged on all ranks if `apply`."""
         tags = headers[:, 1]
         if bool((tags != tag).any()):
             raise RuntimeError(
                 f"rollout rank {self.rank}: the ranks of this replica run different requests (tags {tags.tolist()}); "
                 f"requests must reach every rank in the same order"
             )
+        if held is not None:
+            # Decided on the gathered headers, not at the wait: a peer holding the version already is in this
+            # collective, and this rank's next request would have paired with it.
+            self.receiver.check_held(headers[:, 0].tolist(), held)
         self.receiver.agree(headers[:, 0].tolist(), apply)
 
     # --- sampling ------------------------------------------------------------------------------
@@ -163,18 +168,18 @@ class RolloutRank:
         policy = policy or self.spec.policy
         state = start_rollout(self.model, request, policy)  # encodes the prompts: needs none of the synced weights
         if request.min_version is not None:
-            self.receiver.wait_for(request.min_version)
+            self.receiver.wait_for(request.min_version)  # False (abandoned): raised below, on every rank alike
         tag = request_tag(request)
         try:
-            self._agree(all_gather_header(self.group, self._header(tag)), tag, apply=True)
+            self._agree(all_gather_header(self.group, self._header(tag)), tag, apply=True, held=request.min_version)
             guidance = CFGParallel(self.group, len(state.branches), self.spec.batch_branches)
             with self.receiver.sampling_under(weights):
                 return self._denoise(request, state, policy, tag, guidance, apply=weights is None)
         except Exception as e:
             # Raised on this rank alone (a forward, a version not staged here, ranks on different requests): its peers
             # wait in this request's next collective, which this rank's next request would pair with (the size
-            # mismatch aborts a gloo process; NCCL does not check).
-            if self.world_size > 1 and not isinstance(e, CollectiveError):
+            # mismatch aborts a gloo process; NCCL does not check). VersionAbandoned is raised by every rank alike.
+            if self.world_size > 1 and not isinstance(e, (CollectiveError, VersionAbandoned)):
                 self.out_of_step = (f"rollout rank {self.rank}/{self.world_size} left its replica's group: request "
                                     f"{request.request_id!r} failed on it ({type(e).__name__}: {e})")
             raise

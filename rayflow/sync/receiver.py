@@ -17,7 +17,8 @@ Ordering rules and version protocol (DESIGN §8, §9; the source's side: rayflow
   rank that applied a later one holds no valid version (VOID_VERSION) until v is received again.
 - `abandon_waits()`: the learners died, and the versions the requests in flight wait for may never come (voided by
   the rewind, or their push lost with the learners or the weight-sync actor): from then until the `rewind`, a request
-  that would wait for a version fails at once with VersionAbandoned (the driver drops those requests).
+  that would wait for a version fails at once with VersionAbandoned (the driver drops those requests), on every rank
+  of the replica alike after the request's first collective (`check_held`), so their collectives keep pairing.
 """
 
 from __future__ import annotations
@@ -192,14 +193,20 @@ class WeightReceiver:
         """What this rank announces in the step header: its newest staged version, or the applied one."""
         return max(self.version, self.staged.newest(self.version))
 
-    def wait_for(self, version: int) -> None:
+    def wait_for(self, version: int) -> bool:
         """Block until this rank holds `version` or a newer one (applied or staged by the receiving thread), so the
         replica agrees on it at the request's start (RolloutRequest.min_version). A version that never comes
         leaves the request in flight without progress: the rollout watchdog's to report (and replace the replica),
-        unless the learners died (`abandon_waits`): then VersionAbandoned."""
-        if self.version < version and not self.staged.wait_newest(version, default=self.version):
-            raise VersionAbandoned(f"{self.where}: a request waited for version {version} (this rank holds "
-                                   f"{self.newest()}), abandoned as the learners restarted; the driver dropped it")
+        unless the learners died (`abandon_waits`): then False, at once. Not raised here: a peer may hold the version
+        already and be in the request's first collective; the ranks decide together (`check_held`)."""
+        return self.version >= version or self.staged.wait_newest(version, default=self.version)
+
+    def check_held(self, newest_per_rank: list[int], version: int) -> None:
+        """Raise VersionAbandoned, on every rank of the replica alike (all decide on the same gathered headers), when
+        one of them does not hold `version`: its wait was abandoned (a wait that ends otherwise holds it)."""
+        if min(newest_per_rank) < version:
+            raise VersionAbandoned(f"{self.where}: a request waited for version {version} (the replica's ranks hold "
+                                   f"{newest_per_rank}), abandoned as the learners restarted; the driver dropped it")
 
     def agree(self, newest_per_rank: list[int], apply: bool) -> int:
         """The replica's version: the minimum of its ranks' `newest` (a version every rank holds); loaded into the

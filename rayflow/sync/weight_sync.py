@@ -11,9 +11,10 @@ them) within `deadline_s`: `connect` the live replicas again and the newest vers
 generation.
 
 `failure()` answers at once with what stopped the sync (WeightSyncError: a refused push, a failed
-broadcast; or the actor's death), from one `watch` call kept in flight. A dead actor is replaced in its
-bundle by `restart` (sync.max_restarts per sync.restart_window_s), which re-forms the group; the caller
-then pushes the current version again.
+broadcast; or the actor's death), from one `watch` call kept in flight, or WeightSyncStalled once `connect`
+found the actor stopped (the rollout pool connects as a replica dies or comes back: raised there, it stopped
+the run). A dead or stalled actor is replaced in its bundle by `restart` (sync.max_restarts per
+sync.restart_window_s), which re-forms the group; the caller then pushes the current version again.
 """
 
 from __future__ import annotations
@@ -40,8 +41,9 @@ WAIT_GRACE_S = 10.0
 """A waiter's margin over the actor's broadcast deadline, so the actor's verdict arrives first."""
 
 
-class WeightSyncStalled(RuntimeError):
-    """The weight-sync actor neither died nor took a push within the sync's timeout (stuck in it, or stopped)."""
+class WeightSyncStalled(TimeoutError):
+    """The weight-sync actor neither died nor took a push within the sync's timeout (stuck in it, or stopped), or did
+    not settle for `connect` within its deadline."""
 
 
 class SyncedReplica(Protocol):
@@ -97,10 +99,17 @@ class WeightSync:
         # No restarts by Ray: a new actor must join a new group generation, which `restart` forms.
         self.actor = self.placed.spawn(0, WeightSyncActor, self.spec, self.synced, max_restarts=0, **light_actor_options())
         self._watch = self.actor.watch.remote()
+        self.stalled: WeightSyncStalled | None = None
+        """Set when `connect` found this actor stalled: `failure()` reports it, `wait` and `lost_versions` raise it."""
 
     def connect(self, replicas: list[SyncedReplica]) -> None:
         """Form a new generation of the group: the actor as rank 0, every rank of every live replica after it.
-        Raises TimeoutError naming the ranks that did not join (stalled) instead of waiting for them forever."""
+        Raises TimeoutError naming the ranks that did not join (stalled) instead of waiting for them forever. An actor
+        that does not settle within `deadline_s` (stopped) is marked `stalled` and no group formed: the driver replaces
+        it (`restart`, from `failure()`), which connects the live replicas then; its callers (the rollout pool, which
+        connects as a replica dies or comes back) go on meanwhile."""
+        if self.stalled is not None:
+            return  # its replacement connects every live replica
         members = [(r, rank) for r in replicas if r.alive for rank in range(r.world_size)]
         workers = [r.workers[rank] for r, rank in members]
         self.generation += 1
@@ -109,8 +118,10 @@ class WeightSync:
         # time out (one collective timeout) while the actor finishes it before it can host the new group.
         settled = self.actor.settle.remote()
         if not ray.wait([settled], timeout=self.deadline_s)[0]:
-            raise TimeoutError(f"weight-sync group {name!r}: the actor's broadcast in flight did not end within "
-                               f"{self.deadline_s:.0f}s (stalled)")
+            self.stalled = WeightSyncStalled(f"weight-sync group {name!r} not formed: the actor did not settle (end "
+                                             f"its broadcast in flight) within {self.deadline_s:.0f}s: stuck or stopped")
+            log.error("%s; the driver replaces it", self.stalled)
+            return
         ray.get(settled)
         rendezvous = self.actor.rendezvous.remote()
         size = len(workers) + 1
@@ -131,14 +142,19 @@ class WeightSync:
 
     def wait(self, version: int, timeout_s: float | None = None) -> SyncReport:
         """Block until `version` is staged on every rollout rank; raises the sync's failure, or TimeoutError when it is
-        not staged within `timeout_s` (the actor's verdict; a stopped actor, which gives none, a grace later)."""
+        not staged within `timeout_s` (the actor's verdict; a stopped actor, which gives none, a grace later; one
+        `connect` found stalled, at once)."""
+        if self.stalled is not None:
+            raise self.stalled
         return ray.get(self.actor.wait.remote(version, timeout_s),
                        timeout=None if timeout_s is None else timeout_s + WAIT_GRACE_S)
 
     def lost_versions(self) -> list[int]:
         """Versions whose broadcast met a dead receiver since the last `connect`; raises the sync's failure, or
         TimeoutError when the actor gives no answer within the sync's timeout (stopped: its other threads answer while
-        one is stuck in a push)."""
+        one is stuck in a push; one `connect` found stalled, at once)."""
+        if self.stalled is not None:
+            raise self.stalled
         return ray.get(self.actor.lost_versions.remote(), timeout=self.timeout_s)
 
     @property
@@ -148,7 +164,10 @@ class WeightSync:
 
     def failure(self, timeout_s: float = 0.0) -> BaseException | None:
         """What stopped the sync, or None while it runs (waiting up to `timeout_s`): WeightSyncError (a refused push,
-        a failed broadcast; its cause chained), or RayActorError (the actor died: `restart` it)."""
+        a failed broadcast; its cause chained), RayActorError (the actor died: `restart` it), or WeightSyncStalled
+        (`connect` found it stopped: `restart` it)."""
+        if self.stalled is not None:
+            return self.stalled
         if not ray.wait([self._watch], timeout=timeout_s)[0]:
             return None
         try:
@@ -198,6 +217,8 @@ class WeightSync:
         """Bring a restarted or added `replica` (one of `replicas`) into the group, and stage the current
         version on it before it serves a request."""
         self.connect(replicas)
+        if self.stalled is not None:  # its replacement receives the version pushed after the restart
+            return
         current = ray.get(self.actor.current.remote())
         if current is not None and current[0] > 0:  # a new rank holds version 0 (the initial adapter) already
             ray.get(replica.stage_weights(*current))
