@@ -463,6 +463,21 @@ def test_a_weight_sync_actor_stuck_in_a_push_is_replaced_as_stalled_not_blamed_o
         trainer.shutdown()
 
 
+def stop_sync_actor(trainer: Trainer, stopped: list[int]) -> None:
+    """SIGSTOP the weight-sync actor's process (it neither answers nor dies), noting its pid in `stopped`."""
+    stopped.append(ray.get(trainer.sync.actor.__ray_call__.remote(lambda actor: os.getpid())))
+    os.kill(stopped[-1], signal.SIGSTOP)
+
+
+def continue_stopped(stopped: list[int]) -> None:
+    """SIGCONT the processes `stop_sync_actor` stopped: a replacement killed them, unless the test failed before it."""
+    for pid in stopped:
+        try:
+            os.kill(pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+
+
 def test_a_stopped_weight_sync_actor_is_replaced_as_stalled_in_an_asynchronous_run(
         ray_session, tiny_model_dir, tmp_path, monkeypatch, caplog):
     """Asynchronous: the weight-sync actor is stopped (SIGSTOP) after step 1: it neither answers nor dies. The driver
@@ -470,23 +485,14 @@ def test_a_stopped_weight_sync_actor_is_replaced_as_stalled_in_an_asynchronous_r
     sync's timeout (rollout.collective_timeout_s) and replaces the actor as stalled."""
     cfg = small_cfg(GRPO, tiny_model_dir, tmp_path, *ASYNCHRONOUS, *SYNC_STALLS_IN_5_S)
     trainer, stopped = Trainer(cfg), []
-
-    def stop_sync_actor():
-        stopped.append(ray.get(trainer.sync.actor.__ray_call__.remote(lambda actor: os.getpid())))
-        os.kill(stopped[0], signal.SIGSTOP)
-
     try:
-        after_step(trainer, monkeypatch, 1, stop_sync_actor)
+        after_step(trainer, monkeypatch, 1, lambda: stop_sync_actor(trainer, stopped))
         trainer.run()
         assert trainer.sync.restarts == 1 and trainer.learners.restarts == 0 and len(trainer.history) == 4
         assert "the weight-sync actor stalled" in caplog.text
         assert [h["staleness/max"] <= 1 for h in trainer.history] == [True] * 4
     finally:
-        for pid in stopped:
-            try:
-                os.kill(pid, signal.SIGCONT)  # killed by the replacement unless the test failed before it
-            except ProcessLookupError:
-                pass
+        continue_stopped(stopped)
         trainer.shutdown()
 
 
@@ -500,8 +506,7 @@ def test_a_weight_sync_actor_stopped_as_a_rollout_replica_dies_is_replaced_as_st
     trainer, stopped = Trainer(cfg), []
 
     def stop_sync_actor_and_kill_a_rollout_rank():
-        stopped.append(ray.get(trainer.sync.actor.__ray_call__.remote(lambda actor: os.getpid())))
-        os.kill(stopped[0], signal.SIGSTOP)
+        stop_sync_actor(trainer, stopped)
         rank = trainer.rollout.replicas[0].workers[0]
         ray.kill(rank)
         wait_until_dead(rank)
@@ -518,11 +523,7 @@ def test_a_weight_sync_actor_stopped_as_a_rollout_replica_dies_is_replaced_as_st
         assert trainer.rollout.restarts == [1]
         assert [h["staleness/max"] <= 1 for h in trainer.history] == [True] * 4
     finally:
-        for pid in stopped:
-            try:
-                os.kill(pid, signal.SIGCONT)  # killed by the replacement unless the test failed before it
-            except ProcessLookupError:
-                pass
+        continue_stopped(stopped)
         trainer.shutdown()
 
 
