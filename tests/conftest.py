@@ -21,8 +21,8 @@ import torch
 from rayflow.models.tiny import save_tiny_model
 
 
-LONGEST_FILES_FIRST = ("test_trainer.py", "test_sync.py", "test_cluster.py", "test_watchdog.py", "test_learner.py",
-                       "test_faults.py", "test_learning.py", "test_recipes.py", "test_rollout.py", "test_runs.py",
+LONGEST_FILES_FIRST = ("test_faults.py", "test_trainer.py", "test_sync.py", "test_cluster.py", "test_watchdog.py",
+                       "test_learner.py", "test_learning.py", "test_recipes.py", "test_rollout.py", "test_runs.py",
                        "test_job_submit.py", "test_colocated.py", "test_bench_gpu.py", "test_reward_workers.py",
                        "test_planning.py")
 """The files that take longest (most Ray actors started, or long in-process training), longest first: under `-n 2
@@ -30,7 +30,9 @@ LONGEST_FILES_FIRST = ("test_trainer.py", "test_sync.py", "test_cluster.py", "te
 out the end (longest-processing-time-first). Seconds per file on 2 cores, two runs of 2026-11-26: trainer 210 / 189,
 sync 108 / 100, cluster 74 / 74, watchdog 77 / 69, learner 75 / 63, faults 68 / 57, learning 53 / 55, recipes 61 / 40,
 rollout 52 / 42, runs 44 / 43, job_submit 46 / 26, colocated 39 / 29, bench_gpu 21 / 17, reward_workers 18,
-planning 17; every other file < 11."""
+planning 17; every other file < 11. test_faults.py first since 2026-11-29 (fifteenth session): its 18 tests, six of
+them waiting out a stalled weight-sync actor's deadlines or a node's lost objects, take about 250 s (from the
+durations of a fresh-clone run), the longest file."""
 
 
 def pytest_configure(config):
