@@ -253,17 +253,8 @@ class Trainer:
         bound: a synchronous run's samples are the same), and its group counted in rollout/regenerated. Its samples
         still count as running for admission: none of them reached the queue."""
         self.trajectory_losses[request.request_id] += 1
-        losses = self.trajectory_losses[request.request_id]
-        if losses > TRAJECTORY_LOSSES_PER_REQUEST:
-            raise TrajectoriesLost(
-                f"the trajectories of rollout request {request.request_id} (prompt {request.prompts[0]!r}) were lost "
-                f"{losses} times before they were scored (each time with the node that sampled them; at most "
-                f"{TRAJECTORY_LOSSES_PER_REQUEST} are sampled again); stopping the run. Continue from the last "
-                f"checkpoint with trainer.resume=auto"
-            )
+        self._allow_another_sampling("rollout", request, self.trajectory_losses[request.request_id], "they were scored")
         self.queue.stats.regenerated += 1
-        log.warning("sampling rollout request %s again (its trajectories were lost, %d of %d times allowed)",
-                    request.request_id, losses, TRAJECTORY_LOSSES_PER_REQUEST)
         self.rollout.submit(request)
 
     def _learner_stalled(self, training: list[ray.ObjectRef]) -> None:
@@ -373,20 +364,28 @@ class Trainer:
             self.evaluating = set()
         return [t for result in results for t in result]
 
+    @staticmethod
+    def _allow_another_sampling(kind: str, request: RolloutRequest, losses: int, lost_before: str,
+                                error: BaseException | None = None) -> None:
+        """The `kind` ("rollout", "evaluation") request's trajectories were lost `losses` times now, each before
+        `lost_before`: TrajectoriesLost once that is more than TRAJECTORY_LOSSES_PER_REQUEST, else logged as sampled
+        again."""
+        if losses > TRAJECTORY_LOSSES_PER_REQUEST:
+            raise TrajectoriesLost(
+                f"the trajectories of {kind} request {request.request_id} (prompt {request.prompts[0]!r}) were lost "
+                f"{losses} times before {lost_before} (each time with the node that sampled them; at most "
+                f"{TRAJECTORY_LOSSES_PER_REQUEST} are sampled again); stopping the run. Continue from the last "
+                f"checkpoint with trainer.resume=auto"
+            ) from error
+        cause = f": {type(error).__name__}" if error is not None else ""
+        log.warning("sampling %s request %s again (its trajectories were lost%s; %d of %d times allowed)", kind,
+                    request.request_id, cause, losses, TRAJECTORY_LOSSES_PER_REQUEST)
+
     def _evaluate_again(self, lost: PoolFuture, losses: int, error: ray.exceptions.ObjectLostError) -> PoolFuture:
         """An evaluation request whose trajectories were lost (`losses` times now) sent again, as `_sample_again` does
         for a training request's; one loss more than TRAJECTORY_LOSSES_PER_REQUEST stops the run."""
-        request = lost.request
-        if losses > TRAJECTORY_LOSSES_PER_REQUEST:
-            raise TrajectoriesLost(
-                f"the trajectories of evaluation request {request.request_id} (prompt {request.prompts[0]!r}) were "
-                f"lost {losses} times before the driver fetched them (each time with the node that sampled them; at "
-                f"most {TRAJECTORY_LOSSES_PER_REQUEST} are sampled again); stopping the run. Continue from the last "
-                f"checkpoint with trainer.resume=auto"
-            ) from error
-        log.warning("sampling evaluation request %s again (its trajectories were lost: %s; %d of %d times allowed)",
-                    request.request_id, type(error).__name__, losses, TRAJECTORY_LOSSES_PER_REQUEST)
-        return self.rollout.submit(request, lost.policy, lost.weights)
+        self._allow_another_sampling("evaluation", lost.request, losses, "the driver fetched them", error)
+        return self.rollout.submit(lost.request, lost.policy, lost.weights)
 
     def _finish(self, step: TrainStep, clock: StepClock, queued: bool) -> None:
         """The learners' step `step` has settled: its metrics (LearnerError if a rank failed), then `_step_done`."""
