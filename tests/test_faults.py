@@ -388,7 +388,7 @@ def test_a_learner_death_in_the_push_to_a_replaced_weight_sync_actor_rewinds(ray
             push_into_a_dead_learner.done = True
             ray.kill(trainer.learners.workers[0])
             wait_until_dead(trainer.learners.workers[0])
-            trainer._push_weights()  # what _sync_failed does after replacing the actor
+            trainer._push_weights()  # what _replace_sync does after replacing the actor
         check(training_in_flight)
 
     monkeypatch.setattr(trainer, "_check_sync_failure", push_into_a_dead_learner)
@@ -493,6 +493,26 @@ def test_a_stopped_weight_sync_actor_is_replaced_as_stalled_in_an_asynchronous_r
         assert [h["staleness/max"] <= 1 for h in trainer.history] == [True] * 4
     finally:
         continue_stopped(stopped)
+        trainer.shutdown()
+
+
+def test_an_evaluation_waiting_for_a_version_never_staged_replaces_the_weight_sync_actor_not_a_rollout_replica(
+        ray_session, tiny_model_dir, tmp_path, caplog):
+    """Asynchronous: the weight-sync actor is stuck in the push of version 2 (it answers for the versions a broadcast
+    lost), and step 2 evaluates: its requests wait on the rollout ranks for version 2, which nothing waited for but the
+    rollout watchdog (rollout.stall_timeout_s), which replaced the rollout replica as stalled, again and again. The
+    driver waits for the broadcast before the evaluation, within the sync's deadline, and replaces the weight-sync
+    actor as stalled."""
+    cfg = small_cfg(GRPO, tiny_model_dir, tmp_path, *ASYNCHRONOUS, *SYNC_STALLS_IN_5_S, "trainer.total_steps=2",
+                    "trainer.eval_every=2", "rollout.stall_timeout_s=30")
+    trainer = Trainer(cfg)
+    try:
+        hang_push_of(trainer, 2)
+        trainer.run()
+        assert trainer.sync.restarts == 1 and trainer.learners.restarts == 0 and len(trainer.history) == 2
+        assert "the weight-sync actor stalled (WeightSyncStalled: version 2 not taken" in caplog.text
+        assert trainer.rollout.restarts == [0], "the rollout replica waiting for version 2 was replaced as stalled"
+    finally:
         trainer.shutdown()
 
 

@@ -278,7 +278,7 @@ def test_ranks_apply_the_minimum_of_their_newest_staged_versions():
 
 def test_a_rank_waits_for_a_requests_min_version_until_the_receiving_thread_stages_it():
     receiver, _ = receiver_with()
-    assert receiver.wait_for(0)  # held already: returns at once
+    receiver.wait_for(0)  # held already: returns at once
     waited = threading.Event()
 
     def start_request():  # the sampling thread, as RolloutRank.generate with min_version 2
@@ -322,8 +322,11 @@ def test_a_learner_restart_fails_the_requests_waiting_for_a_version_until_the_re
     assert not waiting.is_alive(), "the abandoned request still waits for version 2"
     assert len(failed) == 1 and "rollout rank 0/1: a request waited for version 2 (the replica's ranks hold [1])" in \
         str(failed[0])
-    assert receiver.wait_for(3) is False  # a later request of the old timeline ends its wait at once, unmet
-    assert receiver.wait_for(1) is True  # one the rank holds samples (and is dropped by the driver)
+    receiver.wait_for(3)  # a later request of the old timeline ends its wait at once, unmet
+    with pytest.raises(VersionAbandoned):
+        receiver.check_held([receiver.newest()], 3)
+    receiver.wait_for(1)  # one the rank holds samples (and is dropped by the driver)
+    receiver.check_held([receiver.newest()], 1)
     receiver.rewind(1)
     waiting = threading.Thread(target=start_request, args=(2,))  # the new timeline's version 2
     waiting.start()

@@ -73,8 +73,8 @@ class Evaluator:
 
     def run(self, step: int, monitor: Monitor, weights: ray.ObjectRef | None = None) -> dict[str, float]:
         """`weights`: synced-slot tensors to sample under instead of the rollout weights (the EMA adapter). Otherwise
-        every request waits for the rollout weights of version `step` (asynchronous runs evaluate before the broadcast
-        of the step's weights has landed)."""
+        every request waits for the rollout weights of version `step` (an asynchronous run's step ends before the
+        broadcast of its weights has landed; the trainer waits for that broadcast first, within the sync's deadline)."""
         requests = self.requests if weights is not None else [dataclasses.replace(r, min_version=step) for r in self.requests]
         trajectories = self.generate(requests, weights)
         self.rewards.score(trajectories)

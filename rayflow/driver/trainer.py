@@ -286,18 +286,20 @@ class Trainer:
 
     def _check_sync_failure(self, training_in_flight: bool) -> None:
         """Every pass of the loop (asynchronous mode waits for no version): a failed push or broadcast ends the run
-        with its cause; a dead weight-sync actor is replaced."""
+        with its cause; a dead weight-sync actor, or one the rollout pool's `connect` found stalled, is replaced, and
+        the current version pushed to it unless a train step is in flight (its end pushes the next version to the new
+        actor; its own push went to the old one)."""
         failure = self.sync.failure()
-        if failure is not None:
-            self._sync_failed(failure, push=not training_in_flight)
-
-    def _sync_failed(self, failure: BaseException, push: bool = True) -> None:
-        """Raise a stopped sync's failure; replace a dead weight-sync actor, or one the rollout pool's `connect` found
-        stalled (sync.max_restarts), re-forming its group with the rollout ranks, and push the current version again
-        (`push`; else the next one is pushed to the new actor when the train step in flight ends, whose own push went
-        to the dead one)."""
+        if failure is None:
+            return
         if not isinstance(failure, (ray.exceptions.RayActorError, WeightSyncStalled)):
             raise failure
+        self._replace_sync(failure, push=not training_in_flight)
+
+    def _replace_sync(self, failure: ray.exceptions.RayActorError | WeightSyncStalled, push: bool) -> None:
+        """Replace the dead or stalled weight-sync actor (sync.max_restarts; `failure` is logged as its cause),
+        re-forming its group with the live rollout ranks; with `push`, learner rank 0 pushes the current version to
+        the new actor (else the caller's next push goes to it)."""
         self.sync.restart(self.rollout.replicas, failure)
         if push:
             self._push_weights()
@@ -309,30 +311,27 @@ class Trainer:
             push = self.learners.get(self.learners.push_weights(self.sync.actor))[0]
             if "stalled_version" not in push:
                 return push
-            self._sync_stalled(int(push["stalled_version"]))
+            self._replace_sync(self._stalled_at(int(push["stalled_version"])), push=False)  # the loop pushes to it
 
-    def _sync_stalled(self, version: int) -> None:
-        """The weight-sync actor neither died nor took learner rank 0's push of `version` within the sync's timeout
-        (stuck in it, or stopped): it is replaced as a dead one is (sync.max_restarts), not blamed on the learners,
-        whose rank 0 waited for it (with no deadline it blocked their step until the learners' watchdog stopped the
-        run). The caller pushes the current version to the replacement."""
-        self.sync.restart(self.rollout.replicas, WeightSyncStalled(
-            f"version {version} not taken from learner rank 0 or not staged within {self.sync.timeout_s:.0f}s "
-            f"(rollout.collective_timeout_s): stuck or stopped"))
+    def _stalled_at(self, version: int) -> WeightSyncStalled:
+        """The weight-sync actor neither died nor took learner rank 0's push of `version`, or did not stage it, within
+        the sync's timeout (stuck in it, or stopped): it is replaced as a dead one is (`_replace_sync`), not blamed on
+        the learners, whose rank 0 waited for it (with no deadline it blocked their step until the learners' watchdog
+        stopped the run), nor on the rollout replicas whose requests wait for the version."""
+        return WeightSyncStalled(f"version {version} not taken from learner rank 0 or not staged within "
+                                 f"{self.sync.timeout_s:.0f}s (rollout.collective_timeout_s): stuck or stopped")
 
     def _check_sync(self, push: bool = True) -> None:
         """A broadcast that met a dead receiver: find the dead replicas; a new sync group resends the newest version.
-        A dead weight-sync actor is replaced (`push`: _sync_failed's), and a stopped one, which gives no answer, as stalled
-        (asked with no deadline, it hung the run)."""
+        A dead weight-sync actor is replaced (`push`: _replace_sync's), and a stopped one, which gives no answer, as
+        stalled (asked with no deadline, it hung the run)."""
         try:
             lost = self.sync.lost_versions()
         except ray.exceptions.RayActorError as e:
-            self._sync_failed(e, push=push)
+            self._replace_sync(e, push)
             return
         except TimeoutError:
-            self._sync_stalled(self.version)
-            if push:
-                self._push_weights()
+            self._replace_sync(self._stalled_at(self.version), push)
             return
         if lost:
             self.rollout.find_dead()
@@ -402,7 +401,7 @@ class Trainer:
         self.version += 1
         if "sync/stalled_version" in metrics and self.sync.actor is step.pushing_to:
             # Learner rank 0 sent no push: the actor had not taken its previous one. Replaced, it is pushed to below.
-            self._sync_stalled(int(metrics["sync/stalled_version"]))
+            self._replace_sync(self._stalled_at(int(metrics["sync/stalled_version"])), push=False)
         if self.sync.actor is step.pushing_to:  # learner rank 0 pushed the version when the step ended
             push_s = metrics.get("sync/gather_s", 0.0) + metrics.get("sync/push_s", 0.0)
         elif queued:
@@ -472,6 +471,14 @@ class Trainer:
         stopping = self.out_of_time and self.version < cfg.trainer.total_steps and not queued and not submitted_next
         if cfg.trainer.eval_every and (self._evaluates_at(self.version) or stopping):
             with clock.excluded():  # neither this step's time nor the next one's
+                if cfg.async_.max_staleness > 0:
+                    # The evaluation's requests wait on the rollout ranks for this step's version (the EMA's tensors
+                    # come from the weight-sync actor): its broadcast is waited for first, within the sync's deadline,
+                    # so that a stuck or stopped weight-sync actor is replaced as stalled. The requests had only the
+                    # rollout watchdog's deadline (rollout.stall_timeout_s), which replaced the replicas instead. No
+                    # train step is in flight for a push to queue behind: none queues behind a step that evaluates
+                    # (_may_queue_behind), and a stopping one has none queued.
+                    self._wait_synced()
                 self.evaluator.run(self.version, self.monitor, self._eval_weights())
         if is_save_step(self.version, cfg.trainer.save_every, cfg.trainer.total_steps) or stopping:
             # Not left out of the clock as evaluation is: the next batch rolls out meanwhile (a synchronous one went
@@ -511,10 +518,9 @@ class Trainer:
                 log.warning("%s", e)
                 self._check_sync()
             except ray.exceptions.RayActorError as e:  # the weight-sync actor died
-                self._sync_failed(e)
+                self._replace_sync(e, push=True)
             except TimeoutError:  # not staged in time: its push not taken (or not broadcast), or the actor stopped
-                self._sync_stalled(self.version)
-                self._push_weights()
+                self._replace_sync(self._stalled_at(self.version), push=True)
 
     # -- checkpoints -------------------------------------------------------------------------------
     def _save(self) -> None:

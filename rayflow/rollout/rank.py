@@ -168,7 +168,7 @@ class RolloutRank:
         policy = policy or self.spec.policy
         state = start_rollout(self.model, request, policy)  # encodes the prompts: needs none of the synced weights
         if request.min_version is not None:
-            self.receiver.wait_for(request.min_version)  # False (abandoned): raised below, on every rank alike
+            self.receiver.wait_for(request.min_version)  # abandoned, it returns unmet: check_held raises on every rank
         tag = request_tag(request)
         try:
             self._agree(all_gather_header(self.group, self._header(tag)), tag, apply=True, held=request.min_version)

@@ -98,14 +98,10 @@ class StagedWeights:
         with self._staging:
             return max(self._by_version, default=default)
 
-    def wait_newest(self, at_least: int, default: int) -> bool:
-        """Block until newest(default) >= at_least (another thread stages it); False if the wait was abandoned first."""
+    def wait_newest(self, at_least: int, default: int) -> None:
+        """Block until newest(default) >= at_least (another thread stages it), or the wait is abandoned."""
         with self._staging:
-            def met() -> bool:
-                return max(self._by_version, default=default) >= at_least
-
-            self._staging.wait_for(lambda: met() or self._abandoned)
-            return met()
+            self._staging.wait_for(lambda: max(self._by_version, default=default) >= at_least or self._abandoned)
 
     def abandon(self, abandoned: bool) -> None:
         """`abandoned`: release every wait, and return the later ones at once, unmet; False: they wait again."""
@@ -193,13 +189,15 @@ class WeightReceiver:
         """What this rank announces in the step header: its newest staged version, or the applied one."""
         return max(self.version, self.staged.newest(self.version))
 
-    def wait_for(self, version: int) -> bool:
+    def wait_for(self, version: int) -> None:
         """Block until this rank holds `version` or a newer one (applied or staged by the receiving thread), so the
         replica agrees on it at the request's start (RolloutRequest.min_version). A version that never comes
         leaves the request in flight without progress: the rollout watchdog's to report (and replace the replica),
-        unless the learners died (`abandon_waits`): then False, at once. Not raised here: a peer may hold the version
-        already and be in the request's first collective; the ranks decide together (`check_held`)."""
-        return self.version >= version or self.staged.wait_newest(version, default=self.version)
+        unless the learners died (`abandon_waits`): then it returns at once, unmet. Nothing is raised or returned
+        here: a peer may hold the version already and be in the request's first collective; the ranks decide together
+        on the gathered headers (`check_held`)."""
+        if self.version < version:
+            self.staged.wait_newest(version, default=self.version)
 
     def check_held(self, newest_per_rank: list[int], version: int) -> None:
         """Raise VersionAbandoned, on every rank of the replica alike (all decide on the same gathered headers), when
