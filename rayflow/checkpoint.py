@@ -304,9 +304,13 @@ def read_meta(path: str) -> dict:
     return meta
 
 
-def verify_checkpoint(path: str) -> None:
+def verify_checkpoint(path: str, checksums: bool = True) -> None:
     """Raise CheckpointDamaged naming the first file that is missing, truncated or altered (against the
-    manifest), invalid metadata, or a non-finite tensor in an adapter or the optimizer state."""
+    manifest), invalid metadata, or a non-finite tensor in an adapter or the optimizer state.
+
+    checksums=False: what can be told without reading the weights: the manifest, each file's size, meta.json, and the
+    finite check the save itself made (meta.json's "finite"). Of a checkpoint this version saved, that finds what the
+    full check finds, except a file altered after the save at its size (bit rot, an edit)."""
     manifest_path = os.path.join(path, MANIFEST)
     try:
         with open(manifest_path) as f:
@@ -327,12 +331,18 @@ def verify_checkpoint(path: str) -> None:
         size = os.path.getsize(file)
         if size != entry["bytes"]:
             raise CheckpointDamaged(path, name, f"{size} bytes, the manifest says {entry['bytes']} (truncated or rewritten)")
-        if sha256_file(file) != entry["sha256"]:
+        if checksums and sha256_file(file) != entry["sha256"]:
             raise CheckpointDamaged(path, name, "sha256 differs from the manifest's (the file was altered)")
     meta = read_meta(path)
+    if not checksums and not meta.get("sharded") and meta.get("finite") is False:
+        # The save's all_finite over the same adapters and optimizer state that the full check loads.
+        raise CheckpointDamaged(path, "meta.json", "its save found non-finite (NaN or Inf) values in the adapters or "
+                                                   "optimizer.pt (\"finite\": false)")
     if meta.get("sharded"):  # its ranks checked their shards' values when writing: reading them all here would gather the model
         if meta.get("finite") is False:
             raise CheckpointDamaged(path, f"{SHARDED_DIR}/", "holds non-finite (NaN or Inf) values (found by its ranks when writing)")
+        return
+    if not checksums:
         return
     for name in meta["adapters"]:
         if not all_finite(load_adapter(path, name)):
@@ -463,6 +473,21 @@ def newest_intact(root: str) -> str:
             log.warning("resuming from %s, the newest intact checkpoint (%d newer damaged)", path, len(damaged))
         return path
     raise CheckpointDamaged(root, "every checkpoint", "; ".join(damaged) + ". Restore one, or start a new run")
+
+
+def newest_resumable(root: str) -> tuple[str | None, list[CheckpointDamaged]]:
+    """The checkpoint under `root` that newest_intact (resume=auto) would pick, told without reading the weights
+    (verify_checkpoint(checksums=False)), or None; and what is wrong with each newer one, newest first. Quiet: for
+    messages about a run, where newest_intact is the resume itself."""
+    damaged = []
+    for path in reversed(list_checkpoints(root)):
+        try:
+            verify_checkpoint(path, checksums=False)
+        except CheckpointDamaged as e:
+            damaged.append(e)
+            continue
+        return path, damaged
+    return None, damaged
 
 
 def base_model_record(model_cfg) -> dict:

@@ -212,13 +212,13 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         cfg = load_config(args.config, args.overrides)
-        preflight(cfg)
+        _, plan = preflight(cfg)
     except RunComplete as e:
         print(e)
         return
     except USER_ERRORS as e:
         sys.exit(f"error: {e}")
-    write_run_config(cfg)
+    write_run_config(cfg, plan.inputs)
     torch.set_num_threads(max(1, cfg.learner.threads_per_rank))
     try:
         train(cfg)

@@ -70,6 +70,9 @@ class ResumePlan:
     """Its step (0 for a new run)."""
     changed: list[str] = field(default_factory=list)
     """Allowed setting changes against the checkpoint's run, as "key: old -> new"."""
+    inputs: dict[str, dict] | None = None
+    """input_fingerprints(cfg) when the comparison with the saved run took them (for write_run_config, so that a
+    resume hashes each input once); None when it did not."""
 
 
 def plan_resume(cfg: RayflowConfig) -> ResumePlan:
@@ -96,7 +99,9 @@ def plan_resume(cfg: RayflowConfig) -> ResumePlan:
         # A value its own settings left unread (an older version accepted one) was no setting of the run.
         saved_config = unread_at_defaults(yaml.safe_load(f) or {})
     current_config = to_dict(cfg)
-    moved = _compare_inputs_by_content(saved_config, current_config, _read_inputs(run_dir))
+    saved_inputs = _read_inputs(run_dir)
+    inputs = input_fingerprints(cfg) if saved_inputs else None
+    moved = _compare_inputs_by_content(saved_config, current_config, saved_inputs, inputs or {})
     saved, current = _flatten(saved_config), _flatten(current_config)
     diffs = [(key, saved.get(key), current.get(key)) for key in sorted(set(saved) | set(current))
              if saved.get(key) != current.get(key) and not key.startswith(IGNORED)]
@@ -110,7 +115,7 @@ def plan_resume(cfg: RayflowConfig) -> ResumePlan:
             + "; ".join(f"{k}: {a!r} -> {b!r}" for k, a, b in refused)
             + ". Put them back, or leave trainer.run_name unset (and trainer.resume=auto) to start a new run"
         )
-    return ResumePlan(path, step, moved + [f"{k}: {a!r} -> {b!r}" for k, a, b in diffs])
+    return ResumePlan(path, step, moved + [f"{k}: {a!r} -> {b!r}" for k, a, b in diffs], inputs)
 
 
 def input_paths(config: dict) -> dict[str, str]:
@@ -121,6 +126,12 @@ def input_paths(config: dict) -> dict[str, str]:
     for i, fn in enumerate(config.get("reward", {}).get("functions") or []):
         found[f"reward.functions.{i}.kwargs.path"] = (fn.get("kwargs") or {}).get("path")
     return {key: path for key, path in found.items() if isinstance(path, str)}
+
+
+def input_fingerprints(cfg: RayflowConfig) -> dict[str, dict]:
+    """Dotted key -> {"path", "fingerprint"} of each input (input_paths): what inputs.json records, and what a resume
+    compares against it."""
+    return {key: {"path": path, "fingerprint": fingerprint(path)} for key, path in input_paths(to_dict(cfg)).items()}
 
 
 def fingerprint(path: str) -> str | None:
@@ -154,16 +165,18 @@ def _read_inputs(run_dir: str) -> dict[str, dict]:
         return {}
 
 
-def _compare_inputs_by_content(saved: dict, current: dict, fingerprints: dict[str, dict]) -> list[str]:
+def _compare_inputs_by_content(saved: dict, current: dict, fingerprints: dict[str, dict],
+                               current_fingerprints: dict[str, dict]) -> list[str]:
     """Where an input's path changed but what it holds did not, give `current` the saved path (in place), so the
     comparison sees no change; where the same path holds something else now, mark the saved path as changed in
-    `saved`, so it does. Returns a line for each input found at a new path."""
+    `saved`, so it does. `fingerprints`: the saved run's inputs.json; `current_fingerprints`: input_fingerprints of
+    `current`. Returns a line for each input found at a new path."""
     moved = []
     for key, path in input_paths(current).items():
         old = fingerprints.get(key)
         if not old:
             continue
-        now = fingerprint(path)
+        now = current_fingerprints[key]["fingerprint"]
         if now == old["fingerprint"] and path != old["path"]:
             moved.append(f"{key}: {old['path']!r} -> {path!r} (moved; the same content)")
             _set(current, key, old["path"])
@@ -180,9 +193,10 @@ def _set(config: dict, dotted: str, value: str) -> None:
     node[leaf] = value
 
 
-def preflight(cfg: RayflowConfig) -> list[str]:
+def preflight(cfg: RayflowConfig) -> tuple[list[str], ResumePlan]:
     """Checks that need no Ray: the prompt files, the model directory (on a local run it must be here),
-    the resume target and what resuming would change. Returns the training prompts."""
+    the resume target and what resuming would change. Returns the training prompts and the resume plan (whose
+    inputs go to write_run_config)."""
     prompts = load_prompts(cfg.data.prompts, cfg.data.max_prompt_chars)
     if cfg.data.eval_prompts:
         load_prompts(cfg.data.eval_prompts, cfg.data.max_prompt_chars, key="data.eval_prompts")
@@ -201,7 +215,7 @@ def preflight(cfg: RayflowConfig) -> list[str]:
         log.info("resuming run %r from %s (step %d)", cfg.trainer.run_name, plan.path, plan.step)
         for change in plan.changed:
             log.warning("resumed with a changed setting: %s", change)
-    return prompts
+    return prompts, plan
 
 
 def check_lora_targets(model_dir: str, targets: list[str]) -> None:
@@ -237,12 +251,14 @@ def build_tiny_model_once(cfg: RayflowConfig) -> str:
     return resolve_model_path(None, m.cache_dir, m.tiny_size, m.tiny_seed, m.tiny_arch)
 
 
-def write_run_config(cfg: RayflowConfig) -> str:
+def write_run_config(cfg: RayflowConfig, inputs: dict[str, dict] | None = None) -> str:
     """Write <run_dir>/config.yaml and inputs.json (what a later resume is compared against), each atomically.
+    `inputs`: input_fingerprints(cfg) if already taken (a resume's ResumePlan.inputs), else taken here.
     Returns config.yaml's path."""
     run_dir = cfg.trainer.run_dir
     os.makedirs(run_dir, exist_ok=True)
-    inputs = {key: {"path": path, "fingerprint": fingerprint(path)} for key, path in input_paths(to_dict(cfg)).items()}
+    if inputs is None:
+        inputs = input_fingerprints(cfg)
     _replace_file(os.path.join(run_dir, INPUTS_FILE), json.dumps(inputs, indent=2))
     return _replace_file(os.path.join(run_dir, CONFIG_FILE), to_yaml(cfg))
 

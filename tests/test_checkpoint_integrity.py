@@ -6,6 +6,7 @@ import json
 import logging
 import os
 import re
+import shutil
 import stat
 
 import pytest
@@ -134,6 +135,29 @@ def test_a_checkpoint_with_non_finite_tensors_is_refused_and_passed_over(tmp_pat
     with pytest.raises(CheckpointDamaged, match=f"{file}: holds non-finite"):
         verify_checkpoint(newest)  # its checksums are right: the values themselves are refused
     assert resolve_resume("auto", root) == previous
+
+
+def test_the_exit_message_names_the_checkpoint_a_resume_continues_from(tmp_path):
+    """The "interrupted at step N; ..." and "error: ...; ..." lines: the newest checkpoint that a resume=auto would
+    pick, told from meta.json and the manifest without reading the weights; each newer one it passes over is named."""
+    from rayflow.checkpoint import checkpoint_root
+    from rayflow.driver.launch import _where
+
+    cfg = small_cfg(GRPO, str(tmp_path / "no_model"), tmp_path / "run")
+    root = checkpoint_root(cfg.trainer.run_dir)
+    assert _where(cfg) == f"no checkpoint was written (run dir {cfg.trainer.run_dir})"
+    previous = save_checkpoint(root, fake_checkpoint(1), keep=3)
+    assert _where(cfg) == f"last checkpoint {previous}; continue with the same command and trainer.run_name=run"
+    save_checkpoint(root, nan_checkpoint(2, "optimizer"), keep=3)  # the run diverged: saved with Inf in its optimizer
+    torn = save_checkpoint(root, fake_checkpoint(3), keep=3)
+    truncate(os.path.join(torn, "adapter_default.safetensors"))
+    where = _where(cfg)
+    assert where.startswith(f"last checkpoint {previous} (a resume passes over step_00000003: adapter_default.safetensors: ")
+    assert "step_00000002: meta.json: its save found non-finite (NaN or Inf) values" in where
+    assert where.endswith("; continue with the same command and trainer.run_name=run")
+    assert resolve_resume("auto", root) == previous  # as the message says
+    shutil.rmtree(previous)
+    assert _where(cfg).startswith(f"no intact checkpoint under {root} (step_00000003: adapter_default.safetensors: ")
 
 
 def test_rotation_never_deletes_the_newest_healthy_checkpoint(tmp_path):

@@ -107,3 +107,32 @@ def test_grid_rows_take_a_relative_eval_prompts_from_where_the_run_started(tmp_p
                                      "trainer:\n  output_dir: outputs\n  run_name: run1\n")
     assert row_prompts(str(run)) is None
     assert f"data.eval_prompts of {run / 'config.yaml'} is {str(start / 'prompts' / 'gone.txt')!r}" in capsys.readouterr().err
+
+
+def test_plot_run_reads_a_rewound_run_as_tensorboard_shows_it(tmp_path):
+    """After a rewind (learners restarted from a checkpoint) the run logs the later steps again: plot_run's reader
+    (EventAccumulator, which honours the purge Monitor.rewind writes) has only the values trained again."""
+    import numpy as np
+    import torch
+
+    from rayflow.config import LoggingConfig
+    from rayflow.logging.monitor import Monitor
+
+    sys.path.insert(0, os.path.join(REPO, "tools"))
+    from plot_run import read_grids, read_scalars
+
+    def grid(value: int) -> torch.Tensor:
+        return torch.full((8, 8, 3), value, dtype=torch.uint8)
+
+    events = str(tmp_path / "run" / "tensorboard")
+    monitor = Monitor(events, LoggingConfig(ray_metrics=False, progress_bar=False), total_steps=4)
+    for step in (1, 2, 3):  # abandoned after step 3: the learners go back to step 1's checkpoint
+        monitor.log(step, {"reward/mean": float(step)})
+        monitor.log_images(step, "eval/images", grid(step))
+    monitor.rewind(1)
+    for step in (2, 3, 4):
+        monitor.log(step, {"reward/mean": 10.0 * step})
+        monitor.log_images(step, "eval/images", grid(10 * step))
+    monitor.close()
+    assert read_scalars(events)["reward/mean"] == ([1, 2, 3, 4], [1.0, 20.0, 30.0, 40.0])
+    assert [(step, int(image[0, 0, 0])) for step, image in read_grids(events)] == [(1, 1), (2, 20), (3, 30), (4, 40)]

@@ -2,6 +2,7 @@
 training nothing, changed settings are listed and the ones that change the run's meaning refused, and
 the recipes work from any working directory."""
 
+import json
 import os
 import shutil
 import subprocess
@@ -82,6 +83,37 @@ def test_input_files_are_compared_by_what_they_hold_not_where_they_are(tiny_mode
     with pytest.raises(ResumeRefused, match=rf"data\.prompts: '{prompts} \(as it was when the run last started; it "
                                             rf"has changed since\)' -> '{prompts}'"):
         plan_resume(small_cfg(GRPO, tiny_model_dir, run_dir, "trainer.total_steps=5", f"data.prompts={prompts}"))
+
+
+def test_a_resume_fingerprints_each_input_once(tiny_model_dir, finished_run, tmp_path, monkeypatch, caplog):
+    """The launcher's resume compares the input files by what they hold and records them in inputs.json: one
+    fingerprint of each serves both (each input was hashed twice, once for each)."""
+    from collections import Counter
+
+    from rayflow import runs
+    from rayflow.driver import launch
+
+    class RayWouldStart(Exception):
+        pass
+
+    def start_ray(cfg):
+        raise RayWouldStart  # everything before Ray is done: config.yaml and inputs.json written
+
+    run_dir = tmp_path / "run"
+    shutil.copytree(finished_run, run_dir)
+    fingerprinted, fingerprint = Counter(), runs.fingerprint
+    monkeypatch.setattr(runs, "fingerprint", lambda path: fingerprinted.update([path]) or fingerprint(path))
+    monkeypatch.setattr(launch, "start_ray", start_ray)
+    with pytest.raises(RayWouldStart):  # small_cfg's settings, on the launcher's command line
+        launch.run_recipe(GRPO, [f"model.path={tiny_model_dir}", f"trainer.output_dir={tmp_path}", "trainer.run_name=run",
+                                 "algorithm.prompts_per_step=1", "algorithm.group_size=4", "sampling.num_steps=4",
+                                 "learner.micro_batch_size=2", "rollout.micro_batch_size=4", "trainer.total_steps=5"])
+    assert "resumed with a changed setting: trainer.total_steps: 2 -> 5" in caplog.text  # a resume
+    inputs = json.loads((run_dir / runs.INPUTS_FILE).read_text())
+    assert sorted(inputs) == ["data.prompts", "model.path"]
+    assert {entry["path"]: fingerprinted[entry["path"]] for entry in inputs.values()} == {
+        entry["path"]: 1 for entry in inputs.values()}
+    assert all(entry["fingerprint"] == fingerprint(entry["path"]) for entry in inputs.values())
 
 
 def test_a_run_whose_config_holds_values_nothing_read_resumes(tiny_model_dir, finished_run, tmp_path):

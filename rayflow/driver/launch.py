@@ -21,7 +21,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 
-from rayflow.checkpoint import checkpoint_root, latest_checkpoint
+from rayflow.checkpoint import checkpoint_root, newest_resumable
 from rayflow.config import RayflowConfig, load_config
 from rayflow.distributed.resources import check_cluster_fits, required_cpus
 from rayflow.distributed.worker_imports import start_worker_zygotes, stop_worker_zygotes, wait_worker_zygotes
@@ -167,13 +167,13 @@ def run_recipe(default_config: str, argv: list[str] | None = None) -> list[dict[
     try:
         # Bad input fails here, before Ray starts, with one message naming the key or file and line.
         cfg = load_config(args.config, args.overrides)
-        prompts = preflight(cfg)
+        prompts, plan = preflight(cfg)
     except RunComplete as e:
         log.info("%s", e)
         return []
     except USER_ERRORS as e:
         sys.exit(f"error: {e}")
-    write_run_config(cfg)
+    write_run_config(cfg, plan.inputs)  # a resume's fingerprints of the inputs, not taken again
     start = time.perf_counter()
     started = start_ray(cfg)
     ray_s = time.perf_counter() - start
@@ -216,11 +216,18 @@ def run_recipe(default_config: str, argv: list[str] | None = None) -> list[dict[
 
 
 def _where(cfg: RayflowConfig) -> str:
-    """The newest checkpoint and how to continue from it."""
-    newest = latest_checkpoint(checkpoint_root(cfg.trainer.run_dir))
-    if newest is None:
+    """The checkpoint a resume=auto continues from (the newest intact one, not merely the newest: one saved with NaN
+    or Inf values is passed over, and named) and how to continue from it."""
+    root = checkpoint_root(cfg.trainer.run_dir)
+    resumable, passed_over = newest_resumable(root)
+    why = "; ".join(f"{os.path.basename(e.path)}: {e.file}: {e.reason}" for e in passed_over)
+    if resumable is None and not passed_over:
         return f"no checkpoint was written (run dir {cfg.trainer.run_dir})"
-    return f"last checkpoint {newest}; continue with the same command and trainer.run_name={cfg.trainer.run_name}"
+    if resumable is None:
+        return f"no intact checkpoint under {root} ({why}); restore one, or start a new run"
+    skipped = f" (a resume passes over {why})" if passed_over else ""
+    return (f"last checkpoint {resumable}{skipped}; continue with the same command and "
+            f"trainer.run_name={cfg.trainer.run_name}")
 
 
 def summary(cfg: RayflowConfig, history: list[dict[str, float]], seconds: float) -> str:
@@ -230,7 +237,7 @@ def summary(cfg: RayflowConfig, history: list[dict[str, float]], seconds: float)
     return (
         f"done: {len(history)} steps in {seconds:.0f}s; reward {reward:.4f} (mean of the last {len(tail)} steps)\n"
         f"  run dir     {os.path.abspath(cfg.trainer.run_dir)}\n"
-        f"  checkpoint  {latest_checkpoint(checkpoint_root(cfg.trainer.run_dir))}\n"
+        f"  checkpoint  {newest_resumable(checkpoint_root(cfg.trainer.run_dir))[0]}\n"  # the one a continuation resumes
         f"  tensorboard tensorboard --logdir {cfg.trainer.logdir}\n"
         f"  continue    the same command with trainer.run_name={cfg.trainer.run_name} trainer.total_steps=<more>"
     )
