@@ -19,7 +19,7 @@ from rayflow.worlds.shapes import parse_prompt, prompt_of
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
 
 from order_stage import (  # noqa: E402
-    OrderStageConfig, main, order_stage, order_target, parse_args, swapped, target_field,
+    OrderStageConfig, StageScenes, main, order_stage, order_target, parse_args, stage_scenes, swapped, target_field,
 )
 
 
@@ -62,22 +62,31 @@ SMALL = OrderStageConfig(base=PRETRAINED_MODEL_DIR, steps=2, order_rows=2, ancho
                          exclude=("a red triangle above a blue circle",))
 
 
-def stage(cfg: OrderStageConfig) -> tuple[list[float], dict[str, torch.Tensor]]:
+def base_pipe():
     from diffusers import QwenImagePipeline
 
-    pipe = QwenImagePipeline.from_pretrained(PRETRAINED_MODEL_DIR, torch_dtype=torch.float32)
-    losses = order_stage(pipe, cfg, log=lambda _: None)
+    return QwenImagePipeline.from_pretrained(PRETRAINED_MODEL_DIR, torch_dtype=torch.float32)
+
+
+def stage(cfg: OrderStageConfig, scenes: StageScenes) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """cfg's stage on a fresh copy of the pretrained base; its losses and the trained transformer's weights."""
+    pipe = base_pipe()
+    losses = order_stage(pipe, cfg, scenes, log=lambda _: None)
     return losses, {k: v.clone() for k, v in pipe.transformer.state_dict().items()}
 
 
 def test_the_first_steps_are_deterministic_and_the_anchor_is_free_while_the_policy_is_the_base():
     torch.set_num_threads(1)
-    losses, weights = stage(SMALL)
-    again, weights_again = stage(SMALL)
+    scenes, scenes_again = stage_scenes(base_pipe(), SMALL), stage_scenes(base_pipe(), SMALL)
+    assert scenes.prompts == scenes_again.prompts and scenes.pool_prompts == scenes_again.pool_prompts
+    assert all(torch.equal(getattr(scenes, name), getattr(scenes_again, name)) for name in ("own", "other", "pool"))
+    losses, weights = stage(SMALL, scenes)
+    again, weights_again = stage(SMALL, scenes_again)
     assert losses == again and all(torch.equal(weights[k], weights_again[k]) for k in weights)
     # Step 0 trains the base itself: the anchor rows' target is the policy's own velocity, their loss exactly 0, and
-    # the step's loss the order rows' alone (drawn before the anchor rows, so the same rows without them).
-    unanchored, _ = stage(replace(SMALL, anchor_rows=0))
+    # the step's loss the order rows' alone (drawn before the anchor rows, so the same rows without them). The scenes
+    # do not depend on the row counts.
+    unanchored, _ = stage(replace(SMALL, anchor_rows=0), scenes)
     assert losses[0] == unanchored[0] > 0
     assert losses[1] != unanchored[1]  # from step 1 the policy has moved and the anchor costs something
 

@@ -352,6 +352,9 @@ def test_a_receiver_that_dies_or_stalls_is_left_out_and_the_newest_version_is_se
     spec = dataclasses.replace(RolloutRankSpec.from_config(cfg), collective_timeout_s=5.0)
     pool = RolloutPool([RolloutReplica(spec, RolloutConfig(), name=f"lost-{i}").wait_ready() for i in range(2)])
     sync = WeightSync(cfg.sync, spec, pool.replicas, timeout_s=5.0, name="sync-lost")
+    # The broadcast's collectives time out at 5 s, the receivers get as long and a grace to answer, and a waiter a grace
+    # past that: the graces are the timeout itself when it is shorter than 10 s (a short timeout asks for quick verdicts).
+    assert sync.deadline_s == 2 * 5.0 + 5.0 + 5.0
     replacement, stopped_pid = None, None
     try:
         ray.get(push(sync, 1, adapter_like(spec, tiny_model_dir, 0.01)))

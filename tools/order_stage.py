@@ -133,11 +133,36 @@ def order_target(v_base: torch.Tensor, xt: torch.Tensor, sigma: torch.Tensor, ow
     return v_base + diff / (2 * sigma[:, None, None])
 
 
-def order_stage(pipe, cfg: OrderStageConfig, log=print) -> list[float]:
-    """Train pipe.transformer in place for cfg.steps steps; the loss of each step."""
+@dataclass
+class StageScenes:
+    """What the stage's rows are drawn from (stage_scenes): encoded once, before the first step."""
+
+    prompts: list[str]
+    """The order rows' relation prompts."""
+    own: torch.Tensor
+    """[P, S, N, C]: the latents of cfg.scenes scenes of each prompt."""
+    other: torch.Tensor
+    """[P, S, N, C]: those of its swap."""
+    pool: torch.Tensor
+    """[A, N, C]: the anchor rows' pretraining-pool scenes."""
+    pool_prompts: list[str]
+    embeds: dict
+    """Prompt -> its text embedding, for every prompt above."""
+
+
+def stage_scenes(pipe, cfg: OrderStageConfig) -> StageScenes:
+    """Render and encode the scenes the stage trains on (its seed, scenes, exclude and anchor_pool settings): the
+    order rows' of each relation prompt and its swap, the anchor rows' pool, and the prompts' embeddings."""
     prompts, own, other = order_scene_latents(pipe, cfg)
     pool, pool_prompts = anchor_pool(pipe, cfg.anchor_pool)
-    embeds = ps.prompt_embeddings(pipe, prompts + pool_prompts)
+    return StageScenes(prompts, own, other, pool, pool_prompts, ps.prompt_embeddings(pipe, prompts + pool_prompts))
+
+
+def order_stage(pipe, cfg: OrderStageConfig, scenes: StageScenes, log=print) -> list[float]:
+    """Train pipe.transformer in place for cfg.steps steps on `scenes` (stage_scenes of the same cfg); the loss of
+    each step."""
+    prompts, own, other, pool, pool_prompts, embeds = (scenes.prompts, scenes.own, scenes.other, scenes.pool,
+                                                        scenes.pool_prompts, scenes.embeds)
     base = copy.deepcopy(pipe.transformer).eval().requires_grad_(False)
     transformer = pipe.transformer.train().requires_grad_(True)
     opt = torch.optim.AdamW(list(transformer.parameters()), lr=cfg.lr, weight_decay=0.0)
@@ -206,7 +231,7 @@ def main(argv: list[str] | None = None) -> None:
         print(warning, flush=True)
     start, cpu_start = time.perf_counter(), time.process_time()
     pipe = QwenImagePipeline.from_pretrained(args.base, torch_dtype=torch.float32)
-    order_stage(pipe, cfg, log=lambda line: print(line, flush=True))
+    order_stage(pipe, cfg, stage_scenes(pipe, cfg), log=lambda line: print(line, flush=True))
     seconds = time.perf_counter() - start
     ps.save(pipe, args.out, cfg, seconds, time.process_time() - cpu_start)
     print(f"wrote the order-staged base to {args.out} in {seconds:.0f} s")

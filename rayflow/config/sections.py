@@ -100,7 +100,9 @@ class RolloutConfig:
     resources: dict[str, float] = field(default_factory=dict)
     """Custom Ray resources per rollout rank (e.g. {"gpu_node": 1} to keep them on one node type)."""
     collective_timeout_s: float = 300.0
-    """A collective that takes longer fails with the rank and node named, instead of hanging."""
+    """A collective that takes longer fails with the rank and node named, instead of hanging. Its other members get a
+    grace past it to answer (fail their side, report) before they are taken for stalled: 10 s, or the timeout itself
+    when shorter."""
     max_restarts: int = 3
     """Times a replica that died or stalled is replaced by a new one (per replica, within restart_window_s); a replacement
     that fails to start, or is not placed within 600 s, counts as another death. Then the run goes on without it, and

@@ -31,6 +31,16 @@ import torch.distributed as dist
 FORM_TIMEOUT_FLOOR_S = 30.0
 """The least time forming a group (store connect, gloo's pairwise connect) waits for its members."""
 
+ANSWER_GRACE_S = 10.0
+"""The most one side of a failed or timed-out collective gives the others, past the collective timeout, to answer."""
+
+
+def answer_grace_s(collective_timeout_s: float) -> float:
+    """How long past `collective_timeout_s` the other members of a collective get to answer (fail their own side,
+    report) before they are taken for stalled: ANSWER_GRACE_S, or the timeout when shorter. A run that sets a short
+    collective timeout asks for quick verdicts, and answering takes a round trip, not a timeout's worth."""
+    return min(ANSWER_GRACE_S, collective_timeout_s)
+
 
 def device_backend(device: torch.device | str) -> str:
     """nccl when the device is CUDA, gloo otherwise."""

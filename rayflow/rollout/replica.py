@@ -28,15 +28,11 @@ from rayflow.cfg.policy import CFGPolicy
 from rayflow.config import RolloutConfig
 from rayflow.distributed.placement import PlacedGroup, Reservation, describe_rank, resolve_gpus
 from rayflow.distributed.placement import reserve as reserve_placement
-from rayflow.distributed.process_group import CollectiveError, LeftGroup
+from rayflow.distributed.process_group import CollectiveError, LeftGroup, answer_grace_s
 from rayflow.rollout.spec import RolloutRankSpec
 from rayflow.rollout.worker import RolloutWorker
 from rayflow.types import RolloutRequest, Trajectory
 
-
-STALL_GRACE_S = 10.0
-"""After a rank failed, its peers get the collective timeout plus this to answer (they fail their own
-collective meanwhile), else they are reported as stalled."""
 
 PEER_FAILURE_GRACE_S = 2.0
 """After a rank's collective failed, how long its peers get to show that one of them broke the group (died, or raised
@@ -286,7 +282,9 @@ class RolloutReplica:
             except Exception:
                 if failed is None:
                     failed = ready[0]
-                    grace = time.monotonic() + self.collective_timeout_s + STALL_GRACE_S
+                    # Its peers get the collective timeout and a grace to answer (they fail their own collective meanwhile),
+                    # else they are reported as stalled.
+                    grace = time.monotonic() + self.collective_timeout_s + answer_grace_s(self.collective_timeout_s)
                     deadline = grace if deadline is None else min(deadline, grace)
         # In rank order: the lowest failing rank's error is raised.
         return [values[ref] if ref in values else self._result(ref, rank_of[ref]) for ref in refs]

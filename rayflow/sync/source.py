@@ -43,12 +43,10 @@ from typing import Callable, Protocol
 
 import torch
 
+from rayflow.distributed.process_group import answer_grace_s
 from rayflow.sync.broadcast import send
 from rayflow.sync.buckets import Manifest, Packed, WirePush, from_wire, make_manifest, pack_all
 
-RECEIVER_GRACE_S = 10.0
-"""After a failed broadcast, receivers get the collective timeout plus this to fail their own side (they
-are in the same collective); one still silent then is stalled."""
 
 
 class WeightSyncError(RuntimeError):
@@ -75,7 +73,14 @@ class SyncSpec:
     def broadcast_deadline_s(self) -> float:
         """The longest a broadcast takes before it is delivered or fails: its collectives' timeout, then as long
         (and a grace) for the receivers to answer."""
-        return 2 * self.timeout_s + RECEIVER_GRACE_S
+        return 2 * self.timeout_s + self.grace_s
+
+    @property
+    def grace_s(self) -> float:
+        """After a failed broadcast, receivers get the timeout plus this to fail their own side (they are in the same
+        collective), and one still silent then is stalled; a waiter gets this past the actor's deadline, so that the
+        actor's verdict arrives first (rayflow.distributed.process_group.answer_grace_s)."""
+        return answer_grace_s(self.timeout_s)
 
     @property
     def bucket_bytes(self) -> int:
@@ -311,7 +316,7 @@ class WeightSource:
                 self.group = None
                 # After a timeout every receiver has had its time; else the survivors get theirs now.
                 timed_out = isinstance(e, TimeoutError)
-                lost = calls.lost(0.0 if timed_out else self.spec.timeout_s + RECEIVER_GRACE_S)
+                lost = calls.lost(0.0 if timed_out else self.spec.timeout_s + self.spec.grace_s)
                 if not lost:
                     raise
                 raise ReceiversLost(

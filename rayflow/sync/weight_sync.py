@@ -37,10 +37,6 @@ from rayflow.sync.source import SyncReport, SyncSpec, WeightSyncError, one_line
 log = logging.getLogger("rayflow")
 
 
-WAIT_GRACE_S = 10.0
-"""A waiter's margin over the actor's broadcast deadline, so the actor's verdict arrives first."""
-
-
 class WeightSyncStalled(TimeoutError):
     """The weight-sync actor neither died nor took a push within the sync's timeout (stuck in it, or stopped), or did
     not settle for `connect` within its deadline."""
@@ -75,7 +71,7 @@ class WeightSync:
         self.spec = SyncSpec(cfg.mode, cfg.bucket_mb, cfg.verify_checksum, timeout_s)
         self.synced = rollout_spec.synced_model()
         self.timeout_s = timeout_s
-        self.deadline_s = self.spec.broadcast_deadline_s + WAIT_GRACE_S
+        self.deadline_s = self.spec.broadcast_deadline_s + self.spec.grace_s
         """How long to `wait` for a version: past the actor's own verdict on its broadcast (ReceiversLost)."""
         self.generation = 0
         self.budget = RestartBudget(cfg.max_restarts, cfg.restart_window_s)
@@ -147,7 +143,7 @@ class WeightSync:
         if self.stalled is not None:
             raise self.stalled
         return ray.get(self.actor.wait.remote(version, timeout_s),
-                       timeout=None if timeout_s is None else timeout_s + WAIT_GRACE_S)
+                       timeout=None if timeout_s is None else timeout_s + self.spec.grace_s)
 
     def lost_versions(self) -> list[int]:
         """Versions whose broadcast met a dead receiver since the last `connect`; raises the sync's failure, or
@@ -206,7 +202,7 @@ class WeightSync:
         `rewind` (rayflow.sync.receiver.WeightReceiver.abandon_waits), so that dropping the requests in flight does not
         wait for versions that will never come. A dead or stopped rank is not waited for: the pool finds it."""
         refs = [w.abandon_waits.remote() for r in replicas if r.alive for w in r.workers]
-        ray.wait(refs, num_returns=len(refs), timeout=WAIT_GRACE_S)
+        ray.wait(refs, num_returns=len(refs), timeout=self.spec.grace_s)
 
     def _replace_actor(self, replicas: list[SyncedReplica]) -> None:
         ray.kill(self.actor)
