@@ -198,7 +198,7 @@ def train(cfg: RayflowConfig, log=print) -> tuple[DiffusionModel, list[StepLog]]
             f"step {entry.step:4d}  reward {entry.reward_mean:.4f} ± {entry.reward_std:.4f}  loss {entry.loss:+.5f}  "
             f"grad_norm {entry.grad_norm:.4f}{'  (skipped)' if entry.skipped else ''}  {entry.seconds:.2f}s"
         )
-        run.skips.observe(result.skipped_steps, entry.step, cfg.algorithm.steps_per_batch)
+        run.skips.observe(result.skipped_steps, entry.step, cfg.algorithm.steps_per_batch, result.skip_runs)
         if is_save_step(run.step, cfg.trainer.save_every, cfg.trainer.total_steps):
             log(f"saved {save(run)}")
     return run.model, history

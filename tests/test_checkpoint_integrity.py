@@ -20,7 +20,7 @@ from rayflow.checkpoint import (
 from rayflow.export import export_lora
 from rayflow.learner import minibatches
 from rayflow.learner.objective import backward
-from rayflow.learner.optim import SkippedSteps, TooManySkippedSteps
+from rayflow.learner.optim import SkippedSteps, SkipRuns, TooManySkippedSteps
 from test_checkpoint import fake_checkpoint, quiet
 from tiny_run import GRPO, small_cfg
 
@@ -260,6 +260,45 @@ def test_skipped_steps_counts_runs_of_skips_and_stops_at_the_limit():
     never = SkippedSteps(max_in_a_row=0)
     for step in range(10):
         never.observe(True, step)
+
+
+def test_skips_in_a_row_are_counted_by_optimizer_step_within_and_across_batches_of_several():
+    """Four optimizer steps a batch: the skips' places count, not only whether a whole batch was skipped (a batch that
+    skipped some of its steps ended the run of skips, wherever they lay, and left the checkpoint after it healthy)."""
+    assert SkipRuns.of([False, True, True, True]) == SkipRuns(leading=0, longest=3, trailing=3)
+    assert SkipRuns.of([True, False, True, False]) == SkipRuns(leading=1, longest=1, trailing=0)
+    assert SkipRuns.of([True] * 4) == SkipRuns(4, 4, 4) and SkipRuns.of([False] * 4) == SkipRuns(0, 0, 0)
+    inside = SkippedSteps(max_in_a_row=3)
+    with pytest.raises(TooManySkippedSteps, match=r"batches 5\.\.5: 3 optimizer steps in a row skipped"):
+        inside.observe(3, 5, steps=4, runs=SkipRuns.of([False, True, True, True]))
+    across = SkippedSteps(max_in_a_row=3)
+    across.observe(2, 6, steps=4, runs=SkipRuns.of([False, False, True, True]))
+    assert across.counters() == {"skipped_steps": 2, "consecutive_skipped": 2}  # the checkpoint after batch 6 is not healthy
+    with pytest.raises(TooManySkippedSteps, match=r"batches 6\.\.7: 3 optimizer steps in a row skipped"):
+        across.observe(2, 7, steps=4, runs=SkipRuns.of([True, False, False, True]))
+    spread = SkippedSteps(max_in_a_row=3)
+    for step in range(5):  # never more than 2 in a row
+        spread.observe(2, step, steps=4, runs=SkipRuns.of([True, False, False, True]))
+    assert spread.counters() == {"skipped_steps": 10, "consecutive_skipped": 1}
+
+
+def test_a_run_skipping_three_of_every_four_mini_batches_stops_at_three_in_a_row(tiny_model_dir, tmp_path, monkeypatch):
+    calls = []
+
+    def nan_gradients_after_each_batchs_first_mini_batch(spec, model, policy, trajectories, version, passes=None):
+        metrics = backward(spec, model, policy, trajectories, version, passes)
+        calls.append(version)
+        if len(calls) % 4 != 1:
+            next(p for p in model.transformer.parameters() if p.requires_grad).grad[0, 0] = float("nan")
+        return metrics
+
+    monkeypatch.setattr(minibatches, "backward", nan_gradients_after_each_batchs_first_mini_batch)
+    cfg = small_cfg(GRPO, tiny_model_dir, tmp_path, "trainer.total_steps=3", "trainer.save_every=1",
+                    "trainer.max_skipped_steps=3", "algorithm.num_minibatches=4", "learner.micro_batch_size=1")
+    # The run trained all 3 batches, 9 of their 12 optimizer steps skipped, and saved each checkpoint as healthy.
+    with pytest.raises(TooManySkippedSteps, match=r"batches 0\.\.0: 3 optimizer steps in a row skipped"):
+        reference.train(cfg, log=quiet)
+    assert calls == [0] * 4 and list_checkpoints(str(tmp_path / "checkpoints")) == []
 
 
 def test_a_run_whose_steps_are_all_skipped_stops_and_keeps_its_last_healthy_checkpoint(tiny_model_dir, tmp_path, monkeypatch):

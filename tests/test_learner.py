@@ -19,6 +19,7 @@ from rayflow.models import load_model, lora
 from rayflow.learner.backend import LearnerBackend
 from rayflow.learner.minibatches import train_batch
 from rayflow.learner.model import load_policy_model
+from rayflow.learner.optim import SkipRuns
 from rayflow.learner.prefetch import TrajectoryCache
 from rayflow.learner.spec import LearnerSpec
 from rayflow.distributed.parallelize import build_mesh, reshard
@@ -26,7 +27,7 @@ from rayflow.learner.state import adapter_state, full_tensor, load_adapter_state
 from rayflow.learner.worker import LearnerError, LearnerGroup
 from rayflow.models.base import PromptEmbeds
 from rayflow.sync.buckets import from_wire
-from tiny_run import GRPO, NFT, small_cfg
+from tiny_run import GRPO, NFT, small_cfg, wait_until_dead
 
 CPU = torch.device("cpu")
 STEPS = 3
@@ -172,10 +173,12 @@ def test_non_finite_grad_norm_skips_the_step_and_counts_it(mesh1, tiny_model_dir
     poisoned = [dataclasses.replace(t, advantage=float("nan")) for t in grpo_batches[0]]
     metrics = backend.train_step(poisoned)
     assert metrics["train/skipped"] == 1 and metrics["train/skipped_steps"] == 1 and metrics["train/version"] == 1
+    assert SkipRuns.from_metrics(metrics) == SkipRuns(leading=1, longest=1, trailing=1)  # where: the driver counts runs
     after = adapter_state(backend.transformer, "default")
     assert all(torch.equal(before[k], after[k]) for k in before)
     metrics = backend.train_step(grpo_batches[1])
     assert metrics["train/skipped"] == 0 and metrics["train/skipped_steps"] == 1 and metrics["train/version"] == 2
+    assert SkipRuns.from_metrics(metrics) == SkipRuns(0, 0, 0)
     trained = adapter_state(backend.transformer, "default")
     assert any(not torch.equal(after[k], trained[k]) for k in after)
 
@@ -297,6 +300,30 @@ def test_world_size_2_resumes_bit_identically_and_reports_a_dead_rank(learners2,
     ray.kill(group.workers[1])
     with pytest.raises(LearnerError, match=r"learner rank 1 of 2 on node 127\.0\.0\.1 \(node id \w+\)"):
         group.get(group.train_step(grpo_batches[0]))
+
+
+def test_a_rank_that_dies_while_the_restarted_group_builds_its_model_restarts_it_again(ray_session, tiny_model_dir,
+                                                                                        tmp_path, grpo_batches, monkeypatch):
+    """A rank of the restarted group that dies before its model is built (its node short of memory, say) is a death
+    like the first: the group starts again on the same budget. It stopped the run with restarts left, and removed the
+    group's placement group."""
+    group = LearnerGroup(LearnerSpec.from_config(small_cfg(GRPO, tiny_model_dir, tmp_path / "run")),
+                         name="test-restart-in-setup")
+    setup = LearnerGroup._setup
+
+    def dies_in_the_first_restarts_setup(self, *args, **kwargs):
+        if self.restarts == 1:
+            ray.kill(self.workers[0])
+            wait_until_dead(self.workers[0])
+        return setup(self, *args, **kwargs)
+
+    monkeypatch.setattr(LearnerGroup, "_setup", dies_in_the_first_restarts_setup)
+    try:
+        group.restart(LearnerError("learner rank 0 of 1 failed: ActorDiedError"))
+        assert group.restarts == 2
+        assert group.get(group.train_step(grpo_batches[0]))[0]["train/version"] == 1
+    finally:
+        group.shutdown()
 
 
 def _train_one_batch_on_rank(rank: int, cfg, batch: list, store: str, out: str) -> None:

@@ -39,7 +39,7 @@ from rayflow.driver.timing import Phases, StepClock
 from rayflow.distributed.watchdog import Watchdog
 from rayflow.models.lora import EVAL_EMA_ADAPTER
 from rayflow.learner.minibatches import learner_batch
-from rayflow.learner.optim import SkippedSteps
+from rayflow.learner.optim import SkippedSteps, SkipRuns
 from rayflow.learner.spec import LearnerSpec
 from rayflow.learner.worker import LearnerError, LearnerGroup, LearnerStalled
 from rayflow.logging.monitor import Monitor
@@ -460,7 +460,8 @@ class Trainer:
         scalars["perf/train_s"] = self.train_s
         self.history.append(scalars)
         self.monitor.log(self.version, scalars)
-        self.skips.observe(int(metrics["train/skipped_steps"]) - self.skips.total, self.version - 1, cfg.algorithm.steps_per_batch)
+        self.skips.observe(int(metrics["train/skipped_steps"]) - self.skips.total, self.version - 1, cfg.algorithm.steps_per_batch,
+                           SkipRuns.from_metrics(metrics))
         if not cfg.logging.progress_bar:
             log.info("step %d  reward %.4f  loss %+.5f  staleness %.2f  %.2fs", self.version, scalars["reward/mean"],
                      scalars["loss/policy"], scalars["staleness/mean"], scalars["perf/step_s"])

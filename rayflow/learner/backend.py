@@ -109,6 +109,7 @@ class LearnerBackend:
             "train/grad_norm": result.grad_norm,
             "train/skipped": float(result.skipped_steps),
             "train/skipped_steps": float(self.skipped_steps),
+            **result.skip_runs.metrics(),
             "train/ema_decay": result.ema_decay,
             "train/version": float(self.version),
         }

@@ -17,7 +17,7 @@ from rayflow.algorithms.diffusion_nft import ema_step
 from rayflow.cfg.policy import CFGPolicy
 from rayflow.learner.spec import LearnerSpec
 from rayflow.learner.objective import backward
-from rayflow.learner.optim import optimizer_step, update_eval_ema, update_rollout_ema
+from rayflow.learner.optim import SkipRuns, optimizer_step, update_eval_ema, update_rollout_ema
 from rayflow.distributed.parallelize import reshard
 from rayflow.models import DiffusionModel
 from rayflow.rng import keyed_generator
@@ -83,6 +83,8 @@ class BatchResult:
     """Mean over the batch's optimizer steps of the global gradient norm (before clipping)."""
     skipped_steps: int
     """Steps of the batch skipped because the norm was not finite."""
+    skip_runs: SkipRuns
+    """Where in the batch they lie (trainer.max_skipped_steps counts optimizer steps in a row, across batches)."""
     ema_decay: float
     """η of the batch's "old" EMA update (DiffusionNFT; 0 otherwise)."""
 
@@ -116,5 +118,6 @@ def train_batch(spec: LearnerSpec, model: DiffusionModel, optimizer: torch.optim
     return dict(metrics), BatchResult(
         grad_norm=sum(r.grad_norm for r in results) / len(results),
         skipped_steps=sum(r.skipped for r in results),
+        skip_runs=SkipRuns.of([r.skipped for r in results]),
         ema_decay=eta,
     )

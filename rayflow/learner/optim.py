@@ -4,6 +4,7 @@ flow_grpo's train.ema "ema", after optimizer steps."""
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -94,6 +95,37 @@ class TooManySkippedSteps(RuntimeError):
     """trainer.max_skipped_steps optimizer steps in a row had a non-finite gradient norm."""
 
 
+@dataclass(frozen=True)
+class SkipRuns:
+    """Where a trained batch's skipped optimizer steps lie: a run of skips may go on across batches, or lie inside
+    one batch of several mini-batches, so a count per batch does not say how many were skipped in a row."""
+
+    leading: int
+    """Steps skipped before the batch's first applied step (every step of the batch when none was applied)."""
+    longest: int
+    """The longest run of skipped steps within the batch."""
+    trailing: int
+    """Steps skipped after the batch's last applied step (every step of the batch when none was applied)."""
+
+    METRICS = ("train/skipped_leading", "train/skipped_longest", "train/skipped_trailing")
+    """Their names among a train step's metrics (the learners' report to the driver)."""
+
+    @classmethod
+    def of(cls, skipped: list[bool]) -> "SkipRuns":
+        """The runs of a batch's steps, `skipped` per optimizer step in order."""
+        runs = [len(list(run)) for is_skipped, run in itertools.groupby(skipped) if is_skipped]
+        leading = next((i for i, s in enumerate(skipped) if not s), len(skipped))
+        trailing = next((i for i, s in enumerate(reversed(skipped)) if not s), len(skipped))
+        return cls(leading, max(runs, default=0), trailing)
+
+    def metrics(self) -> dict[str, float]:
+        return dict(zip(self.METRICS, (float(self.leading), float(self.longest), float(self.trailing))))
+
+    @classmethod
+    def from_metrics(cls, metrics: dict[str, float]) -> "SkipRuns":
+        return cls(*(int(metrics[name]) for name in cls.METRICS))
+
+
 class SkippedSteps:
     """Counts skipped optimizer steps (all, and in a row) and stops the run when `max_in_a_row` are
     skipped consecutively (0: never): a run whose every step is skipped trains nothing and must not
@@ -103,18 +135,28 @@ class SkippedSteps:
         self.max_in_a_row = max_in_a_row
         self.total = 0
         self.in_a_row = 0
+        """Optimizer steps skipped in a row up to the last one observed (0 when it was applied)."""
 
-    def observe(self, skipped: int, step: int, steps: int = 1) -> None:
-        """Record trained batch `step` of `steps` optimizer steps, `skipped` of them skipped; raise
-        TooManySkippedSteps once max_in_a_row are skipped in a row (a batch that skipped only some of its
-        steps ends the run of skips)."""
+    def observe(self, skipped: int, step: int, steps: int = 1, runs: SkipRuns | None = None) -> None:
+        """Record trained batch `step` of `steps` optimizer steps, `skipped` of them skipped, lying as `runs` says
+        (None: every step or none, as in a batch of one step); raise TooManySkippedSteps once max_in_a_row optimizer
+        steps in a row are skipped, across batches or within one (a count per batch would let a run whose last 3 of
+        every 4 mini-batches are skipped go on forever, its checkpoints called healthy)."""
         skipped = int(skipped)
+        if runs is None:
+            runs = SkipRuns(steps, steps, steps) if skipped == steps else SkipRuns(0, 0, 0)
         self.total += skipped
-        self.in_a_row = self.in_a_row + skipped if skipped == steps else 0
-        if self.max_in_a_row and self.in_a_row >= self.max_in_a_row:
-            batches = -(-self.in_a_row // steps)  # the skips span whole batches of `steps` optimizer steps each
+        before = self.in_a_row
+        if runs.leading == steps:  # the whole batch skipped: the run goes on through it
+            self.in_a_row = longest = before + steps
+            batches = -(-longest // steps)  # the skips span whole batches of `steps` optimizer steps each
+        else:
+            self.in_a_row = runs.trailing
+            joined = before + runs.leading  # the run that ended in this batch, begun in the batches before it
+            longest, batches = (joined, 1 + -(-before // steps)) if joined >= runs.longest else (runs.longest, 1)
+        if self.max_in_a_row and longest >= self.max_in_a_row:
             raise TooManySkippedSteps(
-                f"batches {step - batches + 1}..{step}: {self.in_a_row} optimizer steps in a row skipped for a "
+                f"batches {step - batches + 1}..{step}: {longest} optimizer steps in a row skipped for a "
                 f"non-finite gradient norm (trainer.max_skipped_steps={self.max_in_a_row}); the loss or rewards are NaN/Inf. "
                 f"The last healthy checkpoint is kept; check the reward functions and the learning rate"
             )

@@ -212,24 +212,31 @@ class LearnerGroup:
         group._setup()
         return group
 
-    def _start(self) -> None:
-        """Spawn the ranks in the placement group's bundles and build the sharded model on each (version 0)."""
+    def _start(self, restart: bool = False) -> None:
+        """Spawn the ranks in the placement group's bundles and build the sharded model on each (version 0).
+        `restart`: a failure kills the new ranks and keeps the placement group, for the next restart (and the
+        owner's `shutdown`); at the first start it releases both."""
         actor = ray.remote(concurrency_groups=LEARNER_CONCURRENCY_GROUPS)(LearnerWorker)
         self.workers = [
             self.placed.spawn(r, actor, self.spec, r, name=f"{self.name}-{r}-{self.placed.pg.id.hex()[:8]}-{self.restarts}")
             for r in range(self.world_size)
         ]
-        self._setup()
+        self._setup(keep_placement=restart)
 
-    def _setup(self) -> None:
-        """Join the ranks' group and build the sharded model on each (version 0)."""
+    def _setup(self, keep_placement: bool = False) -> None:
+        """Join the ranks' group and build the sharded model on each (version 0). On failure the ranks are killed,
+        and the placement group removed unless `keep_placement`."""
         try:
             (rendezvous,) = self.get([self.workers[0].rendezvous.remote()])
             self.identity: dict = self.get([w.setup.remote(rendezvous) for w in self.workers])[0]
             self.rollout_adapter_name: str = self.get([self.workers[0].rollout_adapter_name.remote()])[0]
             self.check_shared_checkpoints()
         except BaseException:
-            self.shutdown()
+            if keep_placement:
+                for w in self.workers:
+                    ray.kill(w)
+            else:
+                self.shutdown()
             raise
 
     def check_shared_checkpoints(self) -> None:
@@ -255,19 +262,28 @@ class LearnerGroup:
 
     def restart(self, died: LearnerError) -> None:
         """After a rank died: kill every rank (its peers are stuck in a collective) and start the group again in the
-        same bundles, at version 0 (the caller restores a checkpoint). Raises LearnerError once learner.max_restarts
-        per learner.restart_window_s are used up."""
+        same bundles, at version 0 (the caller restores a checkpoint). A rank of the new group that dies while it
+        builds its model is a death like the first: the group is started again, each time counted (it stopped the
+        run with restarts left, its placement group removed). Raises LearnerError once learner.max_restarts per
+        learner.restart_window_s are used up, or when a new rank fails other than by dying (it would fail again)."""
         lc = self.spec.learner
         if self.budget is None:
             raise LearnerError(f"{died}; in placement.mode=colocated the device's rollout rank went with it, so the run "
                                f"stops (continue from the newest checkpoint with trainer.resume=auto)") from died
-        if not self.budget.take():
-            raise LearnerError(f"{died}; the learner group's restarts are used up (learner.max_restarts={lc.max_restarts} "
-                               f"per learner.restart_window_s={lc.restart_window_s}); stopping the run") from died
-        for w in self.workers:
-            ray.kill(w)
-        self.restarts += 1
-        self._start()
+        while True:
+            if not self.budget.take():
+                raise LearnerError(f"{died}; the learner group's restarts are used up (learner.max_restarts={lc.max_restarts} "
+                                   f"per learner.restart_window_s={lc.restart_window_s}); stopping the run") from died
+            for w in self.workers:
+                ray.kill(w)
+            self.restarts += 1
+            try:
+                self._start(restart=True)
+                return
+            except LearnerError as again:
+                if not isinstance(again.__cause__, ray.exceptions.RayActorError):
+                    raise
+                died = again
 
     def train_step(self, batch: list[Trajectory] | list[TrajectoryRef], push_to=None) -> list[ray.ObjectRef]:
         """Train one batch: algorithm.steps_per_batch optimizer steps, each rank on its slice of every
