@@ -226,6 +226,26 @@ def test_a_failed_prefetch_is_fetched_again_by_the_train_step_and_raises_there(r
         cache.fetch([(ref, 0, 1.0)])
 
 
+def test_a_prefetch_that_failed_is_fetched_by_the_step_and_not_counted_as_prefetched(ray_session, grpo_batches,
+                                                                                      monkeypatch):
+    import rayflow.learner.prefetch as prefetch
+    ref = ray.put(grpo_batches[0][:2])
+    real_get, calls = ray.get, []
+
+    def lost_once(r):  # the prefetch's get fails (say, its object was being reconstructed); the step's succeeds
+        calls.append(r)
+        if len(calls) == 1:
+            raise RuntimeError("object lost")
+        return real_get(r)
+
+    monkeypatch.setattr(prefetch.ray, "get", lost_once)
+    cache = TrajectoryCache(max_staleness=0, hold=True)
+    cache.prefetch([ref], version=0)
+    got, stats = cache.fetch([(ref, 0, 1.0), (ref, 1, -1.0)])
+    assert [t.advantage for t in got] == [1.0, -1.0] and len(calls) == 2
+    assert (stats.requests, stats.prefetched) == (1, 0)  # perf/prefetched: the step fetched it itself
+
+
 @pytest.fixture(scope="module")
 def learners2(ray_session, tiny_model_dir, tmp_path_factory):
     """get(recipe, untrained) -> (config, world-size-2 LearnerGroup at lr 0.001). A group costs two actors' start-up:

@@ -50,7 +50,7 @@ class FetchStats:
     """Rollout requests whose trajectories the step needed."""
     prefetched: int
     """Of those, the ones a prefetch had already fetched (or pulled onto this node), or was doing so, when the step
-    asked."""
+    asked; a prefetch that failed is not counted (the step fetched that request itself)."""
 
 
 class TrajectoryCache:
@@ -101,12 +101,13 @@ class TrajectoryCache:
         refs = list(dict.fromkeys(item[0] for item in shard if isinstance(item, tuple)))
         with self._lock:
             prefetched = {ref: self._entries[ref][1] for ref in refs if ref in self._entries}
-        lists = {}
+        lists, landed = {}, 0
         for ref, future in prefetched.items():
             try:
                 held = future.result()  # waits for a prefetch still landing
             except Exception:  # noqa: BLE001 (the prefetch failed: fetched below, raising what the object store says)
                 continue
+            landed += 1
             if held is not None:
                 lists[ref] = held
         missing = [ref for ref in refs if ref not in lists]
@@ -116,7 +117,7 @@ class TrajectoryCache:
             dataclasses.replace(lists[item[0]][item[1]], advantage=item[2]) if isinstance(item, tuple) else item
             for item in shard
         ]
-        return trajectories, FetchStats(time.perf_counter() - start, len(refs), len(prefetched))
+        return trajectories, FetchStats(time.perf_counter() - start, len(refs), landed)
 
     def forget(self, refs: list[ray.ObjectRef]) -> None:
         """Drop `refs` (a trained batch's requests: each request belongs to one group, trained once)."""
