@@ -463,6 +463,40 @@ def test_a_weight_sync_actor_stuck_in_a_push_is_replaced_as_stalled_not_blamed_o
         trainer.shutdown()
 
 
+def test_a_weight_sync_actor_that_dies_during_an_evaluation_is_replaced_during_it(ray_session, tiny_model_dir, tmp_path,
+                                                                                  monkeypatch):
+    """Synchronous: the weight-sync actor dies as step 1's evaluation starts. The evaluation's loop replaces it and
+    pushes the version again (nothing looked at the sync there: its `watch`, ready once the actor died, made every pass
+    return at once, and the actor was replaced only after the evaluation)."""
+    cfg = small_cfg(GRPO, tiny_model_dir, tmp_path, "trainer.eval_every=1", "logging.progress_bar=false",
+                    "async.max_staleness=0", "trainer.save_every=0", "trainer.total_steps=2")
+    trainer = Trainer(cfg)
+    evaluate, serve, seen = trainer.evaluator.run, trainer._serve, {"serves": 0}
+
+    def kill_then_evaluate(step, *args):
+        if step == 1:
+            ray.kill(trainer.sync.actor)
+            wait_until_dead(trainer.sync.actor)
+            seen["serves"] = 0
+        scalars = evaluate(step, *args)
+        if step == 1:
+            seen["restarts"] = trainer.sync.restarts
+        return scalars
+
+    def counted_serve(*args, **kwargs):
+        seen["serves"] += 1
+        return serve(*args, **kwargs)
+
+    monkeypatch.setattr(trainer.evaluator, "run", kill_then_evaluate)
+    monkeypatch.setattr(trainer, "_serve", counted_serve)
+    try:
+        trainer.run()
+        assert seen["restarts"] == 1 and trainer.sync.restarts == 1 and len(trainer.history) == 2
+        assert seen["serves"] < 100, f"{seen['serves']} passes of the loop during the evaluation: it spun"
+    finally:
+        trainer.shutdown()
+
+
 def stop_sync_actor(trainer: Trainer, stopped: list[int]) -> None:
     """SIGSTOP the weight-sync actor's process (it neither answers nor dies), noting its pid in `stopped`."""
     stopped.append(ray.get(trainer.sync.actor.__ray_call__.remote(lambda actor: os.getpid())))
@@ -572,5 +606,53 @@ def test_a_learner_death_releases_the_rollouts_waiting_for_a_version_the_rewind_
         assert "rewound to step 2" in caplog.text
         assert len(dropping_s) == 1 and dropping_s[0] < 30.0, f"dropping the requests in flight took {dropping_s}"
         assert trainer.rollout.restarts == [0], "a replica waiting for the voided version was replaced as stalled"
+    finally:
+        trainer.shutdown()
+
+
+def test_a_learner_death_in_the_save_at_the_time_limit_trains_the_dropped_steps_again_and_checkpoints(
+        ray_session, tiny_model_dir, tmp_path, undisturbed, monkeypatch, caplog):
+    """trainer.time_limit_s passes during step 1 (of 50, no checkpoint before), and a learner rank dies in the save the
+    run stops with. The rewind to the start found the run out of time and ended it there: 0 steps, no checkpoint, no
+    error (the launcher printed "done"). Step 1 is trained again, and checkpointed, as an undisturbed run's."""
+    cfg = small_cfg(GRPO, tiny_model_dir, tmp_path, *SYNCHRONOUS, "trainer.total_steps=50", "trainer.save_every=0",
+                    "trainer.time_limit_s=0.001")
+    trainer = Trainer(cfg)
+    try:
+        kill_in_save(trainer, monkeypatch, 1, lambda: [trainer.learners.workers[0]])
+        trainer.run()
+        assert trainer.learners.restarts == 1 and "rewound to step 0 (step 1 is trained again)" in caplog.text
+        expected, _ = undisturbed
+        assert [h["reward/mean"] for h in trainer.history] == [expected[0].reward_mean]
+        assert load_checkpoint(step_dir(checkpoint_root(cfg.trainer.run_dir), 1)).version == 1
+    finally:
+        trainer.shutdown()
+
+
+@pytest.mark.parametrize("found_first", ["by_the_pool", "by_the_driver"])
+def test_a_weight_sync_actor_and_a_rollout_rank_lost_together_are_both_replaced(
+        ray_session, tiny_model_dir, tmp_path, undisturbed, monkeypatch, caplog, found_first):
+    """One node lost after step 1: the weight-sync actor and the rollout rank die together. Found first by the pool (a
+    request failed), the re-formed sync group asked the dead actor to settle, and its ActorDiedError stopped the run;
+    found first by the driver (the actor's death), the replacement's group waited for the dead rank to join until the
+    collective timeout (300 s by default), and the run stopped. Both are replaced; the run equals an undisturbed one."""
+    cfg = small_cfg(GRPO, tiny_model_dir, tmp_path, *SYNCHRONOUS, "rollout.collective_timeout_s=5")
+    trainer = Trainer(cfg)
+
+    def lose_the_node():
+        actors = [trainer.sync.actor, trainer.rollout.replicas[0].workers[0]]
+        for actor in actors:
+            ray.kill(actor)
+        for actor in actors:
+            wait_until_dead(actor)
+        if found_first == "by_the_pool":
+            trainer.rollout.take_out_dead()  # what the pool does as a request of the dead rank fails (`collect`)
+
+    try:
+        after_step(trainer, monkeypatch, 1, lose_the_node)
+        trainer.run()
+        assert trainer.sync.restarts == 1 and trainer.rollout.restarts == [1]
+        assert "the weight-sync actor died" in caplog.text
+        assert_equal_to_undisturbed(trainer, undisturbed)
     finally:
         trainer.shutdown()

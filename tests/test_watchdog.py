@@ -85,7 +85,7 @@ def test_a_stopped_rank_is_reported_within_the_deadline_rollout_replaced_learner
         pid = ray.get(trainer.learners.workers[0].__ray_call__.remote(lambda worker: os.getpid()))
         os.kill(pid, signal.SIGSTOP)
         trainer.cfg.trainer.total_steps = 3
-        with pytest.raises(LearnerStalled, match=r"train step 2 not done after \d+s .*learner rank 0 of 1 on node 127\.0\.0\.1") as e:
+        with pytest.raises(LearnerStalled, match=r"train step 3 not done after \d+s .*learner rank 0 of 1 on node 127\.0\.0\.1") as e:
             trainer.run()
         assert float(re.search(r"not done after (\d+)s", str(e.value)).group(1)) <= trainer.learner_watchdog.deadline_s() + 2.0
     finally:

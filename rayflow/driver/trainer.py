@@ -102,6 +102,10 @@ class Trainer:
         """Synchronous mode: the next batch went to the rollout in time, before its step's broadcast, and
         trainer.time_limit_s passed during that broadcast. It is trained, as an asynchronous step already handed to the
         learners is, rather than left rolling out for nothing ahead of the final evaluation's requests."""
+        self.retrain_until = 0
+        """A learner death after trainer.time_limit_s passed rewinds to a checkpoint before the step the run was stopping
+        at: the run is not out of time again until it has trained up to that step (`lost`) once more, and evaluates and
+        checkpoints there (it ended at the rewind point instead: with no checkpoint before it, with nothing at all)."""
         self.evaluating: set[PoolFuture] = set()
         """Requests the driver waits for itself (evaluation) instead of scoring them for training."""
         self.trajectory_losses: collections.Counter[str] = collections.Counter()
@@ -262,7 +266,7 @@ class Trainer:
         intact; the same command continues from it) rather than waiting on it."""
         (_, silent_s), = self.learner_watchdog.overdue()
         raise LearnerStalled(
-            f"train step {self.version} not done after {silent_s:.0f}s (deadline {self.learner_watchdog.deadline_s():.0f}s, "
+            f"train step {self.version + 1} not done after {silent_s:.0f}s (deadline {self.learner_watchdog.deadline_s():.0f}s, "
             f"learner.stall_timeout_s={self.cfg.learner.stall_timeout_s}): {', '.join(self.learners.late_ranks(training))} "
             f"neither finished nor died; stopping. Continue from the last checkpoint with trainer.resume=auto"
         )
@@ -299,7 +303,9 @@ class Trainer:
     def _replace_sync(self, failure: ray.exceptions.RayActorError | WeightSyncStalled, push: bool) -> None:
         """Replace the dead or stalled weight-sync actor (sync.max_restarts; `failure` is logged as its cause),
         re-forming its group with the live rollout ranks; with `push`, learner rank 0 pushes the current version to
-        the new actor (else the caller's next push goes to it)."""
+        the new actor (else the caller's next push goes to it). A rollout rank lost with the actor (one node) is taken
+        out of service first: the new group waited for it to join until its collective timeout, and the run stopped."""
+        self.rollout.take_out_dead()
         self.sync.restart(self.rollout.replicas, failure)
         if push:
             self._push_weights()
@@ -358,6 +364,10 @@ class Trainer:
                         futures[i] = self._evaluate_again(future, losses[i], e)
                         self.evaluating.add(futures[i])
                 if any(r is None for r in results):
+                    # No train step is in flight during an evaluation: a dead weight-sync actor is replaced now and
+                    # the current version pushed (its `watch`, always ready once it died, spun `_serve`, and a replica
+                    # replaced meanwhile joined no group).
+                    self._check_sync_failure(training_in_flight=False)
                     self._serve(training=None)
         finally:
             self.evaluating = set()
@@ -493,9 +503,10 @@ class Trainer:
         return self._out_of_time_at(0.0)
 
     def _out_of_time_at(self, step_s: float) -> bool:
-        """trainer.time_limit_s has passed once the step in progress has taken `step_s`."""
+        """trainer.time_limit_s has passed once the step in progress has taken `step_s` (and the steps a rewind after it
+        dropped are trained again: `retrain_until`)."""
         limit = self.cfg.trainer.time_limit_s
-        return limit is not None and self.train_s + step_s >= limit
+        return limit is not None and self.train_s + step_s >= limit and self.version >= self.retrain_until
 
     @property
     def replica_restarts(self) -> int:
@@ -604,6 +615,8 @@ class Trainer:
         batch is gone, and its peers may wait for that rank in a collective; the rewind samples the batch again. A
         rank that dies during the restore restarts the group again (each restart counts against learner.max_restarts)."""
         lost = self.version
+        if self.out_of_time:  # the run was stopping at `lost` (or after the step in flight): it trains up to it again
+            self.retrain_until = max(self.retrain_until, lost)
         while True:
             if not isinstance(died.__cause__, (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError)):
                 raise died

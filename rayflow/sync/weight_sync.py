@@ -103,7 +103,8 @@ class WeightSync:
         Raises TimeoutError naming the ranks that did not join (stalled) instead of waiting for them forever. An actor
         that does not settle within `deadline_s` (stopped) is marked `stalled` and no group formed: the driver replaces
         it (`restart`, from `failure()`), which connects the live replicas then; its callers (the rollout pool, which
-        connects as a replica dies or comes back) go on meanwhile."""
+        connects as a replica dies or comes back) go on meanwhile. A dead actor forms none either, and is replaced alike
+        (one node lost with a rollout replica: the pool's `connect` for the replica raised its death out of the loop)."""
         if self.stalled is not None:
             return  # its replacement connects every live replica
         members = [(r, rank) for r in replicas if r.alive for rank in range(r.world_size)]
@@ -118,7 +119,10 @@ class WeightSync:
                                              f"its broadcast in flight) within {self.deadline_s:.0f}s: stuck or stopped")
             log.error("%s; the driver replaces it", self.stalled)
             return
-        ray.get(settled)
+        try:
+            ray.get(settled)
+        except ray.exceptions.RayActorError:  # dead: `failure()` reports it, and its replacement connects the replicas
+            return
         rendezvous = self.actor.rendezvous.remote()
         size = len(workers) + 1
         joins = [w.join_sync.remote(rendezvous, name, i + 1, size) for i, w in enumerate(workers)]
@@ -215,7 +219,10 @@ class WeightSync:
         self.connect(replicas)
         if self.stalled is not None:  # its replacement receives the version pushed after the restart
             return
-        current = ray.get(self.actor.current.remote())
+        try:
+            current = ray.get(self.actor.current.remote())
+        except ray.exceptions.RayActorError:  # dead: its replacement receives the version pushed after the restart
+            return
         if current is not None and current[0] > 0:  # a new rank holds version 0 (the initial adapter) already
             ray.get(replica.stage_weights(*current))
 
