@@ -212,30 +212,27 @@ class LearnerGroup:
         group._setup()
         return group
 
-    def _start(self, restart: bool = False) -> None:
+    def _start(self, keep_placement: bool = False) -> None:
         """Spawn the ranks in the placement group's bundles and build the sharded model on each (version 0).
-        `restart`: a failure kills the new ranks and keeps the placement group, for the next restart (and the
-        owner's `shutdown`); at the first start it releases both."""
+        `keep_placement` (a restart): a failure leaves the ranks and the placement group to the caller (the next
+        restart kills the ranks, the owner's `shutdown` releases both); at the first start it releases both."""
         actor = ray.remote(concurrency_groups=LEARNER_CONCURRENCY_GROUPS)(LearnerWorker)
         self.workers = [
             self.placed.spawn(r, actor, self.spec, r, name=f"{self.name}-{r}-{self.placed.pg.id.hex()[:8]}-{self.restarts}")
             for r in range(self.world_size)
         ]
-        self._setup(keep_placement=restart)
+        self._setup(keep_placement)
 
     def _setup(self, keep_placement: bool = False) -> None:
-        """Join the ranks' group and build the sharded model on each (version 0). On failure the ranks are killed,
-        and the placement group removed unless `keep_placement`."""
+        """Join the ranks' group and build the sharded model on each (version 0). On failure the ranks are killed and
+        the placement group removed, unless `keep_placement`."""
         try:
             (rendezvous,) = self.get([self.workers[0].rendezvous.remote()])
             self.identity: dict = self.get([w.setup.remote(rendezvous) for w in self.workers])[0]
             self.rollout_adapter_name: str = self.get([self.workers[0].rollout_adapter_name.remote()])[0]
             self.check_shared_checkpoints()
         except BaseException:
-            if keep_placement:
-                for w in self.workers:
-                    ray.kill(w)
-            else:
+            if not keep_placement:
                 self.shutdown()
             raise
 
@@ -278,7 +275,7 @@ class LearnerGroup:
                 ray.kill(w)
             self.restarts += 1
             try:
-                self._start(restart=True)
+                self._start(keep_placement=True)
                 return
             except LearnerError as again:
                 if not isinstance(again.__cause__, ray.exceptions.RayActorError):
