@@ -61,11 +61,7 @@ class FakeAutoscalingCluster:
 
     def __init__(self, head_cpus: int = 0, timeout_s: float = 60.0):
         self.head_cpus, self.timeout_s = head_cpus, timeout_s
-        self.port, self.dashboard_port, self.client_port, self.agent_port = free_ports(4)
-        self.gcs_address = f"127.0.0.1:{self.port}"
-        self.dashboard_url = f"http://127.0.0.1:{self.dashboard_port}"
-        # Unix socket paths live under the temp dir and must stay short: not under pytest's tmp_path.
-        self.temp_dir = tempfile.mkdtemp(prefix="rfc", dir="/tmp")
+        self._pick_ports_and_temp_dir()
         token = secrets.token_hex(16)
         self.env = {
             **os.environ,
@@ -74,10 +70,31 @@ class FakeAutoscalingCluster:
             "RAY_AUTH_TOKEN": token,  # the head, its nodes, the job and the CLI share it; ~/.ray is untouched
         }
         self.env.pop("RAY_ADDRESS", None)
-        self.log_path = Path(self.temp_dir) / "head.log"
         self.process: subprocess.Popen | None = None
 
+    def _pick_ports_and_temp_dir(self) -> None:
+        self.port, self.dashboard_port, self.client_port, self.agent_port = free_ports(4)
+        self.gcs_address = f"127.0.0.1:{self.port}"
+        self.dashboard_url = f"http://127.0.0.1:{self.dashboard_port}"
+        # Unix socket paths live under the temp dir and must stay short: not under pytest's tmp_path.
+        self.temp_dir = tempfile.mkdtemp(prefix="rfc", dir="/tmp")
+        self.log_path = Path(self.temp_dir) / "head.log"
+
     def __enter__(self) -> "FakeAutoscalingCluster":
+        """Starts the head; when one of its ports was taken between free_ports and the bind (another process
+        on the machine got it first), again on new ports, up to three times in all."""
+        for attempt in range(3):
+            try:
+                self._start_head()
+                return self
+            except BaseException as error:
+                self.__exit__()
+                # A head that exited raises RuntimeError with its log's tail, which names a port taken.
+                if not isinstance(error, RuntimeError) or "already in use" not in str(error) or attempt == 2:
+                    raise
+                self._pick_ports_and_temp_dir()
+
+    def _start_head(self) -> None:
         config = yaml.safe_load(CONFIG.read_text())
         config["provider"]["gcs_address"] = self.gcs_address
         config_path = Path(self.temp_dir) / "fake_multinode.yaml"
@@ -92,12 +109,7 @@ class FakeAutoscalingCluster:
         env = {**self.env, "RAY_FAKE_CLUSTER": "1", "AUTOSCALER_UPDATE_INTERVAL_S": "1"}
         with open(self.log_path, "w") as log:
             self.process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            self._wait_for_job_api()
-        except BaseException:
-            self.__exit__()
-            raise
-        return self
+        self._wait_for_job_api()
 
     def _wait_for_job_api(self) -> None:
         deadline = time.monotonic() + self.timeout_s

@@ -127,9 +127,10 @@ def run(model_dir: str, out_dir: str) -> dict:
         pool.shutdown()
 
 
-def main(model_dir: str, out_dir: str, temp_dir: str, port: str) -> None:
-    # Ports of its own (6379 and 52365 may be taken by another Ray on this machine).
-    head = {"gcs_server_port": int(port), "dashboard_agent_listen_port": None, "num_cpus": 0,
+def main(model_dir: str, out_dir: str, temp_dir: str) -> None:
+    # No GCS port given: the GCS binds port 0 and publishes what it got. A port picked here beforehand could be taken
+    # by another process before the GCS bound it (a CI run failed on "Address already in use").
+    head = {"dashboard_agent_listen_port": None, "num_cpus": 0,
             "include_dashboard": False, "temp_dir": temp_dir, "_system_config": {"max_direct_call_object_size": 1024}}
     cluster = Cluster(initialize_head=True, head_node_args=head)
     try:

@@ -23,7 +23,7 @@ from ray.autoscaler._private.util import prepare_config, validate_config
 from ray.runtime_env import RuntimeEnv
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from cluster_fake import FakeAutoscalingCluster, free_port
+from cluster_fake import FakeAutoscalingCluster
 from rayflow.config import load_config
 from rayflow.distributed.fake_nodes import FakeNodesWithOwnDirs
 from rayflow.distributed.resources import required_cpus
@@ -334,7 +334,7 @@ def test_weight_sync_reaches_rollout_replicas_on_other_nodes_bit_for_bit(tiny_mo
     with tempfile.TemporaryDirectory(prefix="rfw", dir="/tmp") as temp_dir:  # short: unix socket paths
         proc = subprocess.run(
             [sys.executable, str(REPO / "tests" / "cluster_weight_sync.py"), tiny_model_dir, str(tmp_path / "out"),
-             temp_dir, str(free_port())],
+             temp_dir],
             cwd=REPO, env={**_clean_env(), **env}, capture_output=True, text=True, timeout=300,
         )
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
