@@ -344,6 +344,33 @@ def test_a_learner_death_during_the_rewinds_restore_restarts_the_group_again(ray
         trainer.shutdown()
 
 
+def test_a_rollout_rank_that_dies_during_the_rewinds_restore_is_replaced(ray_session, tiny_model_dir, tmp_path,
+                                                                         undisturbed, monkeypatch, caplog):
+    """A learner rank killed after step 3, and a rollout rank dead by the time the restarted group has loaded step 2's
+    checkpoint (on a lost node Ray marks the actors dead only once the node's health checks fail, so one can be found
+    dead after the rewind has asked the pool): asking it to forget the newer versions raised its RayActorError out of
+    the rewind and stopped the run. It is taken out of service and replaced, and the run ends equal to an undisturbed
+    one."""
+    trainer = Trainer(small_cfg(GRPO, tiny_model_dir, tmp_path, *SYNCHRONOUS))
+    restore = trainer.learners.restore
+
+    def a_rollout_rank_dies_in_the_restore(ckpt):
+        rank = trainer.rollout.replicas[0].workers[0]
+        ray.kill(rank)
+        wait_until_dead(rank)
+        return restore(ckpt)
+
+    monkeypatch.setattr(trainer.learners, "restore", a_rollout_rank_dies_in_the_restore)
+    try:
+        kill_after_steps(trainer, monkeypatch, {3: lambda: [trainer.learners.workers[0]]})
+        trainer.run()
+        assert trainer.learners.restarts == 1 and trainer.rollout.restarts == [1]
+        assert "rewound to step 2 (step 3 is trained again)" in caplog.text
+        assert_equal_to_undisturbed(trainer, undisturbed)
+    finally:
+        trainer.shutdown()
+
+
 def test_a_learner_death_rewinds_within_the_runs_own_timeline(ray_session, tiny_model_dir, tmp_path, undisturbed,
                                                               monkeypatch, caplog):
     """Started from another run's step-2 checkpoint in a directory that holds an older step of its own (step 1): a

@@ -579,7 +579,7 @@ class Trainer:
         self.sampler.load_state_dict(data)
         self.version = version
         if rewind:
-            self.sync.rewind(version, self.rollout.replicas)
+            self._rewind_rollout(version)
         else:  # a rewind goes on from this process's restarts, which happened
             self.replica_restarts_before = counters.get("replica_restarts", 0)
         self._push_weights()
@@ -593,6 +593,19 @@ class Trainer:
             group = self.sampler.group(gid)
             self.queue.submitted(group)
             self._submit([group])
+
+    def _rewind_rollout(self, version: int) -> None:
+        """The rollout ranks in service forget the versions after `version` and join a new weight-sync group. A rank
+        found dead as they are asked (on a lost node Ray marks its actors dead only once the node's health checks
+        fail, which can be after the learners' death was seen and the pool asked) is taken out of service, and the
+        rest asked again."""
+        while True:
+            try:
+                self.sync.rewind(version, self.rollout.replicas)
+                return
+            except ray.exceptions.RayActorError:
+                if not self.rollout.take_out_dead():
+                    raise
 
     def _new_queue(self, accepted: int, totals: QueueStats | None = None) -> StalenessQueue:
         """An empty queue whose admission counts `accepted` samples trained on so far, and whose counts of regenerated
