@@ -420,6 +420,16 @@ try:
     print("worker:", ray.get(ray.remote(lambda: [m for m in MODEL_CODE if m in sys.modules]).remote()))
     print("actor:", ray.get(Probe.remote().loaded.remote()))
     print("light actor:", ray.get(Probe.options(**worker_imports.light_actor_options()).remote().loaded.remote()))
+    # Idle workers the raylet started itself (a forked worker's parent is a zygote): none started ahead of demand.
+    def proc(pid):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f, open(f"/proc/{pid}/stat") as g:
+                return f.read().replace(b"\\0", b" ").decode(errors="replace"), int(g.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError):
+            return "", 0
+    procs = {int(p): proc(p) for p in os.listdir("/proc") if p.isdigit()}
+    raylets = {pid for pid, (cmd, _) in procs.items() if "raylet/raylet " in cmd}
+    print("plain idle workers:", sum(cmd.startswith("ray::IDLE") and ppid in raylets for cmd, ppid in procs.values()))
 finally:
     ray.shutdown()
     worker_imports.stop_worker_zygotes()
@@ -442,6 +452,8 @@ def test_a_local_runs_workers_are_forked_with_the_model_code_imported(tmp_path, 
     assert f"worker: {model_code if forked else []}" in result.stdout, result.stdout
     assert f"actor: ({model_code if forked else []}, {0 if forked else None})" in result.stdout, result.stdout
     assert f"light actor: ([], {1 if forked else None})" in result.stdout, result.stdout
+    if forked:  # the raylet started two plain workers for the first driver, idle for the whole run (no actor takes one)
+        assert "plain idle workers: 0" in result.stdout, result.stdout
 
 
 DRIVER_PROBE = """

@@ -56,8 +56,10 @@ def start_worker_zygotes(pipeline_class: str) -> dict:
         stop_worker_zygotes()
         shutil.rmtree(directory, ignore_errors=True)  # if no zygote was launched in it
         raise
+    # Both switches: enable_worker_prestart alone left the raylet starting workers for the first driver (two plain
+    # Python workers on this machine, about 1 s of CPU each during the start-up, then idle for the whole run).
     return {"runtime_env": {"py_executable": worker_command(*_started)},
-            "_system_config": {"enable_worker_prestart": False}}
+            "_system_config": {"enable_worker_prestart": False, "prestart_worker_first_driver": False}}
 
 
 def zygotes_wanted() -> bool:
