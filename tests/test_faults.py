@@ -16,6 +16,7 @@ import torch
 
 from rayflow import reference
 from rayflow.checkpoint import checkpoint_root, load_checkpoint, sharded_staging_dir, step_dir
+from rayflow.driver import trainer as trainer_module
 from rayflow.driver.trainer import Trainer, TrajectoriesLost
 from rayflow.learner.worker import LearnerError, LearnerGroup
 from rayflow.sync.source import WeightSyncError
@@ -254,17 +255,20 @@ def test_a_learner_and_a_rollout_rank_lost_together_rewind_and_replace_the_rank(
 def test_trajectories_lost_with_their_node_are_sampled_again_and_the_run_stays_equal_to_an_undisturbed_one(
         ray_session, tiny_model_dir, tmp_path, undisturbed, monkeypatch, caplog):
     """A request's trajectories live in the object store of the rollout node that sampled them. Lost before they are
-    scored (step 2's request): the reward call failed with an ObjectLostError, was retried and stopped the run as
+    scored (step 3's request): the reward call failed with an ObjectLostError, was retried and stopped the run as
     "reward failed". Lost before the learners fetch them (step 3's batch): the learner rank raised and the run stopped.
     Now the request is sampled again (counted in rollout/regenerated), and the learners' step is handled as a death:
-    the group restarts and rewinds to step 2, which samples the batch again. The run ends equal to an undisturbed one."""
+    the group restarts and rewinds to step 2, which samples the batch again, under the same request ids: a loss of the
+    request there is counted afresh (the dropped timeline's loss counted too, and the limit, here 1, stopped the run).
+    The run ends equal to an undisturbed one."""
     trainer = Trainer(small_cfg(GRPO, tiny_model_dir, tmp_path, *SYNCHRONOUS))
+    monkeypatch.setattr(trainer_module, "TRAJECTORY_LOSSES_PER_REQUEST", 1)
     submit_rollout, train_step = trainer.rewards.submit_rollout, trainer.learners.train_step
-    lost = {}
+    lost = {"reward": []}
 
     def scored_after_its_node_is_lost(ref, request):
-        if trainer.version == 1 and "reward" not in lost:
-            lost["reward"] = request.request_id
+        if trainer.version == 2 and len(lost["reward"]) < 1 + ("learner" in lost):  # once in each timeline
+            lost["reward"].append(request.request_id)
             ref = lost_ref()
         submit_rollout(ref, request)
 
@@ -278,10 +282,11 @@ def test_trajectories_lost_with_their_node_are_sampled_again_and_the_run_stays_e
     monkeypatch.setattr(trainer.learners, "train_step", fetched_after_its_node_is_lost)
     try:
         trainer.run()
-        assert lost == {"reward": "g1-s0", "learner": True}
+        assert lost == {"reward": ["g2-s0", "g2-s0"], "learner": True}
         assert trainer.rewards.restarts == [0] and "retrying" not in caplog.text
-        assert trainer.trajectory_losses == {"g1-s0": 1} and "sampling rollout request g1-s0 again" in caplog.text
-        assert [h["rollout/regenerated"] for h in trainer.history] == [0, 1, 1, 1]
+        assert trainer.trajectory_losses == {"g2-s0": 1}
+        assert caplog.text.count("sampling rollout request g2-s0 again (its trajectories were lost; 1 of 1") == 2
+        assert [h["rollout/regenerated"] for h in trainer.history] == [0, 0, 2, 2]  # the run's total: both losses
         assert trainer.learners.restarts == 1 and "rewound to step 2 (no finished step is lost)" in caplog.text
         assert_equal_to_undisturbed(trainer, undisturbed)
     finally:
@@ -468,6 +473,45 @@ def test_a_weight_sync_actor_stuck_in_a_push_is_replaced_as_stalled_in_a_synchro
         trainer.run()
         assert trainer.sync.restarts == 1 and trainer.learners.restarts == 0
         assert "the weight-sync actor stalled (WeightSyncStalled: version 2 not taken" in caplog.text
+        assert_equal_to_undisturbed(trainer, undisturbed)
+    finally:
+        trainer.shutdown()
+
+
+def test_a_learner_rank_0_lost_before_the_weight_sync_actor_took_its_push_rewinds_with_no_sync_restart(
+        ray_session, tiny_model_dir, tmp_path, undisturbed, monkeypatch, caplog):
+    """Synchronous: learner rank 0 ends step 1 (its metrics in) and dies before the weight-sync actor took the push it
+    owned (its node lost as the actor fetched it; simulated by a push never sent). The driver's wait for version 1
+    ended at the sync's deadline and the actor was replaced as stalled (with sync.max_restarts=0 the run stopped) before
+    the push to the replacement found the learners' death. The death is found first: the learners rewind."""
+    trainer = Trainer(small_cfg(GRPO, tiny_model_dir, tmp_path, *SYNCHRONOUS, "rollout.collective_timeout_s=2",
+                                "sync.max_restarts=0"))
+
+    def push_nothing_at(worker, version):  # defined here: Ray ships it by value to the learner process
+        push = worker.push_weights
+
+        def unsent(sync_actor):
+            if worker.backend.version == version:
+                return {"version": version, "gather_s": 0.0, "push_s": 0.0}
+            return push(sync_actor)
+        worker.push_weights = unsent
+
+    finish, dead = trainer._finish, []
+
+    def rank_0_dies_after_step_1s_metrics(step, *args, **kwargs):
+        if trainer.version == 0 and not dead:
+            dead.append(trainer.learners.workers[0])
+            trainer.learners.get(step.refs)
+            ray.kill(dead[0])
+            wait_until_dead(dead[0])
+        finish(step, *args, **kwargs)
+
+    ray.get(trainer.learners.workers[0].__ray_call__.remote(push_nothing_at, 1))
+    monkeypatch.setattr(trainer, "_finish", rank_0_dies_after_step_1s_metrics)
+    try:
+        trainer.run()
+        assert trainer.sync.restarts == 0 and trainer.learners.restarts == 1
+        assert "rewound to step 0 (step 1 is trained again)" in caplog.text
         assert_equal_to_undisturbed(trainer, undisturbed)
     finally:
         trainer.shutdown()

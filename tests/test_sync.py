@@ -11,6 +11,7 @@ import signal
 import sys
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 import ray
@@ -314,6 +315,45 @@ def test_a_push_the_sync_actor_does_not_take_is_reported_stalled_within_the_time
         assert pushed[0]["stalled_version"] == 1 and pushed[0]["version"] == 2 and time.monotonic() - start < 10.0
     finally:
         ray.kill(actor)
+
+
+def test_a_rollout_rank_that_does_not_answer_a_rewind_is_named_within_a_deadline_not_waited_for(ray_session):
+    """A rollout rank stopped (it neither answers nor dies) after the pool's liveness check as the learners rewind:
+    asked with no deadline to forget the newer versions, it hung the driver. The rewind names it after the time a
+    join gets; the driver takes it out of service (its liveness check marks it stalled) and asks the rest again."""
+
+    @ray.remote(num_cpus=0)
+    class Rank:
+        def __init__(self, stopped: bool):
+            self.stopped = stopped
+
+        def rewind_weights(self, version: int) -> None:
+            if self.stopped:
+                time.sleep(3600)
+
+    ranks = [Rank.remote(False), Rank.remote(True)]
+    replica = SimpleNamespace(name="r0", world_size=2, workers=ranks, alive=True, describe_rank=lambda r: f"rank {r} of 2")
+    sync = object.__new__(WeightSync)  # only what a rewind that fails needs
+    sync.actor, sync.deadline_s, sync.timeout_s = Rank.remote(False), 2.0, 1.0
+    raised: list[BaseException] = []
+
+    def rewind():
+        try:
+            sync.rewind(3, [replica])
+        except BaseException as e:  # noqa: BLE001 (looked at below)
+            raised.append(e)
+
+    try:
+        thread = threading.Thread(target=rewind, daemon=True)
+        thread.start()
+        thread.join(30.0)
+        assert raised, "the rewind still waits for the stopped rank"
+        assert isinstance(raised[0], TimeoutError)
+        assert re.search(r"rank 1 of 2 of rollout replica 'r0' did not answer within 3s", str(raised[0]))
+        assert "rank 0 of 2" not in str(raised[0])
+    finally:
+        for rank in ranks:
+            ray.kill(rank)
 
 
 @pytest.mark.parametrize("collective_timeout_s", [300.0, 600.0])

@@ -109,7 +109,8 @@ class Trainer:
         self.evaluating: set[PoolFuture] = set()
         """Requests the driver waits for itself (evaluation) instead of scoring them for training."""
         self.trajectory_losses: collections.Counter[str] = collections.Counter()
-        """Per rollout request id: how often its trajectories were lost before they were scored."""
+        """Per rollout request id: how often its trajectories were lost before they were scored (since the last rewind,
+        which draws the same request ids again)."""
         self.learner_watchdog = Watchdog(cfg.learner.stall_timeout_s, cfg.rollout.stall_factor)
         """The deadline of a train step."""
         self.components: list = []  # shut down in reverse order
@@ -532,6 +533,11 @@ class Trainer:
             except ray.exceptions.RayActorError as e:  # the weight-sync actor died
                 self._replace_sync(e, push=True)
             except TimeoutError:  # not staged in time: its push not taken (or not broadcast), or the actor stopped
+                # Learner rank 0 owns its push until the actor has taken it: dead before that (its node lost as the
+                # actor fetched it), the version never came. That is the learners' death (LearnerError: they restart
+                # and rewind), not a stalled actor's (it was replaced, a sync restart spent, before the push to the
+                # replacement found the death).
+                self.learners.check_alive(self.sync.spec.grace_s)
                 self._replace_sync(self._stalled_at(self.version), push=True)
 
     # -- checkpoints -------------------------------------------------------------------------------
@@ -597,13 +603,14 @@ class Trainer:
     def _rewind_rollout(self, version: int) -> None:
         """The rollout ranks in service forget the versions after `version` and join a new weight-sync group. A rank
         found dead as they are asked (on a lost node Ray marks its actors dead only once the node's health checks
-        fail, which can be after the learners' death was seen and the pool asked) is taken out of service, and the
+        fail, which can be after the learners' death was seen and the pool asked), or one that does not answer
+        (stopped since the pool's last liveness check, which now finds it stalled), is taken out of service, and the
         rest asked again."""
         while True:
             try:
                 self.sync.rewind(version, self.rollout.replicas)
                 return
-            except ray.exceptions.RayActorError:
+            except (ray.exceptions.RayActorError, TimeoutError):
                 if not self.rollout.take_out_dead():
                     raise
 
@@ -665,6 +672,9 @@ class Trainer:
         self.rollout.drop_in_flight()
         self.rewards.drain()
         self.next_batch_committed = False  # its requests were among those dropped
+        # Their losses go with them: the rewind draws the same groups again, under the same request ids, and a loss in
+        # the dropped timeline counted against the new one's (TRAJECTORY_LOSSES_PER_REQUEST reached early).
+        self.trajectory_losses.clear()
 
     def shutdown(self) -> None:
         for component in reversed(self.components):

@@ -367,6 +367,13 @@ class LearnerGroup:
                 ) from error
         return ray.get(refs)
 
+    def check_alive(self, timeout_s: float) -> None:
+        """Raise LearnerError (as `get`) naming a rank that died; a rank that does not answer within `timeout_s` (busy
+        in a step, or stopped) is not judged here."""
+        refs = [w.__ray_ready__.remote() for w in self.workers]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        self.get([ref if ref in ready else ray.put(None) for ref in refs])  # in rank order: `get` names the rank
+
     def settled(self, refs: list[ray.ObjectRef]) -> bool:
         """Whether per-rank `refs` are all done, or one failed (a rank that died leaves its peers waiting in a
         collective: `get` then raises at once instead of after their timeout)."""

@@ -196,9 +196,21 @@ class WeightSync:
     def rewind(self, version: int, replicas: list[SyncedReplica]) -> None:
         """The learners restarted from a checkpoint of `version`: the versions after it are void. A new actor (so no
         push of the lost learners reaches the rollouts) and a new group; every rank of the live `replicas` drops the
-        newer versions it holds (rayflow.sync.receiver.WeightReceiver.rewind). The caller pushes `version` next."""
+        newer versions it holds (rayflow.sync.receiver.WeightReceiver.rewind). The caller pushes `version` next.
+        Raises TimeoutError naming the ranks that did not answer within the time a join gets (stopped: asked with no
+        deadline, the driver hung), the actor killed and no group formed; the caller takes them out and asks again."""
         ray.kill(self.actor)  # first: it broadcasts none of those versions after the ranks forgot them
-        ray.get([w.rewind_weights.remote(version) for r in replicas if r.alive for w in r.workers])
+        members = [(r, rank) for r in replicas if r.alive for rank in range(r.world_size)]
+        refs = [r.workers[rank].rewind_weights.remote(version) for r, rank in members]
+        # A rank's weights thread may first end a receive from the killed actor (its collective timeout).
+        deadline_s = self.deadline_s + self.timeout_s
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=deadline_s) if refs else ([], [])
+        late = [f"{r.describe_rank(rank)} of rollout replica {r.name!r}" for (r, rank), ref in zip(members, refs)
+                if ref not in ready]
+        if late:
+            raise TimeoutError(f"rewinding the rollout weights to version {version}: {', '.join(late)} did not answer "
+                               f"within {deadline_s:.0f}s (stalled)")
+        ray.get(refs)
         self._replace_actor(replicas)
 
     def abandon_waits(self, replicas: list[SyncedReplica]) -> None:
