@@ -107,7 +107,7 @@ class WeightSync:
         (one node lost with a rollout replica: the pool's `connect` for the replica raised its death out of the loop)."""
         if self.stalled is not None:
             return  # its replacement connects every live replica
-        members = [(r, rank) for r in replicas if r.alive for rank in range(r.world_size)]
+        members = _ranks_in_service(replicas)
         workers = [r.workers[rank] for r, rank in members]
         self.generation += 1
         name = f"rayflow-weight-sync-{self.generation}"
@@ -128,10 +128,9 @@ class WeightSync:
         joins = [w.join_sync.remote(rendezvous, name, i + 1, size) for i, w in enumerate(workers)]
         refs = [self.actor.join.remote(rendezvous, name, workers), *joins]
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=self.deadline_s + self.timeout_s)
-        late = [f"{r.describe_rank(rank)} of rollout replica {r.name!r}" for (r, rank), ref in zip(members, joins)
-                if ref not in ready]
+        late = _late_ranks(members, joins, ready)
         if late:
-            raise TimeoutError(f"weight-sync group {name!r}: {', '.join(late)} did not join within "
+            raise TimeoutError(f"weight-sync group {name!r}: {late} did not join within "
                                f"{self.deadline_s + self.timeout_s:.0f}s (stalled)")
         ray.get(refs)
 
@@ -200,15 +199,14 @@ class WeightSync:
         Raises TimeoutError naming the ranks that did not answer within the time a join gets (stopped: asked with no
         deadline, the driver hung), the actor killed and no group formed; the caller takes them out and asks again."""
         ray.kill(self.actor)  # first: it broadcasts none of those versions after the ranks forgot them
-        members = [(r, rank) for r in replicas if r.alive for rank in range(r.world_size)]
+        members = _ranks_in_service(replicas)
         refs = [r.workers[rank].rewind_weights.remote(version) for r, rank in members]
         # A rank's weights thread may first end a receive from the killed actor (its collective timeout).
         deadline_s = self.deadline_s + self.timeout_s
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=deadline_s) if refs else ([], [])
-        late = [f"{r.describe_rank(rank)} of rollout replica {r.name!r}" for (r, rank), ref in zip(members, refs)
-                if ref not in ready]
+        late = _late_ranks(members, refs, ready)
         if late:
-            raise TimeoutError(f"rewinding the rollout weights to version {version}: {', '.join(late)} did not answer "
+            raise TimeoutError(f"rewinding the rollout weights to version {version}: {late} did not answer "
                                f"within {deadline_s:.0f}s (stalled)")
         ray.get(refs)
         self._replace_actor(replicas)
@@ -242,3 +240,15 @@ class WeightSync:
         ray.wait([self.actor.close.remote()], timeout=5.0)
         ray.kill(self.actor)
         self.placed.remove()
+
+
+def _ranks_in_service(replicas: list[SyncedReplica]) -> list[tuple[SyncedReplica, int]]:
+    """(replica, rank) for every rank of every live replica, in the group's order."""
+    return [(r, rank) for r in replicas if r.alive for rank in range(r.world_size)]
+
+
+def _late_ranks(members: list[tuple[SyncedReplica, int]], refs: list[ray.ObjectRef], ready: list[ray.ObjectRef]) -> str:
+    """The ranks of `members` whose call in `refs` (one each, in order) is not among `ready`, named for an error ("" if
+    none)."""
+    return ", ".join(f"{r.describe_rank(rank)} of rollout replica {r.name!r}" for (r, rank), ref in zip(members, refs)
+                     if ref not in ready)
