@@ -11,7 +11,6 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from cluster_fake import free_port
 from rayflow.distributed import process_group
 from rayflow.distributed.process_group import (
     FORM_TIMEOUT_FLOOR_S,
@@ -27,8 +26,21 @@ LATE_S = 3.0
 """Rank 1 joins this late: three collective timeouts, well inside the formation floor."""
 
 
-def member(rank: int, rendezvous: Rendezvous, results) -> None:
+def meet(rank: int, size: int, rendezvous_queue) -> Rendezvous:
+    """Rank 0 takes a port of its own, held until its store opens on it (as a GroupHost does), and hands it to the
+    others. A port picked free in the test's process could be taken by another process in the seconds before rank 0,
+    a spawned process, bound it (a CI run met that race on a cluster's port: tests/cluster_weight_sync.py)."""
     process_group.node_ip = lambda: LOOPBACK  # what Ray reports on a loopback-only node
+    if rank > 0:
+        return rendezvous_queue.get(timeout=60)
+    rendezvous = Rendezvous.on_this_node()
+    for _ in range(size - 1):
+        rendezvous_queue.put(rendezvous)
+    return rendezvous
+
+
+def member(rank: int, rendezvous_queue, results) -> None:
+    rendezvous = meet(rank, 2, rendezvous_queue)
     if rank == 1:
         time.sleep(LATE_S)
     group = CollectiveGroup("late-join", rendezvous, rank, 2, "cpu", timeout_s=COLLECTIVE_S)
@@ -71,8 +83,7 @@ def test_a_rendezvous_holds_its_port_until_rank_0_opens_the_store_on_it(monkeypa
 def test_a_late_member_joins_and_a_missing_peer_still_fails_a_collective_within_its_timeout():
     assert LATE_S < FORM_TIMEOUT_FLOOR_S
     context = multiprocessing.get_context("spawn")
-    results = context.Queue()
-    rendezvous = Rendezvous(LOOPBACK, free_port())
+    results, rendezvous = context.Queue(), context.Queue()
     ranks = [context.Process(target=member, args=(rank, rendezvous, results)) for rank in (0, 1)]
     for p in ranks:
         p.start()
@@ -92,9 +103,9 @@ SURVIVOR_TIMEOUT_S = 30.0
 """The waiting peer's collective timeout: far longer than the test may take, as the default 300 s is."""
 
 
-def broadcaster(rank: int, rendezvous: Rendezvous, results) -> None:
+def broadcaster(rank: int, rendezvous_queue, results) -> None:
     """Rank 0 (the weight-sync source), rank 1 (a receiver that lives), rank 2 (a receiver that dies)."""
-    process_group.node_ip = lambda: LOOPBACK
+    rendezvous = meet(rank, 3, rendezvous_queue)
     group = CollectiveGroup("lost-receiver", rendezvous, rank, 3, "cpu", timeout_s=SURVIVOR_TIMEOUT_S)
     tensor = torch.full((3,), float(rank + 1))
     group.broadcast(tensor)
@@ -122,8 +133,7 @@ def broadcaster(rank: int, rendezvous: Rendezvous, results) -> None:
 
 def test_a_destroyed_group_fails_the_peers_still_waiting_at_once_not_at_their_timeout():
     context = multiprocessing.get_context("spawn")
-    results = context.Queue()
-    rendezvous = Rendezvous(LOOPBACK, free_port())
+    results, rendezvous = context.Queue(), context.Queue()
     ranks = [context.Process(target=broadcaster, args=(rank, rendezvous, results), daemon=True) for rank in (0, 1, 2)]
     for p in ranks:
         p.start()
@@ -155,7 +165,7 @@ def test_a_collective_the_backend_refuses_as_it_is_enqueued_raises_collective_er
     """It came out of the enqueue raw, outside the wait's handling: a rollout replica took the DistBackendError for the
     request's own error, not a fault of the replica. An argument the backend refuses stays the caller's error."""
     monkeypatch.setattr(process_group, "node_ip", lambda: LOOPBACK)
-    group = CollectiveGroup("aborted", Rendezvous(LOOPBACK, free_port()), 0, 1, "cpu", timeout_s=COLLECTIVE_S)
+    group = CollectiveGroup("aborted", Rendezvous.on_this_node(), 0, 1, "cpu", timeout_s=COLLECTIVE_S)
     live = group._pg
     try:
         group._pg = RefusingBackend(dist.DistBackendError("NCCL communicator was aborted on rank 0. Original reason"))

@@ -282,7 +282,7 @@ def test_a_rank_whose_weight_sync_join_failed_refuses_a_broadcast_naming_the_fai
     host = RolloutRankHost()
     host.rank = SimpleNamespace(rank=1, device=torch.device("cpu"), receiver=receiver,
                                 spec=SimpleNamespace(collective_timeout_s=1.0))
-    host.join_sync(Rendezvous("127.0.0.1", free_port()), "generation-1", 0, 1)
+    host.join_sync(Rendezvous.on_this_node(), "generation-1", 0, 1)
     host.receive_weights(SimpleNamespace(version=1), 1 << 20)
     with pytest.raises(RuntimeError):  # nobody hosts generation 2's store: the connect times out
         host.join_sync(Rendezvous("127.0.0.1", free_port()), "generation-2", 1, 2)
