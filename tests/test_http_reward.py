@@ -3,6 +3,7 @@
 import base64
 import io
 import re
+import socket
 import time
 
 import numpy as np
@@ -10,7 +11,6 @@ import pytest
 import torch
 from PIL import Image
 
-from cluster_fake import free_port
 from rayflow.errors import ConfigError
 from rayflow.rewards import make_reward
 from reward_server import RewardServer
@@ -80,9 +80,11 @@ def test_malformed_reply_names_the_url_and_the_problem(payload, problem):
 
 
 def test_unreachable_url():
-    url = f"http://127.0.0.1:{free_port()}/score"  # nothing listens there
-    with pytest.raises(RuntimeError, match=re.escape(f"http reward {url}: unreachable") + ".*Connection refused"):
-        make_reward("http", url=url, timeout_s=5)(images(1), ["a"])
+    with socket.socket() as held:  # bound, never listening: refused, and no other process can take the port meanwhile
+        held.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{held.getsockname()[1]}/score"
+        with pytest.raises(RuntimeError, match=re.escape(f"http reward {url}: unreachable") + ".*Connection refused"):
+            make_reward("http", url=url, timeout_s=5)(images(1), ["a"])
 
 
 def test_a_server_slower_than_timeout_s_raises_in_time():
