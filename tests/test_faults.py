@@ -568,6 +568,34 @@ def test_a_weight_sync_actor_that_dies_during_an_evaluation_is_replaced_during_i
         trainer.shutdown()
 
 
+def test_a_learner_rank_lost_with_the_weight_sync_actor_in_the_evaluation_at_start_restarts_the_learners(
+        ray_session, tiny_model_dir, tmp_path, undisturbed, monkeypatch, caplog):
+    """One node lost as the evaluation before the first step starts: the weight-sync actor and learner rank 0 die. The
+    evaluation replaces the actor, whose push finds the learners dead: that LearnerError came out of the run, which
+    stopped with restarts left. The learners restart, the evaluation runs again, and the run equals an undisturbed
+    one (an evaluation does not change the training)."""
+    cfg = small_cfg(GRPO, tiny_model_dir, tmp_path, *SYNCHRONOUS, "trainer.eval_at_start=true")
+    trainer = Trainer(cfg)
+    evaluate, evaluated = trainer.evaluator.run, []
+
+    def kill_then_evaluate(step, *args):
+        if not evaluated:
+            for actor in (trainer.learners.workers[0], trainer.sync.actor):
+                ray.kill(actor)
+                wait_until_dead(actor)
+        evaluated.append(step)
+        return evaluate(step, *args)
+
+    monkeypatch.setattr(trainer.evaluator, "run", kill_then_evaluate)
+    try:
+        trainer.run()
+        assert trainer.learners.restarts == 1 and trainer.sync.restarts >= 1 and evaluated[:2] == [0, 0]
+        assert "rewinding from step 0 to the start" in caplog.text
+        assert_equal_to_undisturbed(trainer, undisturbed)
+    finally:
+        trainer.shutdown()
+
+
 def stop_sync_actor(trainer: Trainer, stopped: list[int]) -> None:
     """SIGSTOP the weight-sync actor's process (it neither answers nor dies), noting its pid in `stopped`."""
     stopped.append(ray.get(trainer.sync.actor.__ray_call__.remote(lambda actor: os.getpid())))

@@ -168,7 +168,7 @@ class Trainer:
         cfg = self.cfg
         training: collections.deque[TrainStep] = collections.deque()  # in the learners' order: at most two
         if cfg.trainer.eval_at_start and self.version == 0:
-            self.evaluator.run(0, self.monitor)
+            self._evaluate_at_start()
         clock = StepClock()
         while (self.version < cfg.trainer.total_steps and self._forms_batches) or training:
             try:
@@ -198,6 +198,17 @@ class Trainer:
             elif training and self.learner_watchdog.overdue():
                 self._learner_stalled(training[0].refs)
         return self.history
+
+    def _evaluate_at_start(self) -> None:
+        """The evaluation before the first step. A learner rank found dead in it (a weight-sync actor lost with it, one
+        node, and the push to its replacement failing) restarts the learners as in a step, and the evaluation runs
+        again (it stopped the run, restarts left or not)."""
+        while True:
+            try:
+                self.evaluator.run(0, self.monitor)
+                return
+            except LearnerError as e:
+                self._restart_learners(e)
 
     @property
     def _forms_batches(self) -> bool:
