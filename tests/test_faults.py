@@ -322,54 +322,31 @@ def test_an_evaluation_requests_trajectories_lost_with_their_node_are_sampled_ag
         trainer.shutdown()
 
 
-def test_a_learner_death_during_the_rewinds_restore_restarts_the_group_again(ray_session, tiny_model_dir, tmp_path,
-                                                                            undisturbed, monkeypatch, caplog):
-    """A learner rank killed after step 3, and a rank of the restarted group killed while it loads step 2's
-    checkpoint: the group restarts again (the second death escaped the first restart and stopped the run, restarts
-    left or not), and the run ends equal to an undisturbed one."""
+def test_deaths_during_the_rewinds_restore_restart_the_learners_again_and_replace_a_rollout_rank(
+        ray_session, tiny_model_dir, tmp_path, undisturbed, monkeypatch, caplog):
+    """A learner rank killed after step 3; a rank of the restarted group killed while it loads step 2's checkpoint,
+    and as the next group loads it, a rollout rank. The group restarts again (the second death escaped the first
+    restart and stopped the run, restarts left or not). The rollout rank is found dead only after the rewind asked the
+    pool (on a lost node Ray marks the actors dead once the node's health checks fail): asking it to forget the newer
+    versions raised its ActorDiedError out of the rewind and stopped the run; it is taken out of service and replaced.
+    The run ends equal to an undisturbed one."""
     trainer = Trainer(small_cfg(GRPO, tiny_model_dir, tmp_path, *SYNCHRONOUS))
-    restore = trainer.learners.restore
+    restore, restores = trainer.learners.restore, []
 
-    def dies_in_the_first_restore(ckpt):
-        if not getattr(dies_in_the_first_restore, "done", False):
-            dies_in_the_first_restore.done = True
-            ray.kill(trainer.learners.workers[0])
-            wait_until_dead(trainer.learners.workers[0])
+    def deaths_in_the_restores(ckpt):
+        restores.append(ckpt.step)
+        dying = trainer.learners.workers[0] if len(restores) == 1 else trainer.rollout.replicas[0].workers[0]
+        if len(restores) <= 2:
+            ray.kill(dying)
+            wait_until_dead(dying)
         return restore(ckpt)
 
-    monkeypatch.setattr(trainer.learners, "restore", dies_in_the_first_restore)
+    monkeypatch.setattr(trainer.learners, "restore", deaths_in_the_restores)
     try:
         kill_after_steps(trainer, monkeypatch, {3: lambda: [trainer.learners.workers[0]]})
         trainer.run()
-        assert trainer.learners.restarts == 2
+        assert trainer.learners.restarts == 2 and trainer.rollout.restarts == [1] and restores == [2, 2]
         assert caplog.text.count("rewinding from step 3 to") == 2
-        assert "rewound to step 2 (step 3 is trained again)" in caplog.text
-        assert_equal_to_undisturbed(trainer, undisturbed)
-    finally:
-        trainer.shutdown()
-
-
-def test_a_rollout_rank_that_dies_during_the_rewinds_restore_is_replaced(ray_session, tiny_model_dir, tmp_path,
-                                                                         undisturbed, monkeypatch, caplog):
-    """A learner rank killed after step 3, and a rollout rank dead by the time the restarted group has loaded step 2's
-    checkpoint (on a lost node Ray marks the actors dead only once the node's health checks fail, so one can be found
-    dead after the rewind has asked the pool): asking it to forget the newer versions raised its RayActorError out of
-    the rewind and stopped the run. It is taken out of service and replaced, and the run ends equal to an undisturbed
-    one."""
-    trainer = Trainer(small_cfg(GRPO, tiny_model_dir, tmp_path, *SYNCHRONOUS))
-    restore = trainer.learners.restore
-
-    def a_rollout_rank_dies_in_the_restore(ckpt):
-        rank = trainer.rollout.replicas[0].workers[0]
-        ray.kill(rank)
-        wait_until_dead(rank)
-        return restore(ckpt)
-
-    monkeypatch.setattr(trainer.learners, "restore", a_rollout_rank_dies_in_the_restore)
-    try:
-        kill_after_steps(trainer, monkeypatch, {3: lambda: [trainer.learners.workers[0]]})
-        trainer.run()
-        assert trainer.learners.restarts == 1 and trainer.rollout.restarts == [1]
         assert "rewound to step 2 (step 3 is trained again)" in caplog.text
         assert_equal_to_undisturbed(trainer, undisturbed)
     finally:
