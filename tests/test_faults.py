@@ -705,6 +705,35 @@ def test_a_learner_death_in_the_save_at_the_time_limit_trains_the_dropped_steps_
         trainer.shutdown()
 
 
+def test_a_learner_death_in_the_batch_committed_as_the_time_limit_passed_trains_that_batch_again(
+        ray_session, tiny_model_dir, tmp_path, undisturbed, monkeypatch, caplog):
+    """Synchronous: trainer.time_limit_s passes in step 2's broadcast (a save step), after step 3's batch went to the
+    rollout, so the run trains step 3 and stops there; a learner rank dies in step 3. The rewind to step 2 counted only
+    the steps done: the run ended at step 2, one step short, without the evaluation and checkpoint it stops with. Now it
+    trains step 3 again and stops there, as an undisturbed run does."""
+    cfg = small_cfg(GRPO, tiny_model_dir, tmp_path, *SYNCHRONOUS)
+    trainer = Trainer(cfg)
+    wait_synced, passed = trainer._wait_synced, []
+
+    def limit_passes_in_step_2s_broadcast():
+        waited = wait_synced()
+        if trainer.version == 2 and not passed:
+            passed.append(trainer.train_s)
+            trainer.cfg.trainer.time_limit_s = trainer.train_s  # out of time from here on
+        return waited
+
+    monkeypatch.setattr(trainer, "_wait_synced", limit_passes_in_step_2s_broadcast)
+    try:
+        kill_after_steps(trainer, monkeypatch, {2: lambda: [trainer.learners.workers[0]]})
+        trainer.run()
+        assert trainer.learners.restarts == 1 and "rewound to step 2 (no finished step is lost)" in caplog.text
+        expected, _ = undisturbed
+        assert [h["reward/mean"] for h in trainer.history] == [r.reward_mean for r in expected[:3]]
+        assert load_checkpoint(step_dir(checkpoint_root(cfg.trainer.run_dir), 3)).version == 3
+    finally:
+        trainer.shutdown()
+
+
 @pytest.mark.parametrize("found_first", ["by_the_pool", "by_the_driver"])
 def test_a_weight_sync_actor_and_a_rollout_rank_lost_together_are_both_replaced(
         ray_session, tiny_model_dir, tmp_path, undisturbed, monkeypatch, caplog, found_first):

@@ -557,7 +557,8 @@ class TrainerConfig:
     first, and the run stops after that one; synchronously, likewise the batch submitted in time before the step's
     weight broadcast, when the limit passed during that broadcast: it rolled out for nothing, and the final evaluation
     waited behind it; a learner death after the limit passed rewinds, and the steps the rewind dropped are trained
-    again up to the one the run was stopping at); null: no limit (total_steps only)."""
+    again up to the one the run was stopping at, a batch committed or a step queued included); null: no limit
+    (total_steps only)."""
     resume: str = "auto"
     """"auto" continues the run named run_name from its newest checkpoint, if it has one; "never" starts over
     (and refuses a run directory that holds checkpoints); or the path of a checkpoint (or of a run's checkpoints)."""

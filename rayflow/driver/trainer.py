@@ -104,7 +104,8 @@ class Trainer:
         learners is, rather than left rolling out for nothing ahead of the final evaluation's requests."""
         self.retrain_until = 0
         """A learner death after trainer.time_limit_s passed rewinds to a checkpoint before the step the run was stopping
-        at: the run is not out of time again until it has trained up to that step (`lost`) once more, and evaluates and
+        at: the run is not out of time again until it has trained up to that step once more (`lost`, and any step in flight
+        it was to finish first: a synchronous batch committed, a step queued), and evaluates and
         checkpoints there (it ended at the rewind point instead: with no checkpoint before it, with nothing at all)."""
         self.evaluating: set[PoolFuture] = set()
         """Requests the driver waits for itself (evaluation) instead of scoring them for training."""
@@ -189,12 +190,15 @@ class Trainer:
             clock.tick(rollout_busy=bool(self.rollout.in_flight), learner_busy=bool(training))
             self._serve(training[0].refs if training else None)
             if training and self.learners.settled(training[0].refs):
-                step = training.popleft()
+                step, version = training.popleft(), self.version
                 try:
                     self._finish(step, clock, queued=bool(training))
                 except LearnerError as e:  # a rank died in the step, or in the save, evaluation or push after it
+                    # The steps the run was still to train, out of time or not: this one unless it ended before the
+                    # death (in its save, evaluation or push), one queued behind it, a synchronous batch committed.
+                    unfinished = int(self.version == version) + len(training) + int(self.next_batch_committed)
                     training.clear()  # a step queued behind it trains again after the rewind
-                    self._restart_learners(e)
+                    self._restart_learners(e, unfinished)
             elif training and self.learner_watchdog.overdue():
                 self._learner_stalled(training[0].refs)
         return self.history
@@ -636,7 +640,7 @@ class Trainer:
             queue.stats.regenerated, queue.stats.dropped = totals.regenerated, totals.dropped
         return queue
 
-    def _restart_learners(self, died: LearnerError) -> None:
+    def _restart_learners(self, died: LearnerError, unfinished: int = 0) -> None:
         """A learner rank died. The learners hold the only copy of the optimizer state (sharded: the dead rank's
         part is gone), so the group is started again in its bundles (learner.max_restarts) and the run rewinds to
         `rewind_point`: the work in flight is dropped, the weight-sync actor replaced (no push of the dead
@@ -644,10 +648,11 @@ class Trainer:
         again. A rank that raised (not died) would raise again: the run stops. A rank that could not fetch its batch's
         trajectories (lost with the node that sampled them: ObjectLostError and its kinds) is handled as a death: the
         batch is gone, and its peers may wait for that rank in a collective; the rewind samples the batch again. A
-        rank that dies during the restore restarts the group again (each restart counts against learner.max_restarts)."""
+        rank that dies during the restore restarts the group again (each restart counts against learner.max_restarts).
+        `unfinished`: the steps in flight the run was to train before it stopped."""
         lost = self.version
-        if self.out_of_time:  # the run was stopping at `lost` (or after the step in flight): it trains up to it again
-            self.retrain_until = max(self.retrain_until, lost)
+        if self.out_of_time:  # the run was stopping at `lost` + the steps in flight: it trains up to there again
+            self.retrain_until = max(self.retrain_until, lost + unfinished)
         while True:
             if not isinstance(died.__cause__, (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError)):
                 raise died
