@@ -104,9 +104,9 @@ class Trainer:
         learners is, rather than left rolling out for nothing ahead of the final evaluation's requests."""
         self.retrain_until = 0
         """A learner death after trainer.time_limit_s passed rewinds to a checkpoint before the step the run was stopping
-        at: the run is not out of time again until it has trained up to that step once more (`lost`, and any step in flight
-        it was to finish first: a synchronous batch committed, a step queued), and evaluates and
-        checkpoints there (it ended at the rewind point instead: with no checkpoint before it, with nothing at all)."""
+        at: the run is not out of time again until it has trained up to that step once more (`lost`, and any step in
+        flight it was to finish first: a synchronous batch committed, a step queued), and evaluates and checkpoints
+        there (it ended at the rewind point instead: with no checkpoint before it, with nothing at all)."""
         self.evaluating: set[PoolFuture] = set()
         """Requests the driver waits for itself (evaluation) instead of scoring them for training."""
         self.trajectory_losses: collections.Counter[str] = collections.Counter()
