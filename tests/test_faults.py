@@ -141,9 +141,9 @@ def test_a_killed_weight_sync_actor_or_learner_rank_is_replaced_in_an_asynchrono
                 wait_until_dead(trainer.learners.workers[0])
             return step
 
-        def restart_and_look(died):
+        def restart_and_look(died, *args):
             trainer.queue.stats.regenerated, trainer.queue.stats.dropped = 7, 2  # as if groups had gone stale
-            restart_learners(died)
+            restart_learners(died, *args)
             clocks_after_rewind.append(dict(trainer.learner_watchdog.busy_since))
             totals_after_rewind.append((trainer.queue.stats.regenerated, trainer.queue.stats.dropped))
 
