@@ -261,3 +261,10 @@ def test_the_reference_projects_recipes_as_overrides_load():
     nft = load_config(recipe("diffusion_nft_qwen_image.yaml"), blocks[1].split())
     assert (nft.sampling.solver, nft.trainer.eval_solver, nft.trainer.eval_num_steps) == ("dpm2", "euler", 40)
     assert (nft.trainer.ema_decay, nft.trainer.ema_every) == (0.9, 1)
+    # What the blocks say they reproduce and the base recipes do not already hold: 48 prompts x 24 images an epoch
+    # (both configs), flow_grpo's train script's hard-coded LoRA (r=32, alpha=64), and their config/base.py optimizer
+    # (learning_rate 3e-4, adam_weight_decay 1e-4). Without them a copied block trained 2 or 4 prompts a step.
+    for cfg in (flow_grpo, nft):
+        assert cfg.algorithm.prompts_per_step * cfg.algorithm.group_size == 48 * 24
+        assert (cfg.learner.lr, cfg.learner.weight_decay) == (3e-4, 1e-4)
+    assert (flow_grpo.learner.lora_rank, flow_grpo.learner.lora_alpha) == (32, 64)  # the NFT recipe trains every weight
