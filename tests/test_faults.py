@@ -5,7 +5,9 @@ reference trainer."""
 
 import dataclasses
 import os
+import re
 import signal
+import threading
 import time
 from types import SimpleNamespace
 from typing import Callable
@@ -18,7 +20,7 @@ from rayflow import reference
 from rayflow.checkpoint import checkpoint_root, load_checkpoint, sharded_staging_dir, step_dir
 from rayflow.driver import trainer as trainer_module
 from rayflow.driver.trainer import Trainer, TrajectoriesLost
-from rayflow.learner.worker import LearnerError, LearnerGroup
+from rayflow.learner.worker import LearnerError, LearnerGroup, LearnerStalled
 from rayflow.sync.source import WeightSyncError
 from rayflow.sync.buckets import to_wire
 from tiny_run import GRPO, lost_ref, slow_learners, small_cfg, wait_until_dead
@@ -201,13 +203,13 @@ def kill_in_save(trainer: Trainer, monkeypatch, step: int, actors: Callable[[], 
     until they are dead, so the save meets the death."""
     checkpoint = trainer.learners.checkpoint
 
-    def killed_first(at: int, data: dict):
+    def killed_first(at: int, data: dict, **kwargs):
         if at == step and not getattr(killed_first, "done", False):
             killed_first.done = True
             for actor in actors():
                 ray.kill(actor)
                 wait_until_dead(actor)
-        return checkpoint(at, data)
+        return checkpoint(at, data, **kwargs)
 
     monkeypatch.setattr(trainer.learners, "checkpoint", killed_first)
 
@@ -333,13 +335,13 @@ def test_deaths_during_the_rewinds_restore_restart_the_learners_again_and_replac
     trainer = Trainer(small_cfg(GRPO, tiny_model_dir, tmp_path, *SYNCHRONOUS))
     restore, restores = trainer.learners.restore, []
 
-    def deaths_in_the_restores(ckpt):
+    def deaths_in_the_restores(ckpt, **kwargs):
         restores.append(ckpt.step)
         dying = trainer.learners.workers[0] if len(restores) == 1 else trainer.rollout.replicas[0].workers[0]
         if len(restores) <= 2:
             ray.kill(dying)
             wait_until_dead(dying)
-        return restore(ckpt)
+        return restore(ckpt, **kwargs)
 
     monkeypatch.setattr(trainer.learners, "restore", deaths_in_the_restores)
     try:
@@ -731,6 +733,109 @@ def test_a_learner_death_in_the_batch_committed_as_the_time_limit_passed_trains_
         assert [h["reward/mean"] for h in trainer.history] == [r.reward_mean for r in expected[:3]]
         assert load_checkpoint(step_dir(checkpoint_root(cfg.trainer.run_dir), 3)).version == 3
     finally:
+        trainer.shutdown()
+
+
+def test_a_learner_rank_lost_with_the_weight_sync_actor_after_the_batch_committed_at_the_time_limit_trains_it(
+        ray_session, tiny_model_dir, tmp_path, undisturbed, monkeypatch, caplog):
+    """Synchronous: trainer.time_limit_s passes in step 2's broadcast, after step 3's batch went to the rollout; then
+    one node is lost with learner rank 0 and the weight-sync actor. The top of the loop replaces the actor, and the push
+    to it finds the learners dead, before step 3's batch is formed. That rewind did not count the committed batch: the
+    run ended at step 2, one step short, without the evaluation and checkpoint it stops with (as a death in step 3 did
+    before it was fixed). It trains step 3 again and stops there, as an undisturbed run does."""
+    cfg = small_cfg(GRPO, tiny_model_dir, tmp_path, *SYNCHRONOUS)
+    trainer = Trainer(cfg)
+    wait_synced, passed = trainer._wait_synced, []
+
+    def limit_passes_in_step_2s_broadcast():
+        waited = wait_synced()
+        if trainer.version == 2 and not passed:
+            passed.append(trainer.train_s)
+            trainer.cfg.trainer.time_limit_s = trainer.train_s  # out of time from here on
+        return waited
+
+    def lose_the_node():
+        assert trainer.next_batch_committed
+        for actor in (trainer.learners.workers[0], trainer.sync.actor):
+            ray.kill(actor)
+            wait_until_dead(actor)
+        assert trainer.sync.failure(timeout_s=30) is not None  # seen at the top of the loop, before step 3's batch
+
+    monkeypatch.setattr(trainer, "_wait_synced", limit_passes_in_step_2s_broadcast)
+    try:
+        after_step(trainer, monkeypatch, 2, lose_the_node)
+        trainer.run()
+        assert trainer.learners.restarts == 1 and "rewound to step 2 (no finished step is lost)" in caplog.text
+        expected, _ = undisturbed
+        assert [h["reward/mean"] for h in trainer.history] == [r.reward_mean for r in expected[:3]]
+        assert load_checkpoint(step_dir(checkpoint_root(cfg.trainer.run_dir), 3)).version == 3
+    finally:
+        trainer.shutdown()
+
+
+def test_an_asynchronous_run_retraining_up_to_the_step_it_was_stopping_at_queues_no_step_behind_that_one(
+        ray_session, tiny_model_dir, tmp_path, monkeypatch, caplog):
+    """Asynchronous: trainer.time_limit_s passes as step 3 is handed to the learners (none queued behind it), and a
+    learner rank dies in it: the run was stopping at step 3. The rewind to step 2 trains step 3 again; it queued step 4
+    behind it (step 3 is neither a save nor an evaluation step), so the run trained a step past the one it was stopping
+    at, and step 3, where an undisturbed run stops, got no checkpoint."""
+    cfg = small_cfg(GRPO, tiny_model_dir, tmp_path, *ASYNCHRONOUS, "trainer.save_every=2", "trainer.total_steps=6")
+    trainer = Trainer(cfg)
+    try:
+        slow_learners(trainer, 1.0)  # rollout outpaces training: a batch is ready to queue behind the step in flight
+        train, killed = trainer._train, []
+
+        def train_then_die_out_of_time(batch, version):
+            step = train(batch, version)
+            if version == 2 and not killed:  # step 3, with no step queued behind it (step 2 saved)
+                trainer.cfg.trainer.time_limit_s = trainer.train_s  # out of time from here on
+                killed.append(trainer.learners.workers[0])
+                ray.kill(killed[0])
+                wait_until_dead(killed[0])
+            return step
+
+        monkeypatch.setattr(trainer, "_train", train_then_die_out_of_time)
+        trainer.run()
+        assert trainer.learners.restarts == 1 and "rewound to step 2 (no finished step is lost)" in caplog.text
+        assert len(trainer.history) == 3
+        assert load_checkpoint(step_dir(checkpoint_root(cfg.trainer.run_dir), 3)).version == 3
+    finally:
+        trainer.shutdown()
+
+
+def test_a_learner_rank_stopped_in_the_rewinds_restore_stops_the_run_at_the_learners_deadline(
+        ray_session, tiny_model_dir, tmp_path, monkeypatch):
+    """A learner rank killed after step 3, and a rank of the restarted group stopped (SIGSTOP: it neither answers nor
+    dies) as it loads step 2's checkpoint. The driver waited for the restore with no deadline: the run hung, silent.
+    The learners' deadline applies to what the driver asks of them outside a step too: the run stops loudly, naming
+    the rank, as a train step that misses it does."""
+    trainer = Trainer(small_cfg(GRPO, tiny_model_dir, tmp_path, *SYNCHRONOUS, "learner.stall_timeout_s=5"))
+    restore, stopped, raised = trainer.learners.restore, [], []
+
+    def stopped_in_the_restore(ckpt, **kwargs):
+        if not stopped:
+            stopped.append(ray.get(trainer.learners.workers[0].__ray_call__.remote(lambda worker: os.getpid())))
+            os.kill(stopped[0], signal.SIGSTOP)
+        return restore(ckpt, **kwargs)
+
+    def run():
+        try:
+            trainer.run()
+        except BaseException as e:  # noqa: BLE001 (looked at below)
+            raised.append(e)
+
+    monkeypatch.setattr(trainer.learners, "restore", stopped_in_the_restore)
+    thread = threading.Thread(target=run, daemon=True)
+    try:
+        kill_after_steps(trainer, monkeypatch, {3: lambda: [trainer.learners.workers[0]]})
+        thread.start()
+        thread.join(60.0)
+        assert not thread.is_alive(), "the driver still waits for the stopped learner rank's restore"
+        assert stopped and isinstance(raised[0], LearnerStalled), raised
+        assert re.search(r"learner rank 0 of 1 .*neither finished nor died", str(raised[0]))
+    finally:
+        continue_stopped(stopped)
+        thread.join(120.0)
         trainer.shutdown()
 
 

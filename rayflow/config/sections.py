@@ -197,7 +197,8 @@ class LearnerConfig:
     """Custom Ray resources per learner rank (e.g. {"gpu_node": 1} to keep them on one node type)."""
     stall_timeout_s: float = 1800.0
     """Watchdog floor for a train step: one not done after max(this, rollout.stall_factor x the longest measured
-    step) stops the run loudly, naming the late ranks (continue from the last checkpoint with trainer.resume=auto)."""
+    step) stops the run loudly, naming the late ranks (continue from the last checkpoint with trainer.resume=auto). The
+    same deadline holds for the driver's other calls to the learners (checkpoint save and restore, weight push)."""
     max_restarts: int = 3
     """Times the learner group is started again in its bundles after a rank died (within restart_window_s), the run
     rewound to the newest checkpoint of its own timeline; then the run stops, naming the rank."""
@@ -557,8 +558,8 @@ class TrainerConfig:
     first, and the run stops after that one; synchronously, likewise the batch submitted in time before the step's
     weight broadcast, when the limit passed during that broadcast: it rolled out for nothing, and the final evaluation
     waited behind it; a learner death after the limit passed rewinds, and the steps the rewind dropped are trained
-    again up to the one the run was stopping at, a batch committed or a step queued included); null: no limit
-    (total_steps only)."""
+    again up to the one the run was stopping at and no further, a batch committed (also when the death is found
+    before it is formed) or a step queued included); null: no limit (total_steps only)."""
     resume: str = "auto"
     """"auto" continues the run named run_name from its newest checkpoint, if it has one; "never" starts over
     (and refuses a run directory that holds checkpoints); or the path of a checkpoint (or of a run's checkpoints)."""

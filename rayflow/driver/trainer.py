@@ -194,9 +194,9 @@ class Trainer:
                 try:
                     self._finish(step, clock, queued=bool(training))
                 except LearnerError as e:  # a rank died in the step, or in the save, evaluation or push after it
-                    # The steps the run was still to train, out of time or not: this one unless it ended before the
-                    # death (in its save, evaluation or push), one queued behind it, a synchronous batch committed.
-                    unfinished = int(self.version == version) + len(training) + int(self.next_batch_committed)
+                    # The steps in flight the run was still to train, out of time or not: this one unless it ended
+                    # before the death (in its save, evaluation or push), one queued behind it.
+                    unfinished = int(self.version == version) + len(training)
                     training.clear()  # a step queued behind it trains again after the rewind
                     self._restart_learners(e, unfinished)
             elif training and self.learner_watchdog.overdue():
@@ -225,10 +225,13 @@ class Trainer:
         so that it starts the moment that one ends, not after the driver has logged it and formed the batch (one
         round trip per step). Asynchronous runs only (a synchronous batch waits for that step's weights), with
         the staleness bound taken at the version the batch is trained at; never behind a step that evaluates,
-        checkpoints or ends the run, which must see the learners at `version_after`, not one step later."""
+        checkpoints or ends the run, which must see the learners at `version_after`, not one step later (out of time
+        and training again the steps a rewind dropped, the run ends at `retrain_until`: one step queued behind it was
+        trained past it, and the step the run stopped at had no evaluation or checkpoint)."""
         cfg, t = self.cfg, self.cfg.trainer
         return (cfg.async_.max_staleness > 0 and version_after < t.total_steps and not self._evaluates_at(version_after)
-                and not is_save_step(version_after, t.save_every, t.total_steps))
+                and not is_save_step(version_after, t.save_every, t.total_steps)
+                and not self._out_of_time_at(0.0, version=version_after))
 
     def _evaluates_at(self, version: int) -> bool:
         """Whether the step that ends at `version` evaluates on trainer.eval_every's schedule: every eval_every-th,
@@ -330,7 +333,8 @@ class Trainer:
         """Learner rank 0 hands the current version to the weight-sync actor; the ranks' push timings. An actor that
         had not taken rank 0's previous push is replaced as stalled, and the version pushed to its replacement."""
         while True:
-            push = self.learners.get(self.learners.push_weights(self.sync.actor))[0]
+            push = self.learners.get(self.learners.push_weights(self.sync.actor), self.learner_watchdog.deadline_s(),
+                                     f"the weight push of version {self.version}")[0]
             if "stalled_version" not in push:
                 return push
             self._replace_sync(self._stalled_at(int(push["stalled_version"])), push=False)  # the loop pushes to it
@@ -518,11 +522,11 @@ class Trainer:
         synchronous batch submitted before its broadcast: `next_batch_committed`)."""
         return self._out_of_time_at(0.0)
 
-    def _out_of_time_at(self, step_s: float) -> bool:
+    def _out_of_time_at(self, step_s: float, version: int | None = None) -> bool:
         """trainer.time_limit_s has passed once the step in progress has taken `step_s` (and the steps a rewind after it
-        dropped are trained again: `retrain_until`)."""
-        limit = self.cfg.trainer.time_limit_s
-        return limit is not None and self.train_s + step_s >= limit and self.version >= self.retrain_until
+        dropped are trained again: `retrain_until`), at `version` (None: the current one)."""
+        limit, version = self.cfg.trainer.time_limit_s, self.version if version is None else version
+        return limit is not None and self.train_s + step_s >= limit and version >= self.retrain_until
 
     @property
     def replica_restarts(self) -> int:
@@ -534,7 +538,8 @@ class Trainer:
         its train.ema weights); else None: evaluate the rollout weights."""
         if self.cfg.trainer.ema_decay == 0:
             return None
-        adapter = self.learners.get(self.learners.adapter_weights(EVAL_EMA_ADAPTER))[0]
+        adapter = self.learners.get(self.learners.adapter_weights(EVAL_EMA_ADAPTER), self.learner_watchdog.deadline_s(),
+                                    f"the evaluation weights of step {self.version}")[0]
         return self.sync.slot_tensors(adapter)
 
     def _wait_synced(self) -> float:
@@ -559,7 +564,7 @@ class Trainer:
     def _save(self) -> None:
         pending = sorted(self.queue.groups)
         data = {**self.sampler.state_dict(), "pending_groups": pending}
-        ckpt = self.learners.checkpoint(self.version, data)
+        ckpt = self.learners.checkpoint(self.version, data, timeout_s=self.learner_watchdog.deadline_s())
         ckpt.base_model = base_model_record(self.cfg.model)
         ckpt.counters["consecutive_skipped"] = self.skips.in_a_row
         ckpt.counters["regenerated_groups"] = self.queue.stats.regenerated  # the run's totals, as logged
@@ -594,7 +599,7 @@ class Trainer:
             version, data, counters = 0, {"groups_drawn": 0, "seed": self.cfg.trainer.seed}, {}
         else:
             ckpt = load_checkpoint(path, self.learners.identity)
-            self.learners.restore(ckpt)
+            self.learners.restore(ckpt, timeout_s=self.learner_watchdog.deadline_s())
             version, data, counters = ckpt.version, ckpt.data, ckpt.counters
         self.skips.load(counters)
         self.sampler.load_state_dict(data)
@@ -649,10 +654,11 @@ class Trainer:
         trajectories (lost with the node that sampled them: ObjectLostError and its kinds) is handled as a death: the
         batch is gone, and its peers may wait for that rank in a collective; the rewind samples the batch again. A
         rank that dies during the restore restarts the group again (each restart counts against learner.max_restarts).
-        `unfinished`: the steps in flight the run was to train before it stopped."""
+        `unfinished`: the learners' steps in flight the run was to train before it stopped (a synchronous batch
+        committed is counted here: a death found at the top of the loop, before that batch is formed, skipped it)."""
         lost = self.version
         if self.out_of_time:  # the run was stopping at `lost` + the steps in flight: it trains up to there again
-            self.retrain_until = max(self.retrain_until, lost + unfinished)
+            self.retrain_until = max(self.retrain_until, lost + unfinished + int(self.next_batch_committed))
         while True:
             if not isinstance(died.__cause__, (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError)):
                 raise died

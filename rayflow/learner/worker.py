@@ -47,7 +47,8 @@ class LearnerError(RuntimeError):
 
 
 class LearnerStalled(LearnerError):
-    """A train step missed the watchdog's deadline: a rank neither finished nor died."""
+    """A train step missed the watchdog's deadline, or another call of the driver's (a checkpoint save or restore, a
+    weight push) the same deadline: a rank neither finished nor died."""
 
 
 PEER_DEATH_GRACE_S = 10.0
@@ -305,14 +306,14 @@ class LearnerGroup:
         """Refs to each rank's full tensors of `adapter` (rank 0's; the others None)."""
         return [w.adapter_weights.remote(adapter) for w in self.workers]
 
-    def checkpoint(self, step: int, data: dict) -> Checkpoint:
+    def checkpoint(self, step: int, data: dict, timeout_s: float | None = None) -> Checkpoint:
         """The learners' full state as a Checkpoint (rank 0's adapters and optimizer, or with learner.train_mode=full
         every rank's shards, written to a staging directory under the run's checkpoints; every rank's RNG states as
-        "learner<r>", the driver's as "driver"), with the driver's step and data position."""
+        "learner<r>", the driver's as "driver"), with the driver's step and data position. `timeout_s`: as `get`'s."""
         directory = None
         if self.spec.learner.train_mode == "full":
             directory = sharded_staging_dir(self.spec.checkpoint_dir, step)
-        states = self.get([w.state_dict.remote(directory) for w in self.workers])
+        states = self.get([w.state_dict.remote(directory) for w in self.workers], timeout_s, f"the save of step {step}")
         if directory is not None and (missing := missing_files(directory)):
             raise CheckpointWriteError(
                 f"the learner ranks' checkpoint shards are not all in {directory} here (missing {missing}): ranks on other "
@@ -334,26 +335,38 @@ class LearnerGroup:
             sharded=sharded,
         )
 
-    def restore(self, ckpt: Checkpoint) -> None:
+    def restore(self, ckpt: Checkpoint, timeout_s: float | None = None) -> None:
         """Load a checkpoint (of this group, another world size or the reference trainer) into every rank.
         A rank without saved RNG states keeps its own. The driver restores the data position; its "driver" RNG state
-        is for the reference trainer, which restores it: the Ray driver draws only from keyed generators."""
+        is for the reference trainer, which restores it: the Ray driver draws only from keyed generators. `timeout_s`:
+        as `get`'s."""
         check_identity(ckpt.identity, self.identity, f"at step {ckpt.step}")
         shared = ray.put({"adapters": ckpt.adapters, "optimizer": ckpt.optimizer, "sharded": ckpt.sharded,
                           "version": ckpt.version, "skipped_steps": ckpt.counters.get("skipped_steps", 0)})
-        self.get([w.load_state_dict.remote(shared, ckpt.rng.get(f"learner{r}")) for r, w in enumerate(self.workers)])
+        self.get([w.load_state_dict.remote(shared, ckpt.rng.get(f"learner{r}")) for r, w in enumerate(self.workers)],
+                 timeout_s, f"the restore of step {ckpt.step}")
 
     def setup_seconds(self) -> dict[str, float]:
         """Rank 0's start-up by part: its process's age when setup began (worker start, imports, constructor),
         then the device, the process group and the model (colocated: and the rollout rank on it)."""
         return self.get([self.workers[0].setup_seconds.remote()])[0]
 
-    def get(self, refs: list[ray.ObjectRef]) -> list:
+    def get(self, refs: list[ray.ObjectRef], timeout_s: float | None = None, what: str = "the learners' call") -> list:
         """Wait for per-rank refs (in rank order); the first failure raises LearnerError with its rank and node. A rank
-        that died is the failure reported, when one did: its peers' collectives fail too, often first."""
+        that died is the failure reported, when one did: its peers' collectives fail too, often first. With
+        `timeout_s`, LearnerStalled names the ranks of `what` not done by then (stopped: they neither finish nor die,
+        and the driver waited for them for ever)."""
         pending = list(refs)
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while pending:
-            (done,), pending = ray.wait(pending, num_returns=1)
+            left_s = None if deadline is None else max(0.0, deadline - time.monotonic())
+            ready, rest = ray.wait(pending, num_returns=1, timeout=left_s)
+            if not ready:
+                late = ", ".join(f"learner rank {self.placed.describe(refs.index(ref))}" for ref in rest)
+                raise LearnerStalled(f"{what} not done after {timeout_s:.0f}s (the learners' deadline, "
+                                     f"learner.stall_timeout_s as its floor): {late} neither finished nor died; "
+                                     f"stopping. Continue from the last checkpoint with trainer.resume=auto")
+            (done,), pending = ready, rest
             try:
                 ray.get(done)
             except ray.exceptions.RayError as e:
