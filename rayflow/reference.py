@@ -213,12 +213,12 @@ def main(argv: list[str] | None = None) -> None:
     try:
         cfg = load_config(args.config, args.overrides)
         _, plan = preflight(cfg)
+        write_run_config(cfg, plan.inputs)
     except RunComplete as e:
         print(e)
         return
     except USER_ERRORS as e:
         sys.exit(f"error: {e}")
-    write_run_config(cfg, plan.inputs)
     torch.set_num_threads(max(1, cfg.learner.threads_per_rank))
     try:
         train(cfg)

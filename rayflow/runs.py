@@ -256,7 +256,15 @@ def write_run_config(cfg: RayflowConfig, inputs: dict[str, dict] | None = None) 
     `inputs`: input_fingerprints(cfg) if already taken (a resume's ResumePlan.inputs), else taken here.
     Returns config.yaml's path."""
     run_dir = cfg.trainer.run_dir
-    os.makedirs(run_dir, exist_ok=True)
+    # Made here, before Ray starts: a path that cannot be a directory (a file in the way, no permission, a read-only
+    # mount) was a traceback here, and a bad logdir one line naming no key only after Ray had started.
+    for key, directory in (("trainer.output_dir", run_dir), ("trainer.logdir", cfg.trainer.logdir)):
+        try:
+            os.makedirs(directory, exist_ok=True)
+        except OSError as e:
+            value = cfg.trainer.output_dir if key == "trainer.output_dir" else directory
+            raise ConfigError(key, value, f"a directory this process can create and write in (making {directory} "
+                                          f"failed: {e})") from None
     if inputs is None:
         inputs = input_fingerprints(cfg)
     _replace_file(os.path.join(run_dir, INPUTS_FILE), json.dumps(inputs, indent=2))

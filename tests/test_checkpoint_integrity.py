@@ -160,6 +160,25 @@ def test_the_exit_message_names_the_checkpoint_a_resume_continues_from(tmp_path)
     assert _where(cfg).startswith(f"no intact checkpoint under {root} (step_00000003: adapter_default.safetensors: ")
 
 
+def test_the_continue_instruction_of_a_run_started_from_another_checkpoint_resumes_its_own(tmp_path):
+    """A run started with trainer.resume=PATH: "the same command and trainer.run_name=..." resumed PATH again, training
+    its steps over and setting the run's newer checkpoints aside as abandoned; the instruction names resume=auto."""
+    from rayflow.checkpoint import checkpoint_root, resolve_resume
+    from rayflow.config import load_config
+    from rayflow.driver.launch import _where, summary
+
+    started_from = save_checkpoint(str(tmp_path / "other" / "checkpoints"), fake_checkpoint(1), keep=3)
+    cfg = small_cfg(GRPO, str(tmp_path / "no_model"), tmp_path / "run", f"trainer.resume={started_from}")
+    newest = save_checkpoint(checkpoint_root(cfg.trainer.run_dir), fake_checkpoint(3), keep=3)
+    assert _where(cfg) == (f"last checkpoint {newest}; continue with the same command and trainer.run_name=run "
+                           f"trainer.resume=auto")
+    assert "the same command with trainer.run_name=run trainer.resume=auto trainer.total_steps=<more>" in summary(cfg, [], 1.0)
+    # Followed as printed (the same overrides, these last), it continues the run's own newest checkpoint.
+    followed = load_config(GRPO, [f"model.path={tmp_path / 'no_model'}", f"trainer.output_dir={tmp_path}",
+                                  f"trainer.resume={started_from}", "trainer.run_name=run", "trainer.resume=auto"])
+    assert resolve_resume(followed.trainer.resume, checkpoint_root(followed.trainer.run_dir)) == newest
+
+
 def test_rotation_never_deletes_the_newest_healthy_checkpoint(tmp_path):
     root = str(tmp_path)
 

@@ -4,6 +4,7 @@ the recipes work from any working directory."""
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -181,6 +182,18 @@ def test_bad_resume_and_model_path_fail_before_ray_in_one_line(tmp_path):
     result = run_from(tmp_path, recipe, "trainer.run_name=old", "trainer.resume=never")
     assert result.returncode != 0 and "Started a local Ray" not in result.stderr
     assert "trainer.resume=never but" in result.stderr.strip().splitlines()[-1]
+
+
+def test_an_output_dir_or_logdir_that_cannot_be_made_is_named_before_ray_in_one_line(tmp_path):
+    """A file in the way (or no permission): write_run_config's makedirs was a traceback, a bad logdir an error naming
+    no key after Ray had started."""
+    (tmp_path / "a-file").write_text("")
+    recipe = os.path.join(REPO_ROOT, "recipes", "flowgrpo_qwen_image.py")
+    for key, value, failing in (("trainer.output_dir", "a-file", "a-file/"), ("trainer.logdir", "a-file", "a-file")):
+        result = run_from(tmp_path, recipe, f"{key}={value}")
+        assert result.returncode != 0 and "Started a local Ray" not in result.stderr and "Traceback" not in result.stderr
+        assert re.match(rf"error: {key}: got '{value}'; allowed: a directory this process can create and write in "
+                        rf"\(making {failing}.* failed: \[Errno", result.stderr.strip().splitlines()[-1]), result.stderr
 
 
 def test_a_cache_dir_that_cannot_hold_the_tiny_model_is_named(tmp_path):

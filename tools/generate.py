@@ -95,6 +95,7 @@ def diffusers_lora_dir(path: str, adapter: str | None, scratch: str, model: Diff
         if adapter is not None:  # it holds one adapter: --adapter would be ignored, and the user misled
             raise SystemExit(f"error: --adapter {adapter}: {path!r} is a diffusers LoRA (one adapter); --adapter "
                              f"chooses among a rayflow checkpoint's adapters")
+        check_lora_fits(path, model)
         return path
     if os.path.isfile(os.path.join(path, "meta.json")) or latest_checkpoint(path) is not None:
         checkpoint = find_checkpoint(path)
@@ -104,6 +105,30 @@ def diffusers_lora_dir(path: str, adapter: str | None, scratch: str, model: Diff
         except (ValueError, FileNotFoundError) as e:  # a full fine-tuning checkpoint (no LoRA), an adapter it lacks
             raise SystemExit(f"error: --lora: {e}") from None
     raise SystemExit(f"error: --lora: {path!r} holds neither a diffusers LoRA ({LORA_WEIGHTS}) nor a rayflow checkpoint (meta.json)")
+
+
+def check_lora_fits(path: str, model: DiffusionModel) -> None:
+    """A diffusers LoRA whose layers the transformer of `model` lacks, or holds at other sizes, is refused naming the
+    first few (it carries no record of its base, as a checkpoint does): peft failed with a traceback of every
+    mismatched tensor, or dropped the missing ones with a warning."""
+    from safetensors import safe_open
+
+    modules = dict(model.transformer.named_modules())
+    wrong = []
+    with safe_open(os.path.join(path, LORA_WEIGHTS), "pt") as f:
+        for key in f.keys():
+            name, dot, kind = key.removeprefix("transformer.").rpartition(".lora_")
+            if not dot:
+                continue  # not a LoRA factor: left to diffusers
+            module, shape = modules.get(name), tuple(f.get_slice(key).get_shape())
+            if not isinstance(module, torch.nn.Linear):
+                wrong.append(f"{name} (no such linear layer)")
+            elif (kind.startswith("A") and shape[1] != module.in_features) or (kind.startswith("B") and shape[0] != module.out_features):
+                wrong.append(f"{key} {list(shape)} (the layer is {module.in_features} -> {module.out_features})")
+    if wrong:
+        raise SystemExit(f"error: --lora: {path!r} was trained on another model than --model "
+                         f"{type(model.transformer).__name__}: {len(wrong)} of its tensors do not fit, e.g. "
+                         + "; ".join(sorted(set(wrong))[:3]))
 
 
 def check_trained_on(checkpoint: str, model: DiffusionModel) -> None:

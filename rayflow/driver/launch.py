@@ -168,12 +168,12 @@ def run_recipe(default_config: str, argv: list[str] | None = None) -> list[dict[
         # Bad input fails here, before Ray starts, with one message naming the key or file and line.
         cfg = load_config(args.config, args.overrides)
         prompts, plan = preflight(cfg)
+        write_run_config(cfg, plan.inputs)  # a resume's fingerprints of the inputs, not taken again
     except RunComplete as e:
         log.info("%s", e)
         return []
     except USER_ERRORS as e:
         sys.exit(f"error: {e}")
-    write_run_config(cfg, plan.inputs)  # a resume's fingerprints of the inputs, not taken again
     start = time.perf_counter()
     started = start_ray(cfg)
     ray_s = time.perf_counter() - start
@@ -226,8 +226,15 @@ def _where(cfg: RayflowConfig) -> str:
     if resumable is None:
         return f"no intact checkpoint under {root} ({why}); restore one, or start a new run"
     skipped = f" (a resume passes over {why})" if passed_over else ""
-    return (f"last checkpoint {resumable}{skipped}; continue with the same command and "
-            f"trainer.run_name={cfg.trainer.run_name}")
+    return f"last checkpoint {resumable}{skipped}; continue with the same command and {_continuing(cfg)}"
+
+
+def _continuing(cfg: RayflowConfig) -> str:
+    """The overrides that continue this run from its newest checkpoint. trainer.resume=auto is named when the command
+    set it otherwise: the same command with trainer.resume=PATH resumed PATH again (the run's newer checkpoints set
+    aside as abandoned), and with trainer.resume=never it was refused."""
+    resume = "" if cfg.trainer.resume == "auto" else " trainer.resume=auto"
+    return f"trainer.run_name={cfg.trainer.run_name}{resume}"
 
 
 def summary(cfg: RayflowConfig, history: list[dict[str, float]], seconds: float) -> str:
@@ -239,5 +246,5 @@ def summary(cfg: RayflowConfig, history: list[dict[str, float]], seconds: float)
         f"  run dir     {os.path.abspath(cfg.trainer.run_dir)}\n"
         f"  checkpoint  {newest_resumable(checkpoint_root(cfg.trainer.run_dir))[0]}\n"  # the one a continuation resumes
         f"  tensorboard tensorboard --logdir {cfg.trainer.logdir}\n"
-        f"  continue    the same command with trainer.run_name={cfg.trainer.run_name} trainer.total_steps=<more>"
+        f"  continue    the same command with {_continuing(cfg)} trainer.total_steps=<more>"
     )
