@@ -454,7 +454,9 @@ def find_checkpoint(path: str) -> str:
         verify_checkpoint(path)
         return path
     if not list_checkpoints(path):
-        raise FileNotFoundError(f"{path!r} is neither a checkpoint directory nor a directory of checkpoints")
+        inside = checkpoint_root(path)  # `path` a run's directory (tools/evaluate.py takes one)
+        hint = f" (a run directory: its checkpoints are in {inside!r})" if list_checkpoints(inside) else ""
+        raise FileNotFoundError(f"{path!r} is neither a checkpoint directory nor a directory of checkpoints{hint}")
     return newest_intact(path)
 
 

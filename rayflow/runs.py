@@ -113,7 +113,9 @@ def plan_resume(cfg: RayflowConfig) -> ResumePlan:
         raise ResumeRefused(
             f"cannot resume {path} under changed settings that change what the run means: "
             + "; ".join(f"{k}: {a!r} -> {b!r}" for k, a, b in refused)
-            + ". Put them back, or leave trainer.run_name unset (and trainer.resume=auto) to start a new run"
+            + ". Put them back, or " + (f"leave out trainer.resume={t.resume}" if t.resume not in ("auto", "never")
+                                          else "leave trainer.run_name unset (and trainer.resume=auto)")
+            + " to start a new run"
         )
     return ResumePlan(path, step, moved + [f"{k}: {a!r} -> {b!r}" for k, a, b in diffs], inputs)
 
@@ -215,6 +217,8 @@ def preflight(cfg: RayflowConfig) -> tuple[list[str], ResumePlan]:
         log.info("resuming run %r from %s (step %d)", cfg.trainer.run_name, plan.path, plan.step)
         for change in plan.changed:
             log.warning("resumed with a changed setting: %s", change)
+    else:  # said at the start: a mistyped run_name, or the same command in another directory, trains from step 0
+        log.info("a new run %r in %s, from step 0", cfg.trainer.run_name, os.path.abspath(cfg.trainer.run_dir))
     return prompts, plan
 
 

@@ -3,6 +3,7 @@ training nothing, changed settings are listed and the ones that change the run's
 the recipes work from any working directory."""
 
 import json
+import logging
 import os
 import re
 import shutil
@@ -57,6 +58,36 @@ def test_a_resume_that_changes_the_run_is_refused_naming_the_change(tiny_model_d
         overrides += ["sampling.sde_type=ode", "sampling.guidance_scale=1.0", "algorithm.clip_range=0.0001"]
     with pytest.raises(ResumeRefused, match=key.replace("(", r"\(")):
         plan_resume(small_cfg(GRPO, tiny_model_dir, finished_run, *overrides))
+
+
+def test_a_refused_resume_of_another_runs_checkpoint_says_to_leave_out_that_resume(tiny_model_dir, finished_run, tmp_path):
+    """Started with trainer.resume=PATH and no run_name, a refusal said to leave trainer.run_name unset, which was
+    not set: what starts a new run is leaving out the resume."""
+    step = os.path.join(finished_run, "checkpoints", "step_00000002")
+    with pytest.raises(ResumeRefused, match=rf"Put them back, or leave out trainer\.resume={re.escape(step)} to start a "
+                                            rf"new run$"):
+        plan_resume(small_cfg(GRPO, tiny_model_dir, tmp_path / "new", "trainer.total_steps=5", "learner.lora_rank=4",
+                              f"trainer.resume={step}"))
+
+
+def test_a_run_directory_given_as_the_resume_target_is_named_with_its_checkpoints(tiny_model_dir, finished_run, tmp_path):
+    """trainer.resume (and export_lora.py) take a checkpoint or a directory of checkpoints; a run's own directory was
+    refused with no word of the checkpoints/ inside it."""
+    with pytest.raises(FileNotFoundError, match=rf"neither a checkpoint directory nor a directory of checkpoints \(a "
+                                                rf"run directory: its checkpoints are in '{re.escape(str(finished_run))}/checkpoints'\)"):
+        plan_resume(small_cfg(GRPO, tiny_model_dir, tmp_path / "new", "trainer.total_steps=5",
+                              f"trainer.resume={finished_run}"))
+
+
+def test_the_start_names_a_new_run_and_its_directory(tiny_model_dir, finished_run, tmp_path, caplog):
+    """A mistyped trainer.run_name (or the same command in another directory: outputs/ is under it) trained from step
+    0 without a word until the end-of-run summary; the start says which run it is."""
+    with caplog.at_level(logging.INFO, logger="rayflow"):
+        preflight(small_cfg(GRPO, tiny_model_dir, tmp_path / "donee", "trainer.total_steps=5"))
+        preflight(small_cfg(GRPO, tiny_model_dir, finished_run, "trainer.total_steps=5"))
+    assert [r.getMessage() for r in caplog.records if r.filename == "runs.py" and r.levelno == logging.INFO] == [
+        f"a new run 'donee' in {tmp_path / 'donee'}, from step 0",
+        f"resuming run 'done' from {finished_run}/checkpoints/step_00000002 (step 2)"]
 
 
 def test_input_files_are_compared_by_what_they_hold_not_where_they_are(tiny_model_dir, finished_run, tmp_path):
