@@ -707,6 +707,29 @@ def test_a_learner_death_in_the_save_at_the_time_limit_trains_the_dropped_steps_
         trainer.shutdown()
 
 
+def limit_passes_in_the_broadcast_of(trainer: Trainer, monkeypatch, step: int) -> None:
+    """Synchronous: trainer.time_limit_s passes in step `step`'s weight broadcast, after the next step's batch went to
+    the rollout (`next_batch_committed`): the run is to train that batch and stop there."""
+    wait_synced, passed = trainer._wait_synced, []
+
+    def passing_in_the_broadcast():
+        waited = wait_synced()
+        if trainer.version == step and not passed:
+            passed.append(trainer.train_s)
+            trainer.cfg.trainer.time_limit_s = trainer.train_s  # out of time from here on
+        return waited
+
+    monkeypatch.setattr(trainer, "_wait_synced", passing_in_the_broadcast)
+
+
+def assert_rewound_to_step_2_and_stopped_at_step_3(trainer: Trainer, undisturbed, log: str) -> None:
+    """One learner restart, the rewind to step 2's checkpoint, and step 3 trained as an undisturbed run's and saved."""
+    assert trainer.learners.restarts == 1 and "rewound to step 2 (no finished step is lost)" in log
+    expected, _ = undisturbed
+    assert [h["reward/mean"] for h in trainer.history] == [r.reward_mean for r in expected[:3]]
+    assert load_checkpoint(step_dir(checkpoint_root(trainer.cfg.trainer.run_dir), 3)).version == 3
+
+
 def test_a_learner_death_in_the_batch_committed_as_the_time_limit_passed_trains_that_batch_again(
         ray_session, tiny_model_dir, tmp_path, undisturbed, monkeypatch, caplog):
     """Synchronous: trainer.time_limit_s passes in step 2's broadcast (a save step), after step 3's batch went to the
@@ -715,23 +738,11 @@ def test_a_learner_death_in_the_batch_committed_as_the_time_limit_passed_trains_
     trains step 3 again and stops there, as an undisturbed run does."""
     cfg = small_cfg(GRPO, tiny_model_dir, tmp_path, *SYNCHRONOUS)
     trainer = Trainer(cfg)
-    wait_synced, passed = trainer._wait_synced, []
-
-    def limit_passes_in_step_2s_broadcast():
-        waited = wait_synced()
-        if trainer.version == 2 and not passed:
-            passed.append(trainer.train_s)
-            trainer.cfg.trainer.time_limit_s = trainer.train_s  # out of time from here on
-        return waited
-
-    monkeypatch.setattr(trainer, "_wait_synced", limit_passes_in_step_2s_broadcast)
+    limit_passes_in_the_broadcast_of(trainer, monkeypatch, 2)
     try:
         kill_after_steps(trainer, monkeypatch, {2: lambda: [trainer.learners.workers[0]]})
         trainer.run()
-        assert trainer.learners.restarts == 1 and "rewound to step 2 (no finished step is lost)" in caplog.text
-        expected, _ = undisturbed
-        assert [h["reward/mean"] for h in trainer.history] == [r.reward_mean for r in expected[:3]]
-        assert load_checkpoint(step_dir(checkpoint_root(cfg.trainer.run_dir), 3)).version == 3
+        assert_rewound_to_step_2_and_stopped_at_step_3(trainer, undisturbed, caplog.text)
     finally:
         trainer.shutdown()
 
@@ -745,14 +756,7 @@ def test_a_learner_rank_lost_with_the_weight_sync_actor_after_the_batch_committe
     before it was fixed). It trains step 3 again and stops there, as an undisturbed run does."""
     cfg = small_cfg(GRPO, tiny_model_dir, tmp_path, *SYNCHRONOUS)
     trainer = Trainer(cfg)
-    wait_synced, passed = trainer._wait_synced, []
-
-    def limit_passes_in_step_2s_broadcast():
-        waited = wait_synced()
-        if trainer.version == 2 and not passed:
-            passed.append(trainer.train_s)
-            trainer.cfg.trainer.time_limit_s = trainer.train_s  # out of time from here on
-        return waited
+    limit_passes_in_the_broadcast_of(trainer, monkeypatch, 2)
 
     def lose_the_node():
         assert trainer.next_batch_committed
@@ -761,14 +765,10 @@ def test_a_learner_rank_lost_with_the_weight_sync_actor_after_the_batch_committe
             wait_until_dead(actor)
         assert trainer.sync.failure(timeout_s=30) is not None  # seen at the top of the loop, before step 3's batch
 
-    monkeypatch.setattr(trainer, "_wait_synced", limit_passes_in_step_2s_broadcast)
     try:
         after_step(trainer, monkeypatch, 2, lose_the_node)
         trainer.run()
-        assert trainer.learners.restarts == 1 and "rewound to step 2 (no finished step is lost)" in caplog.text
-        expected, _ = undisturbed
-        assert [h["reward/mean"] for h in trainer.history] == [r.reward_mean for r in expected[:3]]
-        assert load_checkpoint(step_dir(checkpoint_root(cfg.trainer.run_dir), 3)).version == 3
+        assert_rewound_to_step_2_and_stopped_at_step_3(trainer, undisturbed, caplog.text)
     finally:
         trainer.shutdown()
 
