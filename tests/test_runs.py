@@ -472,7 +472,10 @@ try:
         except (OSError, ValueError):
             return "", 0
     procs = {int(p): proc(p) for p in os.listdir("/proc") if p.isdigit()}
-    raylets = {pid for pid, (cmd, _) in procs.items() if "raylet/raylet " in cmd}
+    # This Ray's raylet (a child of this driver): another Ray on the machine (the suite's other worker, a test's
+    # cluster) may hold plain idle workers of its own.
+    raylets = {pid for pid, (cmd, ppid) in procs.items() if "raylet/raylet " in cmd and ppid == os.getpid()}
+    assert len(raylets) == 1, raylets
     print("plain idle workers:", sum(cmd.startswith("ray::IDLE") and ppid in raylets for cmd, ppid in procs.values()))
 finally:
     ray.shutdown()
