@@ -15,10 +15,13 @@ compared by what they hold, not where they are.
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import hashlib
 import json
 import logging
 import os
+import socket
 import tempfile
 from dataclasses import dataclass, field
 
@@ -199,6 +202,7 @@ def preflight(cfg: RayflowConfig) -> tuple[list[str], ResumePlan]:
     """Checks that need no Ray: the prompt files, the model directory (on a local run it must be here),
     the resume target and what resuming would change. Returns the training prompts and the resume plan (whose
     inputs go to write_run_config)."""
+    check_outputs_outlive_the_job(cfg)
     prompts = load_prompts(cfg.data.prompts, cfg.data.max_prompt_chars)
     if cfg.data.eval_prompts:
         load_prompts(cfg.data.eval_prompts, cfg.data.max_prompt_chars, key="data.eval_prompts")
@@ -220,6 +224,37 @@ def preflight(cfg: RayflowConfig) -> tuple[list[str], ResumePlan]:
     else:  # said at the start: a mistyped run_name, or the same command in another directory, trains from step 0
         log.info("a new run %r in %s, from step 0", cfg.trainer.run_name, os.path.abspath(cfg.trainer.run_dir))
     return prompts, plan
+
+
+def job_working_dir() -> str | None:
+    """The directory a `ray job submit --working-dir` driver runs in: Ray's temporary copy of the upload, deleted after
+    the job (the job supervisor starts the entrypoint there). None when this process is no job with a working_dir."""
+    job_config = os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR")  # set by Ray's job supervisor for the entrypoint
+    if not job_config:
+        return None
+    try:
+        runtime_env = json.loads(job_config).get("runtime_env") or {}
+    except (ValueError, AttributeError):
+        return None
+    return os.getcwd() if runtime_env.get("working_dir") else None
+
+
+def check_outputs_outlive_the_job(cfg: RayflowConfig) -> None:
+    """Refuse a run directory or TensorBoard directory inside the job's temporary working dir: the checkpoints would
+    go with it, and the same command then trains from step 0. Checked on the resolved paths, since a relative path
+    in a recipe YAML is made absolute against the YAML's directory, which under a job is inside that copy too (it
+    was neither warned about nor refused), and trainer.logdir is a path of its own."""
+    workdir = job_working_dir()
+    if workdir is None:
+        return
+    workdir = os.path.realpath(workdir)
+    for key, value, path in (("trainer.output_dir", cfg.trainer.output_dir, cfg.trainer.run_dir),
+                             ("trainer.logdir", cfg.trainer.logdir, cfg.trainer.logdir)):
+        resolved = os.path.realpath(path)
+        if os.path.commonpath([resolved, workdir]) == workdir:
+            raise ConfigError(key, value, f"a directory outside the job's working directory (here {resolved}, in Ray's "
+                                          f"temporary copy of the upload, which Ray deletes): an absolute path on the "
+                                          "head or on shared storage")
 
 
 def check_lora_targets(model_dir: str, targets: list[str]) -> None:
@@ -255,24 +290,63 @@ def build_tiny_model_once(cfg: RayflowConfig) -> str:
     return resolve_model_path(None, m.cache_dir, m.tiny_size, m.tiny_seed, m.tiny_arch)
 
 
+RUN_LOCK_FILE = ".driver.lock"
+"""In the run's directory: held (flock) by the driver that trains the run, with its pid and host in it."""
+
+
+def lock_run_dir(cfg: RayflowConfig) -> int:
+    """Hold <run_dir>/.driver.lock while this driver trains the run; returns its descriptor (release_run_dir frees it).
+    A second driver of the same run (the README's resubmit loop after its `ray job submit` client exited while the
+    job went on, or the same command submitted twice) is refused: two drivers trained one run, both resuming from and
+    saving the same step_* directories, each overwriting the other's."""
+    run_dir = make_run_dirs(cfg)
+    fd = os.open(os.path.join(run_dir, RUN_LOCK_FILE), os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        if e.errno not in (errno.EAGAIN, errno.EWOULDBLOCK, errno.EACCES):  # storage without locks: run unguarded
+            log.warning("cannot lock %s (%s): nothing stops a second driver of run %r", run_dir, e, cfg.trainer.run_name)
+            return fd
+        holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another process"
+        os.close(fd)
+        raise ConfigError("trainer.run_name", cfg.trainer.run_name,
+                          f"a run no other driver is training: {run_dir} is held by {holder} (a job that still runs, e.g. "
+                          f"one whose `ray job submit` exited while the job went on: `ray job list`); wait for it to end "
+                          f"or stop it, or name another run") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}".encode(), 0)
+    return fd
+
+
+def release_run_dir(fd: int | None) -> None:
+    """Let the next driver of the run take it (closing the descriptor drops the flock)."""
+    if fd is not None:
+        os.close(fd)
+
+
 def write_run_config(cfg: RayflowConfig, inputs: dict[str, dict] | None = None) -> str:
     """Write <run_dir>/config.yaml and inputs.json (what a later resume is compared against), each atomically.
     `inputs`: input_fingerprints(cfg) if already taken (a resume's ResumePlan.inputs), else taken here.
     Returns config.yaml's path."""
-    run_dir = cfg.trainer.run_dir
-    # Made here, before Ray starts: a path that cannot be a directory (a file in the way, no permission, a read-only
-    # mount) was a traceback here, and a bad logdir one line naming no key only after Ray had started.
-    for key, directory in (("trainer.output_dir", run_dir), ("trainer.logdir", cfg.trainer.logdir)):
+    run_dir = make_run_dirs(cfg)
+    if inputs is None:
+        inputs = input_fingerprints(cfg)
+    _replace_file(os.path.join(run_dir, INPUTS_FILE), json.dumps(inputs, indent=2))
+    return _replace_file(os.path.join(run_dir, CONFIG_FILE), to_yaml(cfg))
+
+
+def make_run_dirs(cfg: RayflowConfig) -> str:
+    """Make the run's directory and trainer.logdir, before Ray starts; the run's directory. A path that cannot be a
+    directory (a file in the way, no permission, a read-only mount) is a ConfigError naming its key: it was a
+    traceback, and a bad logdir one line naming no key only after Ray had started."""
+    for key, directory in (("trainer.output_dir", cfg.trainer.run_dir), ("trainer.logdir", cfg.trainer.logdir)):
         try:
             os.makedirs(directory, exist_ok=True)
         except OSError as e:
             value = cfg.trainer.output_dir if key == "trainer.output_dir" else directory
             raise ConfigError(key, value, f"a directory this process can create and write in (making {directory} "
                                           f"failed: {e})") from None
-    if inputs is None:
-        inputs = input_fingerprints(cfg)
-    _replace_file(os.path.join(run_dir, INPUTS_FILE), json.dumps(inputs, indent=2))
-    return _replace_file(os.path.join(run_dir, CONFIG_FILE), to_yaml(cfg))
+    return cfg.trainer.run_dir
 
 
 def _replace_file(path: str, text: str) -> str:

@@ -574,3 +574,70 @@ def test_the_reference_refuses_mixed_precision_it_does_not_implement(tiny_model_
     trajectories, _ = reference.rollout(run)
     with pytest.raises(ConfigError, match=r"^learner\.mixed_precision: got 'autocast'; allowed: 'none' for the"):
         reference.learn(run, trajectories)
+
+
+@pytest.mark.parametrize("where, key", [("command line", "trainer.output_dir"), ("recipe yaml", "trainer.output_dir"),
+                                        ("logdir", "trainer.logdir"), ("outside", None)])
+def test_a_job_refuses_a_run_dir_inside_its_temporary_working_dir(tiny_model_dir, tmp_path, monkeypatch, where, key):
+    """Under `ray job submit --working-dir`, the driver runs in Ray's temporary copy of the upload, which Ray deletes.
+    A relative output_dir in a recipe YAML (resolved against the YAML's directory, so absolute) and a relative
+    trainer.logdir ran with no warning, their checkpoints and events under .../working_dir_files/_ray_pkg_*/ (seen with
+    `ray job submit` of the tiny recipe), and a relative trainer.output_dir only warned. Refused before anything is
+    written, naming the key."""
+    from rayflow.config import load_config
+
+    job_dir = tmp_path / "_ray_pkg_0123"  # the unpacked upload, where Ray's job supervisor starts the entrypoint
+    (job_dir / "recipes").mkdir(parents=True)
+    monkeypatch.chdir(job_dir)
+    monkeypatch.setenv("RAY_JOB_CONFIG_JSON_ENV_VAR", json.dumps({"runtime_env": {"working_dir": "gcs://_ray_pkg_0123.zip"}}))
+    outside = str(tmp_path / "outputs")
+    model = [f"model.path={tiny_model_dir}", "trainer.run_name=run"]
+    if where == "recipe yaml":
+        recipe = job_dir / "recipes" / "mine.yaml"
+        recipe.write_text("trainer:\n  output_dir: ../outputs\n")
+        cfg = load_config(str(recipe), model)
+    else:
+        overrides = {"command line": ["trainer.output_dir=outputs"], "logdir": [f"trainer.output_dir={outside}", "trainer.logdir=tb"],
+                     "outside": [f"trainer.output_dir={outside}"]}[where]
+        cfg = load_config(GRPO, model + overrides)
+    if key is None:
+        preflight(cfg)
+        return
+    with pytest.raises(ConfigError) as raised:
+        preflight(cfg)
+    assert raised.value.key == key and "outside the job's working directory" in str(raised.value)
+    assert os.listdir(job_dir) == ["recipes"]  # nothing written there
+
+
+def test_a_second_driver_of_a_run_that_is_training_is_refused_before_it_writes(tiny_model_dir, tmp_path, monkeypatch):
+    """The README's resubmit loop submits again when its `ray job submit` client exits while the job goes on (or the
+    same command is submitted twice): two drivers then trained one run, both saving step_00001660..step_00001820 into
+    its checkpoints (seen on a local cluster). A driver holds the run's directory; a second one is refused in one line
+    naming trainer.run_name, before it rewrites the run's config.yaml or starts Ray."""
+    import fcntl
+
+    from rayflow.driver import launch
+
+    run_dir = tmp_path / "busy"
+    run_dir.mkdir()
+    (run_dir / "config.yaml").write_text("the running driver's\n")
+    holder = os.open(run_dir / ".driver.lock", os.O_RDWR | os.O_CREAT)
+    os.write(holder, b"pid 4242 on head-node")
+    fcntl.flock(holder, fcntl.LOCK_EX)  # the first driver, still training
+
+    def no_ray(cfg):
+        raise AssertionError("a second driver of the run started Ray")
+
+    monkeypatch.setattr(launch, "start_ray", no_ray)
+    argv = ["--config", GRPO, f"model.path={tiny_model_dir}", f"trainer.output_dir={tmp_path}", "trainer.run_name=busy"]
+    try:
+        with pytest.raises(SystemExit) as refused:
+            launch.run_recipe(GRPO, argv)
+        message = str(refused.value.code)
+        assert message.startswith("error: trainer.run_name: got 'busy'") and "pid 4242 on head-node" in message, message
+        assert (run_dir / "config.yaml").read_text() == "the running driver's\n"
+    finally:
+        os.close(holder)
+    # Once the first driver is gone, the run is the next driver's (here: up to starting Ray).
+    with pytest.raises(AssertionError, match="started Ray"):
+        launch.run_recipe(GRPO, argv)

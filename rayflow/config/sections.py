@@ -527,7 +527,8 @@ class TrainerConfig:
     seed: int = 0
     """The run seed: prompt order, sample seeds, LoRA init."""
     output_dir: str = "outputs"
-    """Runs go under <output_dir>/<run_name>; give an absolute path under `ray job submit`."""
+    """Runs go under <output_dir>/<run_name>; give an absolute path under `ray job submit` (a path inside the job's
+    temporary working dir is refused)."""
     run_name: str | None = None
     """The run's directory under output_dir (checkpoints, TensorBoard, config.yaml); null: <recipe>-<date>-<time>,
     a new run each time. Give the same run_name again to continue a run (trainer.resume=auto)."""

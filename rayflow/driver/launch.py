@@ -26,7 +26,7 @@ from rayflow.config import RayflowConfig, load_config
 from rayflow.distributed.resources import check_cluster_fits, required_cpus
 from rayflow.distributed.worker_imports import start_worker_zygotes, stop_worker_zygotes, wait_worker_zygotes
 from rayflow.errors import ConfigError
-from rayflow.runs import USER_ERRORS, RunComplete, preflight, write_run_config
+from rayflow.runs import USER_ERRORS, RunComplete, lock_run_dir, preflight, release_run_dir, write_run_config
 
 log = logging.getLogger("rayflow")
 
@@ -37,11 +37,7 @@ def start_ray(cfg: RayflowConfig) -> bool:
     if os.environ.get("RAY_ADDRESS"):
         import ray
 
-        if not os.path.isabs(cfg.trainer.output_dir):
-            log.warning(
-                "trainer.output_dir=%r is relative: under `ray job submit` it lands in the job's temporary copy of "
-                "the working dir, which Ray deletes (and resume=auto then finds nothing); give an absolute path",
-                cfg.trainer.output_dir)
+        # A run directory inside a job's temporary working dir was refused before (runs.check_outputs_outlive_the_job).
         ray.init(address=os.environ["RAY_ADDRESS"])
         return False
     # Keep a laptop run off the network (RAY-LOCAL.md): set before Ray is imported.
@@ -164,16 +160,22 @@ def run_recipe(default_config: str, argv: list[str] | None = None) -> list[dict[
     parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. trainer.total_steps=3 model.path=/models/Qwen-Image")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    run_lock = None
     try:
         # Bad input fails here, before Ray starts, with one message naming the key or file and line.
         cfg = load_config(args.config, args.overrides)
         prompts, plan = preflight(cfg)
+        run_lock = lock_run_dir(cfg)  # before the run's config.yaml is written: another driver may be training it
         write_run_config(cfg, plan.inputs)  # a resume's fingerprints of the inputs, not taken again
     except RunComplete as e:
         log.info("%s", e)
         return []
     except USER_ERRORS as e:
+        release_run_dir(run_lock)
         sys.exit(f"error: {e}")
+    except BaseException:
+        release_run_dir(run_lock)
+        raise
     start = time.perf_counter()
     started = start_ray(cfg)
     ray_s = time.perf_counter() - start
@@ -208,11 +210,14 @@ def run_recipe(default_config: str, argv: list[str] | None = None) -> list[dict[
             if trainer is not None:
                 trainer.shutdown()
         finally:  # a second Ctrl-C or SIGTERM during the actors' teardown still stops the local Ray this run started
-            if started:
-                import ray
+            try:
+                if started:
+                    import ray
 
-                ray.shutdown()
-                stop_worker_zygotes()
+                    ray.shutdown()
+                    stop_worker_zygotes()
+            finally:
+                release_run_dir(run_lock)
 
 
 def _where(cfg: RayflowConfig) -> str:
