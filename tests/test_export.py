@@ -184,13 +184,16 @@ def test_generate_with_lora_samples_under_the_exported_adapter(tiny_model_dir, t
         assert message in str(info.value.code) + capsys.readouterr().err
 
 
-def test_generate_refuses_an_exported_lora_of_another_model_in_one_line(tiny_model_dir, tiny_twin, trained, tmp_path):
+def test_generate_refuses_an_exported_lora_of_another_model_in_one_line(tiny_model_dir, tiny_model, tiny_twin, trained,
+                                                                         tmp_path):
     """An exported LoRA (README: export_lora.py, then generate.py --lora my_lora) has no record of its base: onto
     another architecture it was a traceback of every mismatched tensor from peft; its tensors are checked instead."""
     _, ckpt = trained(GRPO)
     out, png = str(tmp_path / "lora"), str(tmp_path / "x.png")
     export_main([ckpt, "--out", out])
-    generate_main = load_generate_tool().main
+    tool = load_generate_tool()
+    assert tool.diffusers_lora_dir(out, None, str(tmp_path), model=tiny_model) == out  # its own model's: used as it is
+    generate_main = tool.main
     for family, transformer in (("sd3", "SD3Transformer2DModel"), ("flux", "FluxTransformer2DModel")):
         with pytest.raises(SystemExit) as info:
             generate_main(["--model", tiny_twin(family), "--prompt", PROMPT, "--out", png, "--lora", out])
