@@ -12,6 +12,7 @@ import sys
 
 import torch
 
+from rayflow.distributed.parallelize import apply_activation_checkpointing
 from rayflow.models.lora import add_lora
 from rayflow.models import load_model
 
@@ -30,7 +31,7 @@ def main() -> None:
     model = load_model(path, transformer_only=True)
     add_lora(model.transformer, rank=8, alpha=8, targets=model.lora_target_modules)
     if checkpointing:
-        model.transformer.enable_gradient_checkpointing()
+        apply_activation_checkpointing(model.transformer)
     model.transformer.train()
     latents, _ = model.prepare_latents(list(range(batch)), size, size)
     cond = model.planning_conditioning(batch, tokens)  # same shape the planner uses

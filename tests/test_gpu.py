@@ -6,6 +6,8 @@ against fp32 is compared with a tolerance of bf16's scale (8 mantissa bits: ~0.4
 """
 
 import dataclasses
+import json
+import math
 import os
 import subprocess
 import sys
@@ -185,14 +187,27 @@ def test_cfg_parallel_over_nccl_equals_one_gpu(ray_session, tiny_model_dir, worl
     assert_same(got, generate(load_model(tiny_model_dir, device=CUDA), req, TrueCFG()))
 
 
-def test_gpu_benchmark_runs_at_reduced_depth(tmp_path):
-    """tools/bench.py gpu end to end on this GPU (2 blocks of the published width, so it takes seconds)."""
+def _bench_at_reduced_depth(tmp_path, *args: str) -> dict:
+    """tools/bench.py gpu end to end on this GPU (2 blocks of the published width, so it takes seconds): its JSON."""
     out = tmp_path / "bench.json"
     subprocess.run([sys.executable, os.path.join(ROOT, "tools", "bench.py"), "gpu", "--depth", "2", "--repeats", "1",
-                    "--batch", "1", "--learner-batch", "2", "--json", str(out)],
+                    "--batch", "1", "--learner-batch", "2", *args, "--json", str(out)],
                    cwd=ROOT, env=dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))),
                    check=True, timeout=900)
-    assert out.stat().st_size > 0
+    return json.loads(out.read_text())
+
+
+def test_gpu_benchmark_runs_at_reduced_depth(tmp_path):
+    assert _bench_at_reduced_depth(tmp_path)["learner"]["train_step_s"] > 0
+
+
+def test_compiled_learner_with_activation_checkpointing_trains_on_cuda(tmp_path):
+    """model.compile on a learner with learner.activation_checkpointing (the bench sets it), in bf16 with CFG, whose
+    two branches differ in prompt length: on an H200 the first train step failed with CheckpointError while the
+    checkpoint sat at diffusers' call site, outside the compiled block (tests/test_speed_options.py shows why on CPU)."""
+    result = _bench_at_reduced_depth(tmp_path, "--phases", "learner", "log_probs", "--overrides", "model.compile=true")
+    assert result["learner"]["train_step_s"] > 0
+    assert all(math.isfinite(result["log_prob_mismatch"][label]["max"]) for label in ("cfg_4.0", "no_cfg"))
 
 
 def test_compiled_blocks_compute_as_eager_on_cuda(tiny_model_dir):

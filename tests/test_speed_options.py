@@ -112,3 +112,57 @@ def test_compiled_blocks_do_not_recompile_for_each_new_prompt_length(tiny_model_
     for n in conds:
         torch.testing.assert_close(compiled[n], eager[n], rtol=0, atol=1e-4)
     assert not torch.allclose(after_sync, compiled[9], rtol=0, atol=1e-4)  # the compiled code reads the new weights
+
+
+def test_checkpointed_blocks_recompute_inside_their_compiled_graph(tiny_model_dir):
+    """learner.activation_checkpointing with model.compile: the checkpoint is traced into each block's compiled graph,
+    whose backward recomputes the forward (torchtitan's order). With diffusers' checkpoint at its call site, backward
+    re-ran the compiled forward, and CFG's second branch (a new prompt length) had recompiled the block in between:
+    the recompute ran a graph other than the forward's, and on an H200 the learner's first step failed with
+    CheckpointError (the tiny model's graphs save the same shapes, so CPU showed no error). A recording backend
+    (AOT autograd, the graphs run as traced) tells forward graphs from backward graphs; the gradients equal eager's."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    from rayflow.distributed.parallelize import apply_activation_checkpointing
+
+    def gradients(compiled: bool) -> tuple[dict, list]:
+        calls = []
+
+        def recording(kind):
+            def compiler(gm, example_inputs):
+                def run(args):
+                    calls.append((kind, phase))
+                    return gm(*args)
+                run._boxed_call = True
+                return run
+            return compiler
+
+        model = load_model(tiny_model_dir)
+        transformer = model.transformer.requires_grad_(True)
+        apply_activation_checkpointing(transformer)
+        if compiled:  # compile_blocks, with the recording backend
+            transformer.compile_repeated_blocks(dynamic=None, backend=aot_autograd(fw_compiler=recording("forward graph"),
+                                                                                  bw_compiler=recording("backward graph")))
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(2, 16, 16, generator=g)
+        cond, uncond = (PromptEmbeds(torch.randn(2, n, 32, generator=g), None) for n in (5, 9))
+        phase = "forward"
+        v_cond, v_uncond = (model.predict_velocity(x, torch.tensor(500.0), c, 64, 64) for c in (cond, uncond))
+        phase = "backward"
+        (v_uncond + 4.0 * (v_cond - v_uncond)).square().mean().backward()
+        return {n: p.grad for n, p in transformer.named_parameters() if p.grad is not None}, calls
+
+    torch._dynamo.reset()
+    try:
+        compiled, calls = gradients(True)
+    finally:
+        torch._dynamo.reset()
+    eager, _ = gradients(False)
+    blocks = len(load_model(tiny_model_dir).transformer.transformer_blocks)
+    assert calls.count(("forward graph", "forward")) == 2 * blocks  # every block compiled, for both branches
+    assert calls.count(("backward graph", "backward")) == 2 * blocks
+    assert ("forward graph", "backward") not in calls  # no forward graph re-run: the recompute is in the backward graph
+    # The last block's text-stream output feeds nothing: eager leaves those gradients None, the compiled graph zero.
+    assert eager.keys() <= compiled.keys()
+    for name, grad in compiled.items():
+        torch.testing.assert_close(grad, eager.get(name, torch.zeros_like(grad)), rtol=1e-4, atol=1e-6)

@@ -9,10 +9,12 @@ LoRA, optimizers or Ray. The mesh is built once by the caller (`build_mesh`).
 from __future__ import annotations
 
 import contextlib
+import functools
 import warnings
 from collections.abc import Iterable
 
 import torch
+import torch.utils.checkpoint
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
@@ -46,19 +48,37 @@ def transformer_blocks(transformer: nn.Module) -> list[nn.Module]:
     blocks = [block for name, child in transformer.named_children()
               if isinstance(child, nn.ModuleList) and name.endswith("transformer_blocks") for block in child]
     if not blocks:
-        raise ValueError(f"{type(transformer).__name__} has no `transformer_blocks` ModuleList to shard per block")
+        raise ValueError(f"{type(transformer).__name__} has no `transformer_blocks` ModuleList (sharding and checkpointing are per block)")
     return blocks
 
 
-def apply_activation_checkpointing(transformer: nn.Module) -> None:
-    """Recompute each block's activations in backward (diffusers' per-block, non-reentrant checkpointing).
+@functools.cache
+def _checkpointed_class(cls: type[nn.Module]) -> type[nn.Module]:
+    """`cls` with its forward under non-reentrant checkpointing while gradients are recorded. Same name, so
+    diffusers still finds the block class by name (`compile_repeated_blocks`); one subclass per class, so every
+    block shares one forward and compiles once."""
+    forward = cls.forward
 
-    diffusers' own switch is used rather than a checkpoint wrapper module, so parameter names (and
-    with them adapter names, checkpoints and weight sync) stay those of the plain model. FSDP2's
-    hooks are module hooks, which it composes with checkpointing inside the block."""
-    if not getattr(transformer, "_supports_gradient_checkpointing", False):
-        raise ValueError(f"learner.activation_checkpointing: {type(transformer).__name__} does not support it")
-    transformer.enable_gradient_checkpointing()
+    def checkpointed_forward(self, *args, **kwargs):
+        if not torch.is_grad_enabled():
+            return forward(self, *args, **kwargs)
+        return torch.utils.checkpoint.checkpoint(forward, self, *args, use_reentrant=False, **kwargs)
+
+    return type(cls.__name__, (cls,), {"forward": checkpointed_forward, "__module__": cls.__module__})
+
+
+def apply_activation_checkpointing(transformer: nn.Module) -> None:
+    """Recompute each repeated block's activations in backward (non-reentrant checkpointing of its forward).
+
+    The checkpoint is set in each block's own forward (a subclass swapped in, as FSDP2 does) rather than at diffusers' call site
+    (`enable_gradient_checkpointing`), for two reasons. model.compile compiles the block, so the checkpoint is then
+    traced into the compiled graph and recomputed by its backward (torchtitan's order: checkpointing, then compile).
+    At diffusers' call site, backward re-ran the compiled block, and a block recompiled between the forward and the
+    backward (CFG's second branch, a new prompt length) re-ran another graph: on an H200 the learner's first step
+    failed with CheckpointError. And no wrapper module is added, so parameter names (adapter names, checkpoints,
+    weight sync) stay those of the plain model. FSDP2's hooks run around the block's forward, outside the checkpoint."""
+    for block in transformer_blocks(transformer):
+        block.__class__ = _checkpointed_class(type(block))
 
 
 def apply_fsdp(
