@@ -355,6 +355,49 @@ def test_a_second_interrupt_during_the_teardown_still_stops_the_local_ray(tiny_m
     assert stopped == ["ray", "zygotes"]
 
 
+@pytest.mark.parametrize("stop, status", [("ctrl-c", 130), ("sigterm", 143)])
+def test_an_interrupted_run_exits_with_the_signals_status(tiny_model_dir, tmp_path, monkeypatch, capsys, stop, status):
+    """Ctrl-C exits 130 and SIGTERM (`ray job stop`, a container's shutdown) 143, as the shell reports a process a
+    signal ended, after the line that says where to continue; a failure exits 1. Both exited 1, so a script around the
+    command could not tell a stop from a failure."""
+    import signal
+
+    from rayflow.driver import launch
+    from rayflow.driver import trainer as trainer_module
+    from rayflow.planning import device_check
+
+    class Stopped:
+        version = 2
+
+        def __init__(self, cfg, prompts):
+            self.startup_s, self.learners = {}, self
+
+        def setup_seconds(self):
+            return {}
+
+        def run(self):
+            if stop == "ctrl-c":
+                raise KeyboardInterrupt
+            os.kill(os.getpid(), signal.SIGTERM)  # the launcher's handler raises here, before the next line
+            pytest.fail("SIGTERM did not stop the run")
+
+        def shutdown(self):
+            pass
+
+    monkeypatch.setattr(launch, "start_ray", lambda cfg: False)
+    monkeypatch.setattr(launch, "check_cluster_fits", lambda cfg, joined: None)
+    monkeypatch.setattr(device_check, "check_before_start", lambda cfg: None)
+    monkeypatch.setattr(trainer_module, "Trainer", Stopped)
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        with pytest.raises(SystemExit) as exited:
+            launch.run_recipe(GRPO, [f"model.path={tiny_model_dir}", f"trainer.output_dir={tmp_path}", "trainer.run_name=r"])
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert exited.value.code == status
+    assert "interrupted at step 2; " in capsys.readouterr().err
+
+
 def test_a_failure_inside_an_actor_is_reported_as_its_root_cause_in_one_line(ray_session):
     from rayflow.driver.launch import describe_failure, root_cause
     from rayflow.errors import ConfigError

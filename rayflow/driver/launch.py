@@ -112,12 +112,16 @@ def dashboard_port(preferred: int = 8265) -> int:
             return s.getsockname()[1]
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, unwound as Ctrl-C is."""
+
+
 def _stop_on_sigterm() -> None:
     """`ray job stop` and container shutdowns send SIGTERM: unwind like Ctrl-C, so actors are shut down
     and the last complete checkpoint stays as it is."""
 
     def handler(signum, frame):
-        raise KeyboardInterrupt(f"signal {signum}")
+        raise Terminated(f"signal {signum}")
 
     signal.signal(signal.SIGTERM, handler)
 
@@ -197,9 +201,11 @@ def run_recipe(default_config: str, argv: list[str] | None = None) -> list[dict[
         history = trainer.run()
         log.info("%s", summary(cfg, history, time.perf_counter() - start))
         return history
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
         step = trainer.version if trainer is not None else 0
-        sys.exit(f"interrupted at step {step}; {_where(cfg)}")
+        print(f"interrupted at step {step}; {_where(cfg)}", file=sys.stderr)
+        # The shell's 128 + signal number, so a script around the command tells a stop from a failure (1).
+        sys.exit(128 + (signal.SIGTERM if isinstance(e, Terminated) else signal.SIGINT))
     except Exception as e:
         if isinstance(root_cause(e), USER_ERRORS):
             sys.exit(f"error: {describe_failure(e)}")
