@@ -21,3 +21,16 @@ def check_output_dirs(parser: argparse.ArgumentParser, outputs: dict[str, str | 
     for flag, path in outputs.items():
         if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
             parser.error(f"{flag}: {path!r} is in no existing directory")
+
+
+def run_start_dir(run_dir: str, trainer: dict) -> str:
+    """The directory a run was started in, where the relative paths its config.yaml keeps (as given on its command
+    line) lead from: `run_dir` less its relative <trainer.output_dir>/<trainer.run_name> (`trainer`: the saved config's
+    section); else (an absolute output_dir, or a run directory moved) this process's working directory."""
+    output_dir, run_name = trainer.get("output_dir"), trainer.get("run_name")
+    here = os.path.abspath(run_dir)
+    if isinstance(output_dir, str) and isinstance(run_name, str) and not os.path.isabs(output_dir):
+        tail = os.path.normpath(os.path.join(output_dir, run_name))
+        if here.endswith(os.sep + tail):
+            return here[: -len(tail) - 1]
+    return os.getcwd()

@@ -117,6 +117,29 @@ def test_a_run_whose_config_holds_values_nothing_read_is_evaluated(tmp_path):
         run_config(cfg.trainer.run_dir, ["trainer.gpu_memory_gib=40"], base=True)
 
 
+def test_a_runs_relative_paths_are_taken_from_where_it_started(tmp_path, monkeypatch):
+    """`data.eval_prompts=prompts/eval.txt` on the command line stays relative in the run's config.yaml, relative to the
+    directory the run started in (as plot_run.py reads it): evaluate.py took it relative to the run directory and
+    refused the run ("data.prompts: got '<run dir>/prompts/...'"), from any working directory."""
+    start = tmp_path / "start"
+    (start / "prompts").mkdir(parents=True)
+    (start / "prompts" / "train.txt").write_text("a red apple\na blue sky\n")
+    (start / "prompts" / "eval.txt").write_text("a green leaf\n")
+    monkeypatch.chdir(start)
+    write_run_config(load_config(recipe("flowgrpo_tiny.yaml"), [
+        "trainer.output_dir=outputs", "trainer.run_name=rel", "data.prompts=prompts/train.txt",
+        "data.eval_prompts=prompts/eval.txt"]))
+    for cwd, target in ((start, "outputs/rel"), (tmp_path, str(start / "outputs" / "rel"))):
+        monkeypatch.chdir(cwd)
+        run_cfg, _ = run_config(target, [], base=True)
+        assert (run_cfg.data.prompts, run_cfg.data.eval_prompts) == (str(start / "prompts" / "train.txt"),
+                                                                    str(start / "prompts" / "eval.txt")), cwd
+    # An override on evaluate.py's own command line is relative to the working directory, as everywhere.
+    (tmp_path / "other.txt").write_text("a white cloud\n")
+    assert run_config(str(start / "outputs" / "rel"), ["data.eval_prompts=other.txt"], base=True)[0].data.eval_prompts \
+        == "other.txt"
+
+
 def test_a_run_directory_with_an_equals_sign_in_its_path_is_the_target(tmp_path):
     """runs/lr=1e-4 is an existing directory, not a KEY=VALUE override."""
     cfg = load_config(recipe("flowgrpo_tiny.yaml"), [f"trainer.output_dir={tmp_path}", "trainer.run_name=run=lr1"])

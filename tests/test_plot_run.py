@@ -136,3 +136,46 @@ def test_plot_run_reads_a_rewound_run_as_tensorboard_shows_it(tmp_path):
     monitor.close()
     assert read_scalars(events)["reward/mean"] == ([1, 2, 3, 4], [1.0, 20.0, 30.0, 40.0])
     assert [(step, int(image[0, 0, 0])) for step, image in read_grids(events)] == [(1, 1), (2, 20), (3, 30), (4, 40)]
+
+
+def test_plot_run_finds_the_events_where_the_runs_trainer_logdir_put_them(tmp_path, monkeypatch):
+    """A run started with trainer.logdir elsewhere keeps it in its config.yaml (relative to where it started, when given
+    so): plot_run.py RUN_DIR read RUN_DIR itself and said it "holds none of the plotted tags"."""
+    start = tmp_path / "start"
+    run = start / "outputs" / "run1"
+    run.mkdir(parents=True)
+    writer = SummaryWriter(str(start / "tb" / "run1"))
+    writer.add_scalar("reward/mean", 0.5, 1)
+    writer.close()
+    monkeypatch.chdir(tmp_path)  # not where the run started
+    for logdir in (str(start / "tb" / "run1"), "tb/run1"):
+        (run / "config.yaml").write_text(f"trainer:\n  output_dir: outputs\n  run_name: run1\n  logdir: {logdir}\n")
+        done = subprocess.run([sys.executable, os.path.join(REPO, "tools", "plot_run.py"), str(run), "--out",
+                               str(tmp_path / "fig.png")], capture_output=True, text=True, env={**os.environ, "PYTHONPATH": REPO})
+        assert done.returncode == 0 and "wrote" in done.stdout, done.stderr
+    (run / "config.yaml").write_text("trainer:\n  logdir: /no/such/tb\nlogging:\n  tensorboard: false\n")
+    done = subprocess.run([sys.executable, "tools/plot_run.py", str(run), "--out", str(tmp_path / "fig.png")], cwd=REPO,
+                          capture_output=True, text=True)
+    assert done.returncode != 0 and "logging.tensorboard=false" in done.stderr and "Traceback" not in done.stderr, done.stderr
+    (run / "config.yaml").write_text("trainer:\n  logdir: /no/such/tb\n")
+    done = subprocess.run([sys.executable, "tools/plot_run.py", str(run), "--out", str(tmp_path / "fig.png")], cwd=REPO,
+                          capture_output=True, text=True)
+    assert done.returncode != 0 and "trainer.logdir" in done.stderr and "'/no/such/tb'" in done.stderr, done.stderr
+
+
+def test_plot_run_names_an_output_format_matplotlib_cannot_write_before_reading_the_run(tmp_path):
+    """--out fig.txt was a ValueError traceback once the events were read (--grids g.txt: after --out was written), and
+    --out fig (no extension) wrote fig.png while saying "wrote fig"."""
+    run = tmp_path / "run"
+    writer = SummaryWriter(str(run / "tensorboard"))
+    writer.add_scalar("reward/mean", 0.5, 1)
+    writer.close()
+    for args, flag, value in ((["--out", str(tmp_path / "fig.txt")], "--out", str(tmp_path / "fig.txt")),
+                              (["--out", str(tmp_path / "fig")], "--out", str(tmp_path / "fig")),
+                              (["--out", str(tmp_path / "fig.png"), "--grids", str(tmp_path / "g.txt")], "--grids",
+                               str(tmp_path / "g.txt"))):
+        done = subprocess.run([sys.executable, "tools/plot_run.py", str(run), *args], cwd=REPO, capture_output=True,
+                              text=True)
+        assert done.returncode == 2 and f"{flag}: {value!r}" in done.stderr and ".png" in done.stderr, done.stderr
+        assert "Traceback" not in done.stderr
+    assert not os.path.exists(tmp_path / "fig.png") and not os.path.exists(tmp_path / "fig")

@@ -28,6 +28,7 @@ import os
 import sys
 
 import torch
+import yaml
 
 from rayflow import reference
 from rayflow.checkpoint import checkpoint_root, find_checkpoint, latest_checkpoint
@@ -37,7 +38,7 @@ from rayflow.learner.model import ema_copies
 from rayflow.learner.spec import LearnerSpec
 from rayflow.models.lora import EVAL_EMA_ADAPTER, TRAINED_ADAPTER, rollout_adapter_name
 from rayflow.models.weight_sets import using_weights
-from rayflow.paths import check_output_dirs
+from rayflow.paths import check_output_dirs, run_start_dir
 from rayflow.runs import CONFIG_FILE, USER_ERRORS
 from rayflow.sampling.denoise import generate
 from rayflow.worlds.shapes import CATEGORIES, category_of, parse_prompt
@@ -131,7 +132,16 @@ def run_config(target: str, overrides: list[str], base: bool = False,
     if not os.path.isfile(config):
         raise FileNotFoundError(f"{target!r}: no {CONFIG_FILE} in it or one or two levels up: not a run's directory or "
                                 f"a checkpoint of one (tools/evaluate.py RECIPE.yaml evaluates a recipe's base)")
-    cfg = load_config(config, overrides, saved_run=True)  # as written by the run's version, maybe an older one
+    try:
+        with open(config) as f:
+            saved = yaml.safe_load(f)
+    except yaml.YAMLError:  # load_config names the file and what is wrong with it
+        saved = None
+    trainer = saved.get("trainer") if isinstance(saved, dict) else None
+    # As written by the run's version, maybe an older one; a relative path in it (given so on the run's command line)
+    # leads from where the run started, not from the run directory.
+    cfg = load_config(config, overrides, saved_run=True,
+                      paths_from=run_start_dir(run_dir, trainer if isinstance(trainer, dict) else {}))
     if base:
         return cfg, None
     if checkpoint is None:

@@ -3,18 +3,20 @@ its first and last evaluation grids side by side (the same prompts and seeds bef
 
     python tools/plot_run.py RUN_DIR --out fig.png [--grids grids.png]
 
-RUN_DIR is a run directory (<trainer.output_dir>/<run_name>, whose tensorboard/ holds the events) or the
-events directory itself. A panel whose tags the run did not log is left out. The grids' rows are labelled
-with the evaluation prompts when RUN_DIR holds the run's config.yaml (one row per prompt when
-data.eval_seeds > 1).
+RUN_DIR is a run directory (<trainer.output_dir>/<run_name>: the events are in its tensorboard/, or where the
+trainer.logdir of its config.yaml says) or the events directory itself. A panel whose tags the run did not log is
+left out. The grids' rows are labelled with the evaluation prompts when RUN_DIR holds the run's config.yaml (one row
+per prompt when data.eval_seeds > 1).
 """
+
+from __future__ import annotations
 
 import argparse
 import io
 import os
 import sys
 
-from rayflow.paths import check_output_dirs
+from rayflow.paths import check_output_dirs, run_start_dir
 
 PANELS = (
     ("reward", ("reward/mean", "eval/reward_mean")),
@@ -52,16 +54,45 @@ def read_grids(events_dir: str, tag: str = "eval/images") -> list[tuple[int, "nu
             for step in sorted(latest)]
 
 
-def run_start_dir(run_dir: str, trainer) -> str:
-    """The directory the run was started in, where its relative paths lead from: RUN_DIR less its relative
-    <trainer.output_dir>/<trainer.run_name>; else (an absolute output_dir) this one's."""
-    output_dir, run_name = trainer.get("output_dir"), trainer.get("run_name")
-    here = os.path.abspath(run_dir)
-    if isinstance(output_dir, str) and isinstance(run_name, str) and not os.path.isabs(output_dir):
-        tail = os.path.normpath(os.path.join(output_dir, run_name))
-        if here.endswith(os.sep + tail):
-            return here[: -len(tail) - 1]
-    return os.getcwd()
+def events_dir(run_dir: str) -> str:
+    """Where RUN_DIR's TensorBoard events are: its tensorboard/ (the default trainer.logdir), else the trainer.logdir
+    its config.yaml names (relative: to where the run started), else RUN_DIR itself (an events directory). SystemExit
+    naming the key when the run wrote none there: logging.tensorboard=false, or a trainer.logdir that is not here."""
+    from omegaconf import OmegaConf
+
+    default = os.path.join(run_dir, "tensorboard")
+    path = os.path.join(run_dir, "config.yaml")
+    if not os.path.isfile(path):
+        return default if os.path.isdir(default) else run_dir
+    try:
+        config = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
+    except Exception as e:  # malformed: the events are where they would be without it
+        print(f"note: {path} is not readable as a run's config ({type(e).__name__}); its trainer.logdir is not looked at",
+              file=sys.stderr)
+        config = {}
+    sections = {name: config.get(name) if isinstance(config, dict) else None for name in ("trainer", "logging")}
+    trainer, logging_section = (s if isinstance(s, dict) else {} for s in sections.values())
+    events, logdir = default, trainer.get("logdir")
+    if not os.path.isdir(default) and isinstance(logdir, str):
+        events = os.path.join(run_start_dir(run_dir, trainer), os.path.expanduser(logdir))
+        if not os.path.isdir(events) and logging_section.get("tensorboard") is not False:
+            sys.exit(f"error: {run_dir} has no tensorboard/, and the trainer.logdir of {path} is {events!r}, not a "
+                     "directory here; give the events directory as RUN_DIR")
+    if logging_section.get("tensorboard") is False and not (
+            os.path.isdir(events) and any("tfevents" in name for name in os.listdir(events))):
+        sys.exit(f"error: {path}: the run was started with logging.tensorboard=false and wrote no TensorBoard events")
+    return events if os.path.isdir(events) else run_dir
+
+
+def check_image_formats(parser: argparse.ArgumentParser, outputs: dict[str, str | None]) -> None:
+    """Each output (flag -> path, None: not asked for) ends in an extension matplotlib writes, named before any work
+    (parser.error): another was a traceback after the events were read, and none wrote PATH.png while saying PATH."""
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    formats = sorted(FigureCanvasBase.get_supported_filetypes())
+    for flag, path in outputs.items():
+        if path and os.path.splitext(path)[1][1:].lower() not in formats:
+            parser.error(f"{flag}: {path!r}; allowed: a file name ending in one of {', '.join('.' + f for f in formats)}")
 
 
 def row_prompts(run_dir: str) -> list[str] | None:
@@ -148,11 +179,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--grids", default=None, help="also write the first and last eval/images grids side by side here")
     args = parser.parse_args(argv)
     check_output_dirs(parser, {"--out": args.out, "--grids": args.grids})
+    check_image_formats(parser, {"--out": args.out, "--grids": args.grids})
     if not os.path.isdir(args.run_dir):
         sys.exit(f"error: run_dir {args.run_dir!r} is not a directory; allowed: a run directory (outputs/<run>) or its "
                  "tensorboard/ directory")
-    events = os.path.join(args.run_dir, "tensorboard")
-    events = events if os.path.isdir(events) else args.run_dir
+    events = events_dir(args.run_dir)
     title = os.path.basename(os.path.normpath(args.run_dir))
     scalars = read_scalars(events)
     if not plot(scalars, args.out, title):

@@ -117,8 +117,10 @@ BASE_KEY = "base"
 """A recipe's top-level `base: other.yaml` (relative to the recipe): that recipe's keys, then this one's on top."""
 
 
-def _read_recipe(path: str, key: str = "--config", including: tuple[str, ...] = ()) -> DictConfig:
-    """A recipe YAML with its relative paths resolved against its own directory, merged over its `base` (if any)."""
+def _read_recipe(path: str, key: str = "--config", including: tuple[str, ...] = (), paths_from: str | None = None
+                 ) -> DictConfig:
+    """A recipe YAML with its relative paths resolved against its own directory (or `paths_from`), merged over its
+    `base` (if any)."""
     try:
         data = OmegaConf.load(path)
     except FileNotFoundError:
@@ -135,7 +137,7 @@ def _read_recipe(path: str, key: str = "--config", including: tuple[str, ...] = 
         _check_containers(RayflowConfig, data, "")
     except ConfigError as e:  # named with its file: with bases, which of them says so
         raise ConfigError(f"{path}: {e.key}", e.value, e.allowed) from None
-    data = OmegaConf.create(_relative_to(data, here))
+    data = OmegaConf.create(_relative_to(data, paths_from or here))
     if base is None:
         return data
     base_key = f"{path}: {BASE_KEY}"
@@ -286,11 +288,13 @@ def _refuse_yaml11_numbers(key: str, raw: str) -> None:
 
 
 def load_config(path: str | None = None, overrides: list[str] | None = None, key: str = "--config",
-                saved_run: bool = False) -> RayflowConfig:
+                saved_run: bool = False, paths_from: str | None = None) -> RayflowConfig:
     """Read a recipe YAML (optional; its `base`s first), apply dotlist overrides, convert and validate. `key`: the
     flag that named the recipe (a missing file is reported under it). `saved_run`: `path` is a run's config.yaml,
-    whose unread keys are put back to their defaults before the overrides (`unread_at_defaults`)."""
-    merged = _read_recipe(path, key) if path else OmegaConf.create({})
+    whose unread keys are put back to their defaults before the overrides (`unread_at_defaults`). `paths_from`: the
+    directory the relative paths in `path` lead from (None: its own; a run's config.yaml keeps a command-line relative
+    path as given, relative to where the run started: `rayflow.paths.run_start_dir`)."""
+    merged = _read_recipe(path, key, paths_from=paths_from) if path else OmegaConf.create({})
     if saved_run:
         merged = OmegaConf.create(unread_at_defaults(OmegaConf.to_container(merged, resolve=False)))
     for layer in [_parse_override(text) for text in overrides or []]:  # every override checked before any merge
