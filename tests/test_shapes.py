@@ -2,6 +2,7 @@
 
 import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -79,6 +80,21 @@ def test_detect_finds_kind_colour_and_place():
     scene = [Placed("circle", "red", 0, 0), Placed("square", "blue", 1, 2), Placed("triangle", "yellow", 2, 1)]
     found = sorted((d.shape, d.colour, round(d.x * 3 - 0.5), round(d.y * 3 - 0.5)) for d in detect(render(scene)))
     assert found == [("circle", "red", 0, 0), ("square", "blue", 2, 1), ("triangle", "yellow", 1, 2)]
+
+
+def test_two_touching_shapes_of_one_colour_are_not_one_shape():
+    """Two red circles drawn 14 px apart (a drawn circle is 15 px across) run into one 4-connected component. Counted as
+    one circle, it made an image of two circles correct for "a red circle", which GenEval's count (as many found as
+    asked) fails; it is MERGED now, a kind no prompt asks for."""
+    one = render([Placed("circle", "red", 1, 0)])
+    image = np.maximum(one, np.roll(one, 14, axis=1))  # the same circle again, 14 px to the right
+    assert [(d.shape, d.colour) for d in detect(image)] == [("merged", "red")]
+    reward = make_reward("shapes", score="strict")
+    for prompt in ("a red circle", "two red circles"):
+        assert float(reward(torch.from_numpy(image)[None], [prompt]).scores[0]) == 0.0, prompt
+    # 21 px apart, as the grid's neighbouring cells are, they stay two circles.
+    apart = np.maximum(one, np.roll(one, 21, axis=1))
+    assert float(reward(torch.from_numpy(apart)[None], ["two red circles"]).scores[0]) == 1.0
 
 
 @pytest.mark.parametrize("prompt, scene, expected", [

@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 from cpu_kernels import PINNED_CAPABILITY, PINNED_KERNELS  # noqa: E402
 from pretrain_shapes import (  # noqa: E402
     VAE_CHECK_SCENES, BatchShare, PretrainConfig, check_vae, encode_pool, joined,
-    layout_scenes, layout_targets, miscaption, pretrain, save, train_transformer, train_vae,
+    layout_scenes, layout_targets, main, miscaption, pretrain, save, train_transformer, train_vae,
 )
 
 # The losses of the first two steps of each stage with the default PretrainConfig (seed 0), under the AVX2 kernels that
@@ -245,6 +245,16 @@ def test_layout_settings_out_of_range_are_named():
         PretrainConfig(layout_rows=3, workers=2)
 
 
+@pytest.mark.parametrize("argv, named", [(["--steps", "0"], "steps=0"), (["--steps", "-5"], "steps=-5"),
+                                          (["--vae-steps", "0"], "vae_steps=0")])
+def test_step_counts_below_one_are_named_before_the_vae_trains(tmp_path, monkeypatch, argv, named):
+    """--steps 0 divided by zero in the cosine schedule after the VAE's minutes, and a negative count trained nothing
+    and saved the untrained transformer as a base: both named at the start, before anything trains."""
+    monkeypatch.setattr("pretrain_shapes.pretrain", lambda *a, **k: pytest.fail("the pretraining started"))
+    with pytest.raises(ValueError, match=rf"PretrainConfig: {named} must be >= 1"):
+        main(["--out", str(tmp_path / "base"), *argv])
+
+
 def test_workers_must_divide_the_transformer_batch():
     with pytest.raises(ValueError, match=r"workers=3 must be >= 1 and divide batch=32"):
         PretrainConfig(workers=3)
@@ -324,4 +334,16 @@ def test_a_missing_or_corrupt_base_names_the_rebuild_command(tmp_path, monkeypat
     # The shipped location itself, gone (a checkout without the weights):
     monkeypatch.setattr("rayflow.models.shapes.SHAPES_MODEL_DIR", str(copy))
     with pytest.raises(FileNotFoundError, match=f"{MANIFEST} is missing; rebuild it with `{REBUILD_COMMAND}`"):
+        check_shapes_base(str(copy))
+
+
+@pytest.mark.parametrize("manifest_text", ["{\"files\": {\"model_index.json\": \"de8f", "{}", "[]", "{\"files\": {}}",
+                                           "<<<<<<< HEAD\n{}\n=======\n{}\n>>>>>>> theirs\n"])
+def test_a_corrupt_manifest_names_the_rebuild_command(tmp_path, manifest_text):
+    """The manifest is one of the base's files: truncated, emptied or left with a merge conflict, it is named with the
+    command that rebuilds the base, as a corrupt weight file is (not a bare JSONDecodeError or KeyError)."""
+    copy = tmp_path / "shapes"
+    shutil.copytree(SHAPES_MODEL_DIR, copy)
+    (copy / MANIFEST).write_text(manifest_text)
+    with pytest.raises(ValueError, match=f"{copy / MANIFEST} is corrupt .*rebuild it with `{REBUILD_COMMAND}`"):
         check_shapes_base(str(copy))

@@ -54,7 +54,8 @@ from rayflow.checkpoint_integrity import sha256_file  # noqa: E402
 from rayflow.data.prompts import load_prompts  # noqa: E402
 from rayflow.models.base import PromptEmbeds  # noqa: E402
 from rayflow.models.shapes import MANIFEST, check_shapes_base  # noqa: E402
-from rayflow.worlds.shapes import Requirements, parse_prompt, scene_for  # noqa: E402
+from rayflow.rewards.validation import check_prompt_file  # noqa: E402
+from rayflow.worlds.shapes import Requirements, parse_prompt, prompt_of, scene_for  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -102,12 +103,19 @@ def anchor_pool(pipe, n: int, chunk: int = 256) -> tuple[torch.Tensor, list[str]
     return torch.cat(latents), prompts
 
 
-def order_scene_latents(pipe, cfg: OrderStageConfig) -> tuple[list[str], torch.Tensor, torch.Tensor]:
-    """The order rows' prompts and the latents of `cfg.scenes` scenes of each [P, S, N, C] and of its swap."""
+def order_prompts(cfg: OrderStageConfig) -> list[tuple[str, list]]:
+    """The order rows' relation prompts (every one of the world's but cfg.exclude's), each with `cfg.scenes` scenes."""
     layout = ps.layout_scenes(ps.PretrainConfig(seed=cfg.seed, layout_prompts=ps.RELATION_PROMPTS,
                                                 layout_scenes=cfg.scenes))
-    exclude = set(cfg.exclude)
-    kept = [(p, scenes) for p, scenes in layout if p not in exclude]
+    # By what the prompt asks, not its spelling: an --exclude line "A red triangle above a blue circle." holds out the
+    # world's "a red triangle above a blue circle" (the same requirements to the reward, all but two tokens the same).
+    exclude = {prompt_of(parse_prompt(p)) for p in cfg.exclude}
+    return [(p, scenes) for p, scenes in layout if p not in exclude]
+
+
+def order_scene_latents(pipe, cfg: OrderStageConfig) -> tuple[list[str], torch.Tensor, torch.Tensor]:
+    """The order rows' prompts and the latents of `cfg.scenes` scenes of each [P, S, N, C] and of its swap."""
+    kept = order_prompts(cfg)
     rng = random.Random(f"order-swapped-{cfg.seed}")
     own = torch.stack([ps.encode_scenes(pipe, ps.scene_pixels(scenes)) for _, scenes in kept])
     other = torch.stack([ps.encode_scenes(pipe, ps.scene_pixels([scene_for(swapped(parse_prompt(p)), rng)
@@ -215,7 +223,11 @@ def parse_args(argv: list[str] | None = None) -> tuple[OrderStageConfig, argpars
     manifest = os.path.join(args.base, MANIFEST)
     if not os.path.isfile(manifest):
         raise SystemExit(f"--base: {manifest} is missing; a shapes base from tools/pretrain_shapes.py has one")
-    exclude = tuple(p for p in load_prompts(args.exclude, key="--exclude") if parse_prompt(p).relation) if args.exclude else ()
+    exclude = ()
+    if args.exclude:
+        prompts = load_prompts(args.exclude, key="--exclude")  # a missing file named as --exclude's
+        check_prompt_file(["shapes"], args.exclude)  # a prompt the world cannot read: named with its file and line
+        exclude = tuple(p for p in prompts if parse_prompt(p).relation)
     cfg = OrderStageConfig(base=args.base, base_manifest_sha256=sha256_file(manifest), exclude=exclude,
                            seed=args.seed, steps=args.steps)
     return cfg, args

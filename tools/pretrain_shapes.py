@@ -114,6 +114,11 @@ class PretrainConfig:
     """Processes that share every transformer batch (--workers): 1 is how the shipped weights were made."""
 
     def __post_init__(self) -> None:
+        # Checked here, before the VAE's minutes: steps=0 divided by zero in the transformer's cosine schedule after
+        # them, and fewer steps trained nothing and saved the untrained weights as a base.
+        for field in ("vae_steps", "vae_batch", "steps", "batch", "pool"):
+            if getattr(self, field) < 1:
+                raise ValueError(f"PretrainConfig: {field}={getattr(self, field)} must be >= 1")
         for field in ("caption_noise", "vae_min_accuracy"):
             if not 0.0 <= getattr(self, field) <= 1.0:
                 raise ValueError(f"PretrainConfig: {field}={getattr(self, field)} must be in [0, 1]")

@@ -63,8 +63,7 @@ def check_shapes_base(path: str) -> None:
     command = rebuild_command(path)
     if not os.path.isfile(manifest):
         raise FileNotFoundError(f"shapes base: {manifest} is missing; rebuild it with `{command}`")
-    with open(manifest) as f:
-        files = json.load(f)["files"]
+    files = _manifest_files(manifest, command)
     for name, digest in sorted(files.items()):
         file = os.path.join(path, name)
         if not os.path.isfile(file):
@@ -72,3 +71,18 @@ def check_shapes_base(path: str) -> None:
         if sha256_file(file) != digest:
             raise ValueError(f"shapes base: {file} is corrupt (its sha256 differs from {MANIFEST}); "
                              f"rebuild it with `{command}`")
+
+
+def _manifest_files(manifest: str, command: str) -> dict[str, str]:
+    """The manifest's {file: sha256}; a manifest that is not one (truncated, a merge conflict, another JSON) is a
+    corrupt base, named with the command that rebuilds it as a corrupt weight file is."""
+    try:
+        with open(manifest, encoding="utf-8") as f:
+            files = json.load(f).get("files")
+    except (ValueError, AttributeError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        files, reason = None, f"{type(e).__name__}: {e}"
+    else:
+        reason = "no non-empty 'files' object of {name: sha256}"
+    if not isinstance(files, dict) or not files or not all(isinstance(d, str) for d in files.values()):
+        raise ValueError(f"shapes base: {manifest} is corrupt ({reason}); rebuild it with `{command}`")
+    return files
