@@ -128,9 +128,13 @@ def latest_checkpoint(root: str) -> str | None:
     return found[-1] if found else None
 
 
-def save_checkpoint(root: str, ckpt: Checkpoint, keep: int) -> str:
+def save_checkpoint(root: str, ckpt: Checkpoint, keep: int, previous_step: int | None = None) -> str:
     """Write `ckpt` as root/step_<step>, atomically and durably; then delete all but the newest `keep`,
-    sparing the newest healthy checkpoint (finite tensors, last step applied) if none of those is. Returns its path."""
+    sparing the newest healthy checkpoint (finite tensors, last step applied) if none of those is. Returns its path.
+
+    `previous_step`: the step of the checkpoint this run saved last or started from (0: from the start). The
+    checkpoints under `root` after it are of a timeline the run left, set aside (`_abandon_others`); None: not known,
+    only those after `ckpt.step` are."""
     os.makedirs(root, exist_ok=True)
     final = step_dir(root, ckpt.step)
     tmp = tempfile.mkdtemp(prefix=f".tmp-{os.path.basename(final)}-", dir=root)
@@ -164,23 +168,30 @@ def save_checkpoint(root: str, ckpt: Checkpoint, keep: int) -> str:
         fsync_dir(root)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    _abandon_newer(root, ckpt.step)
+    _abandon_others(root, ckpt.step, previous_step)
     _rotate(root, keep)
     return final
 
 
-def _abandon_newer(root: str, step: int) -> None:
-    """Set aside the checkpoints of steps after `step` (just saved): a run resumed from an earlier one (past a damaged
-    checkpoint, or an explicit trainer.resume) left that timeline, and rotation by step number would otherwise delete
-    its new saves and a later resume=auto pick the old timeline. Moved into .abandoned-step_*-*, kept for inspection,
-    never resumed nor removed as a leftover."""
+def _abandon_others(root: str, step: int, previous_step: int | None) -> None:
+    """Set aside the checkpoints of steps after `step` (just saved), and those after `previous_step` (the one this run
+    saved last or resumed from) before it: a run resumed from an earlier one (past a damaged checkpoint, or an explicit
+    trainer.resume) left that timeline, and rotation by step number would otherwise delete its new saves and keep the
+    old timeline's (and the checkpoint it resumed from, the last of its own, not), and a later resume=auto pick the old
+    timeline. Moved into .abandoned-step_*-*, kept for inspection, never resumed nor removed as a leftover."""
     found = list_checkpoints(root)  # oldest first
-    newer = found[found.index(step_dir(root, step)) + 1:]
-    for path in newer:
+    since = step if previous_step is None else previous_step
+    others = [path for path in found if _step_of(path) > since and _step_of(path) != step]
+    for path in others:
         aside = _move_aside(path, "abandoned")
         log.warning("set %s aside as %s: this run resumed from an earlier step and saved step %d", path, aside, step)
-    if newer:
+    if others:
         fsync_dir(root)
+
+
+def _step_of(path: str) -> int:
+    """The step of a checkpoint directory listed by list_checkpoints (step_<step>)."""
+    return int(_STEP_DIR.match(os.path.basename(path)).group(1))
 
 
 def sharded_staging_dir(root: str, step: int) -> str:
@@ -445,7 +456,10 @@ def resolve_resume(resume: str, root: str) -> str | None:
                 f"use trainer.resume=auto to continue it, or another trainer.output_dir"
             )
         return None
-    return find_checkpoint(resume)
+    try:
+        return find_checkpoint(resume)
+    except FileNotFoundError as e:  # the path alone did not say which setting named it
+        raise FileNotFoundError(f"trainer.resume: {e}") from None
 
 
 def find_checkpoint(path: str) -> str:

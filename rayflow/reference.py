@@ -77,6 +77,9 @@ class Run:
     """Skipped optimizer steps; stops the run at trainer.max_skipped_steps in a row."""
     step: int = 0
     """Batches trained (= the policy version; algorithm.steps_per_batch optimizer steps each)."""
+    checkpointed_step: int = 0
+    """The step of the checkpoint this run saved last or resumed from (0: none): the checkpoints after it that are not
+    its own are of a timeline it left (save_checkpoint's previous_step)."""
     pending: list[int] = field(default_factory=list)
     """Prompt groups drawn before a checkpoint but not trained on (a distributed run's checkpoint lists them): the
     next batches take them first, as that run would have."""
@@ -155,7 +158,9 @@ def save(run: Run) -> str:
         rng={"driver": get_rng_state()}, data=run.sampler.state_dict(), counters=run.skips.counters(),
         base_model=base_model_record(run.cfg.model),
     )
-    return save_checkpoint(root, ckpt, run.cfg.trainer.keep_checkpoints)
+    path = save_checkpoint(root, ckpt, run.cfg.trainer.keep_checkpoints, previous_step=run.checkpointed_step)
+    run.checkpointed_step = run.step
+    return path
 
 
 def resume(run: Run, path: str) -> None:
@@ -166,7 +171,7 @@ def resume(run: Run, path: str) -> None:
     run.pending = list(ckpt.data.get("pending_groups", []))
     set_rng_state(ckpt.rng["driver"])
     run.skips.load(ckpt.counters)
-    run.step = ckpt.step
+    run.step = run.checkpointed_step = ckpt.step
 
 
 def train(cfg: RayflowConfig, log=print) -> tuple[DiffusionModel, list[StepLog]]:

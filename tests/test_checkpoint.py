@@ -325,3 +325,34 @@ def test_a_run_resumed_from_an_earlier_step_keeps_its_new_saves_and_sets_the_lat
     assert len(aside) == 1 and os.path.isfile(os.path.join(root, aside[0], "ckpt", "meta.json"))
     checkpoint.remove_leftovers(root)  # a later start removes killed saves' leftovers, not the abandoned timeline
     assert os.path.isdir(os.path.join(root, aside[0]))
+
+
+def test_a_run_resumed_from_an_earlier_step_sets_aside_the_left_timelines_steps_before_its_first_save(tmp_path):
+    """Steps 10, 15 and 20 saved; the run resumes step 10 (explicitly, or past damaged 15 and 20) and first saves step
+    20. The old timeline's step 15 stayed among the checkpoints: rotation (keep=2) deleted step 10, the resume point
+    and last checkpoint of the run's own timeline, kept step 15, and with the new step 20 damaged resume=auto continued
+    the abandoned timeline from step 15."""
+    root = str(tmp_path)
+    for step in (10, 15, 20):
+        save_checkpoint(root, fake_checkpoint(step), keep=3)
+    resumed = dataclasses.replace(fake_checkpoint(20), data={"groups_drawn": 99, "seed": 0})  # the new timeline's step 20
+    saved = save_checkpoint(root, resumed, keep=2, previous_step=10)
+    assert [os.path.basename(p) for p in list_checkpoints(root)] == ["step_00000010", "step_00000020"]
+    assert load_checkpoint(saved).data["groups_drawn"] == 99
+    assert len([name for name in os.listdir(root) if name.startswith(".abandoned-step_00000015-")]) == 1
+    os.remove(os.path.join(saved, "rng.safetensors"))  # the new save damaged: resume=auto goes back to its own step 10
+    assert os.path.basename(checkpoint.resolve_resume("auto", root)) == "step_00000010"
+
+
+def test_the_reference_trainer_resumed_from_an_earlier_step_keeps_no_step_of_the_left_timeline(tiny_model_dir, tmp_path):
+    """The run's own bookkeeping of previous_step: steps 1..3 saved, a resume of step 1 with another learning rate that
+    saves only at its end (step 3) sets the old step 2 aside and keeps step 1, its resume point."""
+    run = str(tmp_path / "run")
+    reference.train(small_cfg(GRPO, tiny_model_dir, run, "trainer.total_steps=3", "trainer.save_every=1",
+                              "trainer.keep_checkpoints=3", "trainer.eval_every=0"), log=quiet)
+    root = os.path.join(run, "checkpoints")
+    reference.train(small_cfg(GRPO, tiny_model_dir, run, "trainer.total_steps=3", "trainer.save_every=0",
+                              "trainer.keep_checkpoints=2", "trainer.eval_every=0", "learner.lr=0.05",
+                              f"trainer.resume={checkpoint.step_dir(root, 1)}"), log=quiet)
+    assert [os.path.basename(p) for p in list_checkpoints(root)] == ["step_00000001", "step_00000003"]
+    assert any(name.startswith(".abandoned-step_00000002-") for name in os.listdir(root))

@@ -230,6 +230,39 @@ def test_generate_refuses_a_checkpoint_of_another_model_and_names_bad_input(tiny
         assert message in str(info.value.code) + capsys.readouterr().err, argv
 
 
+def test_generate_reads_a_lora_as_diffusers_loads_it(tiny_model_dir, trained, tmp_path):
+    """generate.py --lora checks a LoRA as the pipeline's load_lora_weights reads it. ComfyUI's layout of the same
+    tensors ("diffusion_model." keys, which QwenImagePipeline converts) was refused as another model's; peft's own
+    (no "transformer." prefix), which diffusers loads into nothing with a warning, passed the check and gave the base
+    model's image."""
+    from safetensors.torch import save_file
+
+    _, ckpt = trained(GRPO)
+    exported = str(tmp_path / "lora")
+    export_main([ckpt, "--out", exported])
+    tensors = load_file(os.path.join(exported, "pytorch_lora_weights.safetensors"))
+    generate_main = load_generate_tool().main
+
+    def latents(lora):
+        pt = tmp_path / "x.pt"
+        generate_main(["--model", tiny_model_dir, "--prompt", PROMPT, "--seed", str(SEED), "--steps", "2", "--height",
+                       str(SIZE), "--width", str(SIZE), "--out", str(tmp_path / "x.png"), "--save-latents", str(pt),
+                       "--lora", lora])
+        return torch.load(pt, weights_only=True)
+
+    # ComfyUI's layout keeps each layer's alpha (16 here, train_briefly's) beside its factors, not in the metadata.
+    alphas = {f"{k.removeprefix('transformer.').split('.lora_A.')[0]}.alpha": torch.tensor(16.0) for k in tensors if ".lora_A." in k}
+    for layout, prefix, extra in (("comfy", "diffusion_model.", alphas), ("peft", "", {})):
+        os.makedirs(tmp_path / layout)
+        save_file({prefix + k.removeprefix("transformer."): v for k, v in {**tensors, **extra}.items()},
+                  str(tmp_path / layout / "pytorch_lora_weights.safetensors"))
+    torch.testing.assert_close(latents(str(tmp_path / "comfy")), latents(exported), rtol=0, atol=1e-5)
+    with pytest.raises(SystemExit) as info:
+        latents(str(tmp_path / "peft"))
+    assert f"of its {len(tensors)} tensors would load into nothing (QwenImagePipeline.load_lora_weights loads keys that " \
+           f"start with one of ['transformer.'])" in str(info.value.code)
+
+
 @pytest.mark.parametrize("family, pipeline_cls, policy, scale, pipe_kwargs", [
     ("sd3", "StableDiffusion3Pipeline", "standard", 4.5, dict(guidance_scale=4.5, negative_prompt="")),
     ("flux", "FluxPipeline", "embedded", 3.5, dict(guidance_scale=3.5)),

@@ -72,8 +72,8 @@ def test_a_refused_resume_of_another_runs_checkpoint_says_to_leave_out_that_resu
 
 def test_a_run_directory_given_as_the_resume_target_is_named_with_its_checkpoints(tiny_model_dir, finished_run, tmp_path):
     """trainer.resume (and export_lora.py) take a checkpoint or a directory of checkpoints; a run's own directory was
-    refused with no word of the checkpoints/ inside it."""
-    with pytest.raises(FileNotFoundError, match=rf"neither a checkpoint directory nor a directory of checkpoints \(a "
+    refused with no word of the checkpoints/ inside it, nor of the key that named it."""
+    with pytest.raises(FileNotFoundError, match=rf"^trainer\.resume: '.*' is neither a checkpoint directory nor a directory of checkpoints \(a "
                                                 rf"run directory: its checkpoints are in '{re.escape(str(finished_run))}/checkpoints'\)"):
         plan_resume(small_cfg(GRPO, tiny_model_dir, tmp_path / "new", "trainer.total_steps=5",
                               f"trainer.resume={finished_run}"))

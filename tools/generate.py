@@ -108,23 +108,33 @@ def diffusers_lora_dir(path: str, adapter: str | None, scratch: str, model: Diff
 
 
 def check_lora_fits(path: str, model: DiffusionModel) -> None:
-    """A diffusers LoRA whose layers the transformer of `model` lacks, or holds at other sizes, is refused naming the
-    first few (it carries no record of its base, as a checkpoint does): peft failed with a traceback of every
-    mismatched tensor, or dropped the missing ones with a warning."""
-    from safetensors import safe_open
-
+    """A diffusers LoRA that would not load into `model` as it is, refused naming the first few of its tensors (it
+    carries no record of its base, as a checkpoint does). Read as the pipeline's load_lora_weights reads it: its
+    lora_state_dict converts other trainers' layouts (ComfyUI's "diffusion_model." keys, kohya's "lora_unet_" ones),
+    which were refused as another model's. Refused: tensors it loads into no component (keys without the
+    "transformer." prefix, as peft's own save_pretrained writes them: diffusers left them out with a warning that
+    calls it safe to ignore, and the base model's image came out), and layers the transformer lacks or holds at other
+    sizes (peft failed with a traceback of every mismatched tensor, or dropped the missing ones with a warning)."""
+    pipeline = type(model.pipe)
+    loadable = getattr(pipeline, "_lora_loadable_modules", ["transformer"])
+    state_dict = pipeline.lora_state_dict(path)
+    unloaded = sorted(key for key in state_dict if key.partition(".")[0] not in loadable)
+    if unloaded:
+        raise SystemExit(f"error: --lora: {path!r}: {len(unloaded)} of its {len(state_dict)} tensors would load into "
+                         f"nothing ({pipeline.__name__}.load_lora_weights loads keys that start with one of "
+                         f"{[f'{name}.' for name in loadable]}), e.g. " + "; ".join(unloaded[:3]))
     modules = dict(model.transformer.named_modules())
     wrong = []
-    with safe_open(os.path.join(path, LORA_WEIGHTS), "pt") as f:
-        for key in f.keys():
-            name, dot, kind = key.removeprefix("transformer.").rpartition(".lora_")
-            if not dot:
-                continue  # not a LoRA factor: left to diffusers
-            module, shape = modules.get(name), tuple(f.get_slice(key).get_shape())
-            if not isinstance(module, torch.nn.Linear):
-                wrong.append(f"{name} (no such linear layer)")
-            elif (kind.startswith("A") and shape[1] != module.in_features) or (kind.startswith("B") and shape[0] != module.out_features):
-                wrong.append(f"{key} {list(shape)} (the layer is {module.in_features} -> {module.out_features})")
+    for key, tensor in state_dict.items():
+        component, _, rest = key.partition(".")
+        name, dot, kind = rest.rpartition(".lora_")
+        if component != "transformer" or not dot:
+            continue  # a text encoder's, or not a LoRA factor: left to diffusers
+        module, shape = modules.get(name), tuple(tensor.shape)
+        if not isinstance(module, torch.nn.Linear):
+            wrong.append(f"{name} (no such linear layer)")
+        elif (kind.startswith("A") and shape[1] != module.in_features) or (kind.startswith("B") and shape[0] != module.out_features):
+            wrong.append(f"{key} {list(shape)} (the layer is {module.in_features} -> {module.out_features})")
     if wrong:
         raise SystemExit(f"error: --lora: {path!r} was trained on another model than --model "
                          f"{type(model.transformer).__name__}: {len(wrong)} of its tensors do not fit, e.g. "

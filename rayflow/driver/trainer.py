@@ -570,8 +570,9 @@ class Trainer:
         ckpt.counters["regenerated_groups"] = self.queue.stats.regenerated  # the run's totals, as logged
         ckpt.counters["dropped_groups"] = self.queue.stats.dropped
         ckpt.counters["replica_restarts"] = self.replica_restarts
-        path = save_checkpoint(checkpoint_root(self.cfg.trainer.run_dir), ckpt, self.cfg.trainer.keep_checkpoints)
-        self.rewind_point = path
+        path = save_checkpoint(checkpoint_root(self.cfg.trainer.run_dir), ckpt, self.cfg.trainer.keep_checkpoints,
+                               previous_step=self.rewind_step)
+        self.rewind_point, self.rewind_step = path, ckpt.step
         log.info("saved %s", path)
 
     def _resume(self) -> None:
@@ -582,12 +583,15 @@ class Trainer:
         else the one it started from), never one the run directory holds from an abandoned timeline (a later step
         that a resume from an earlier checkpoint left behind, set aside only at the first save) or another run."""
         self.first_version = 0
+        self.rewind_step = 0
+        """The step of `rewind_point` (0: the start): a save sets aside the checkpoints after it that are not this
+        run's (save_checkpoint's previous_step)."""
         self.replica_restarts_before = 0
         """Rollout replica restarts of the run before this start (its checkpoint's): rollout/replica_restarts is the
         run's total, as rollout/regenerated and rollout/dropped are."""
         if self.resumed_from is not None:
             self._restore(self.resumed_from)
-            self.first_version = self.version
+            self.first_version = self.rewind_step = self.version
             log.info("resumed from %s at step %d", self.resumed_from, self.version)
 
     def _restore(self, path: str | None, rewind: bool = False) -> None:
