@@ -283,3 +283,48 @@ def test_optimizer_offload_moves_adams_moments_off_the_gpu_and_back_unchanged():
         state = optimizer.state[p]
         assert state["exp_avg"].device.type == "cuda" and state["step"].device.type == "cpu"
         assert all(torch.equal(state[k], v) for k, v in before[id(p)].items())
+
+
+@pytest.mark.parametrize("backend", ["flash", "cudnn"])
+def test_half_only_attention_kernels_have_no_fp32_kernel_on_cuda(tiny_model_dir, backend):
+    """Why check_device refuses model.attention_backend=flash/cudnn with model.dtype=float32 on CUDA (a rollout rank
+    computes in model.dtype, without autocast): SDPA has no such kernel for fp32 there, and runs them in bf16."""
+    from diffusers.models.attention_dispatch import _AttentionBackendRegistry
+
+    from rayflow.models import load_model
+    from rayflow.models.base import PromptEmbeds
+    from rayflow.models.speed import apply_attention_backend
+
+    active = _AttentionBackendRegistry._active_backend
+    try:
+        for dtype in (torch.float32, torch.bfloat16):
+            model = load_model(tiny_model_dir, device=CUDA, dtype=dtype, transformer_only=True)
+            apply_attention_backend(model.transformer, backend)
+            g = torch.Generator().manual_seed(0)
+            x = torch.randn(2, 16, 16, generator=g).to(CUDA)
+            cond = PromptEmbeds(torch.randn(2, 5, 32, generator=g).to(CUDA, dtype), None)  # no mask: flash takes none
+            with torch.no_grad():
+                if dtype == torch.float32:
+                    with pytest.raises(RuntimeError, match="No available kernel"):
+                        model.predict_velocity(x, torch.tensor(500.0), cond, 64, 64)
+                else:
+                    assert torch.isfinite(model.predict_velocity(x, torch.tensor(500.0), cond, 64, 64)).all()
+    finally:
+        _AttentionBackendRegistry.set_active_backend(active)
+
+
+def test_weight_sync_source_hands_the_current_version_over_on_the_cpu():
+    """WeightSync.attach takes the source's current version through the driver, which may have no GPU: tensors cross
+    Ray on their device (rayflow.distributed.tensor_pickle), so CUDA ones failed there, or landed on its first GPU."""
+    from rayflow.sync.buckets import to_wire
+    from rayflow.sync.source import SyncSpec, WeightSource
+
+    adapter = {"transformer_blocks.0.attn.to_q.lora_A.weight": torch.randn(4, 8)}
+    source = WeightSource(SyncSpec(), CUDA)
+    try:
+        source.push(to_wire(1, adapter))
+        version, tensors = source.current()
+    finally:
+        source.close()
+    assert version == 1 and {t.device.type for t in tensors.values()} == {"cpu"}
+    assert all(torch.equal(tensors[k], adapter[k]) for k in adapter)

@@ -310,3 +310,19 @@ def test_a_request_whose_trajectories_are_lost_is_handed_back_spending_no_retry(
     scored = [trajectory(i) for i in range(2)]  # the pool serves on
     pool.submit(scored)
     assert collect_all(pool) == scored and all(t.reward is not None for t in scored)
+
+
+@ray.remote(num_cpus=0, num_gpus=0, max_calls=1)  # max_calls: the worker exits after it, its torch patched
+def _clip_device_where_torch_sees_the_nodes_gpus(device: str | None) -> str:
+    """A CLIP-family reward's device in a Ray worker without GPUs, on a GPU node: there Ray (2.60) leaves
+    CUDA_VISIBLE_DEVICES alone, so torch sees every GPU of the node (a rollout rank's, a learner's)."""
+    torch.cuda.is_available = lambda: True
+    from rayflow.rewards.clip import _device
+
+    return str(_device(device))
+
+
+def test_a_reward_worker_without_a_gpu_does_not_take_another_roles_gpu(ray_session):
+    """reward.gpus_per_worker=0 (the default): CLIP loaded onto the node's cuda:0, which Ray gave another actor."""
+    assert ray.get(_clip_device_where_torch_sees_the_nodes_gpus.remote(None)) == "cpu"
+    assert ray.get(_clip_device_where_torch_sees_the_nodes_gpus.remote("cuda")) == "cuda"  # kwargs.device, as asked

@@ -7,7 +7,7 @@ from rayflow.config import load_config
 from rayflow.errors import ConfigError
 from rayflow.models import load_model
 from rayflow.models.base import PromptEmbeds
-from rayflow.models.speed import apply_attention_backend, compile_blocks
+from rayflow.models.speed import apply_attention_backend, apply_speed_options, compile_blocks
 from rayflow.planning.device_check import DeviceFacts, check_device, device_facts
 from rayflow.sync.receiver import load_weights
 
@@ -41,6 +41,24 @@ def test_attention_backends_agree_on_cpu(tiny_model_dir, restore_attention_backe
         _velocity(model)  # no memory-efficient kernel on CPU: why check_device refuses it before start
 
 
+def test_flash_is_refused_for_qwen_image_whose_prompts_are_masked(tiny_model_dir, restore_attention_backend):
+    """Qwen-Image masks the padding of prompts of different token counts in one forward (a learner micro-batch of
+    several prompts): the flash kernel takes no mask, so the learner's first train step failed (rollouts of one prompt
+    ran). Refused at the config load, and where a rank applies the option (model.path only on the workers)."""
+    model = load_model(tiny_model_dir)
+    apply_attention_backend(model.transformer, "flash")
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 16, 16, generator=g)
+    cond = PromptEmbeds.pad([torch.randn(5, 32, generator=g), torch.randn(3, 32, generator=g)])
+    with pytest.raises(ValueError, match="attn_mask"), torch.no_grad():
+        model.predict_velocity(x, torch.tensor(500.0), cond, 64, 64)
+    with pytest.raises(ConfigError, match=r"^model.attention_backend: got 'flash'; allowed: 'auto', 'efficient'"):
+        load_config(None, ["model.attention_backend=flash"])
+    with pytest.raises(ConfigError, match=r"^model.attention_backend: got 'flash'"):
+        apply_speed_options(model, "flash", compile=False)
+    load_config(None, ["model.tiny_arch=sd3", "model.attention_backend=flash"])  # SD3, FLUX.1: fixed length, no mask
+
+
 def test_compile_is_regional_and_keeps_parameter_names(tiny_model_dir):
     model = load_model(tiny_model_dir)
     names = [n for n, _ in model.transformer.named_parameters()]
@@ -52,6 +70,7 @@ def test_compile_is_regional_and_keeps_parameter_names(tiny_model_dir):
 
 CPU = DeviceFacts("cpu", "cpu", 0, bf16=True, compiler=True)
 OLD_GPU = DeviceFacts("cuda", "Tesla V100-SXM2-32GB", 32 * 2**30, bf16=False, compiler=True)
+H100 = DeviceFacts("cuda", "H100", 80 * 2**30, bf16=True, compiler=True)
 
 
 @pytest.mark.parametrize("overrides, facts, key", [
@@ -60,16 +79,32 @@ OLD_GPU = DeviceFacts("cuda", "Tesla V100-SXM2-32GB", 32 * 2**30, bf16=False, co
     (["model.compile=true"], DeviceFacts("cpu", "cpu", 0, bf16=True, compiler=False), "model.compile"),
     (["model.compile=true"], DeviceFacts("cuda", "H100", 80 * 2**30, bf16=True, compiler=False), "model.compile"),
     (["model.attention_backend=efficient"], CPU, "model.attention_backend"),
+    # CUDA's flash and cuDNN kernels take float16 and bfloat16 only, on compute capability 8.0+; rollout ranks compute
+    # in model.dtype (no autocast), so their first request failed in SDPA with "No available kernel".
+    (["model.attention_backend=cudnn"], H100, "model.attention_backend"),
+    (["model.tiny_arch=sd3", "model.attention_backend=flash"], H100, "model.attention_backend"),
+    (["model.attention_backend=cudnn"], OLD_GPU, "model.attention_backend"),
 ])
 def test_device_check_names_the_key(overrides, facts, key):
     with pytest.raises(ConfigError, match=f"^{key}: got"):
         check_device(load_config(None, overrides), facts)
 
 
+@pytest.mark.parametrize("overrides", [["model.dtype=bfloat16"], ["model.dtype=float16", "learner.mixed_precision=autocast"]])
+def test_a_gpu_without_bf16_is_pointed_at_float32(overrides):
+    """float16 trains only under learner.mixed_precision=autocast, which is bf16 too: the advice 'use float16' led from
+    one refusal to the next on such a GPU."""
+    with pytest.raises(ConfigError, match=r"allowed: (float32|'none' with model.dtype=float32): Tesla V100") as refused:
+        check_device(load_config(None, overrides), OLD_GPU)
+    assert "use float16" not in str(refused.value)
+
+
 def test_device_check_passes_what_the_device_runs():
-    check_device(load_config(None, ["model.dtype=bfloat16", "model.compile=true", "model.attention_backend=flash"]), CPU)
-    check_device(load_config(None, ["model.attention_backend=cudnn"]),
-                 DeviceFacts("cuda", "H100", 80 * 2**30, bf16=True, compiler=True))
+    check_device(load_config(None, ["model.tiny_arch=sd3", "model.dtype=bfloat16", "model.compile=true",
+                                    "model.attention_backend=flash"]), CPU)
+    check_device(load_config(None, ["model.tiny_arch=sd3", "model.attention_backend=flash"]), CPU)  # fp32 on CPU
+    check_device(load_config(None, ["model.dtype=bfloat16", "model.attention_backend=cudnn"]), H100)
+    check_device(load_config(None, ["model.tiny_arch=sd3", "model.dtype=bfloat16", "model.attention_backend=flash"]), H100)
     facts = device_facts()
     assert facts.device == ("cuda" if torch.cuda.is_available() else "cpu")
 

@@ -60,7 +60,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the phases to run (default: all); the rollout ratios need pipeline and replica or rank")
     parser.add_argument("--overrides", nargs="+", default=[], metavar="KEY=VALUE",
                         help="dotlist overrides of rayflow's run config in the rank, replica, learner and log-prob phases "
-                             "(the pipeline phase is diffusers' own), e.g. model.compile=true model.attention_backend=flash")
+                             "(the pipeline phase is diffusers' own), e.g. model.compile=true model.attention_backend=cudnn")
 
 
 def _config(args, path: str, guidance: float, batch: int):

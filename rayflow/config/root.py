@@ -177,6 +177,7 @@ class RayflowConfig:
             value = getattr(self.sampling, key)
             _need(value % multiple == 0, f"sampling.{key}", value, f"a positive multiple of {multiple} (VAE scale x patch size of {pipeline})")
         model_class(pipeline).check_cfg_policy(self.cfg.policy)
+        model_class(pipeline).check_attention_backend(self.model.attention_backend)
 
     def _validate_algorithm(self) -> None:
         s = self.sampling

@@ -25,6 +25,15 @@ def cluster_has_gpus() -> bool:
     return ray.cluster_resources().get("GPU", 0) > 0
 
 
+def gpus_withheld() -> bool:
+    """Whether this process is a Ray worker that Ray gave no GPU. Ray (2.60; ray-project/ray#54868) leaves
+    CUDA_VISIBLE_DEVICES as it is for such a worker, so torch sees every GPU of its node there: its cuda:0 is the GPU of
+    another actor (a rollout rank's, a learner's). Asks Ray only, so no CUDA call is made (nor a later fork spoiled)."""
+    if not ray.is_initialized():
+        return False
+    return ray.get_runtime_context().worker.mode == ray.WORKER_MODE and not ray.get_gpu_ids()
+
+
 def resolve_gpus(gpus_per_rank: float | None) -> float:
     """A config's gpus_per_rank, with null meaning 1 when the cluster has GPUs and 0 otherwise."""
     if gpus_per_rank is not None:

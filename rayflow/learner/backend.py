@@ -58,7 +58,7 @@ class LearnerBackend:
         if fp32_masters and not full:
             adapters_to_fp32(transformer)
         master_dtype = torch.float32 if fp32_masters and full else None
-        apply_speed_options(transformer, spec.model.attention_backend, spec.model.compile)
+        apply_speed_options(self.model, spec.model.attention_backend, spec.model.compile)
         if learner.sharded:
             apply_fsdp(transformer, mesh, mixed_precision_policy(learner.mixed_precision), learner.reshard_after_forward,
                        master_dtype)

@@ -109,6 +109,10 @@ class DiffusionModel(ABC):
     """Default LoRA targets: the attention projections of every transformer block."""
     default_cfg_policy: ClassVar[str]
     """The CFG policy (cfg/policy.py) that reproduces the family's own pipeline."""
+    masks_prompts: ClassVar[bool] = False
+    """Whether the transformer's attention takes a mask over prompt tokens: it gets one wherever prompts of different
+    token counts share a forward (a learner micro-batch of several prompts, rollout.batch_branches). SD3 and FLUX.1 pad
+    every prompt to a fixed length and take none."""
 
     transformer: nn.Module
     device: torch.device
@@ -121,6 +125,16 @@ class DiffusionModel(ABC):
         if policy == "embedded" and cls.default_cfg_policy != "embedded":
             raise ConfigError(key, policy, f"a policy other than 'embedded' for {cls.pipeline_class} (its transformer "
                                            f"has no guidance input; 'embedded' is FLUX.1-dev's)")
+
+    @classmethod
+    def check_attention_backend(cls, backend: str, key: str = "model.attention_backend") -> None:
+        """Refuse (ConfigError naming `key`) 'flash' for a family whose prompts are masked: torch's flash kernel takes
+        no mask (diffusers raises at the first masked forward, the learner's first train step of prompts of different
+        token counts), on CPU and CUDA alike."""
+        if backend == "flash" and cls.masks_prompts:
+            raise ConfigError(key, backend, f"'auto', 'efficient', 'cudnn' or 'math' for {cls.pipeline_class}: its attention "
+                                            f"masks the padding of prompts of different token counts in one forward (a "
+                                            f"learner micro-batch), and the flash kernel takes no mask")
 
     @classmethod
     def check_shift(cls, shift: float | None, key: str = "sampling.shift") -> None:

@@ -31,6 +31,7 @@ class QwenImageModel(DiffusionModel):
     pipeline_class = "QwenImagePipeline"
     default_cfg_policy = "true_cfg"
     lora_target_modules = JOINT_ATTENTION_TARGETS
+    masks_prompts = True
 
     @classmethod
     def load(cls, path: str, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,

@@ -7,7 +7,12 @@ shards the model (torchtitan's order: checkpointing, compile, shard).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from torch import nn
+
+if TYPE_CHECKING:
+    from rayflow.models.base import DiffusionModel
 
 ATTENTION_BACKENDS = {
     "auto": None,
@@ -18,6 +23,10 @@ ATTENTION_BACKENDS = {
 }
 """model.attention_backend -> diffusers' attention dispatcher backend (torch SDPA with one kernel forced)."""
 CUDA_ONLY_BACKENDS = ("efficient", "cudnn")
+HALF_ONLY_BACKENDS = ("flash", "cudnn")
+"""Kernels that on CUDA take only float16 and bfloat16 on compute capability 8.0 or newer (torch's
+aten/src/ATen/native/transformers/cuda/sdp_utils.cpp: check_dtypes_flash_attention, check_dtypes_low_precision): forced
+over float32 activations (a rollout rank computes in model.dtype, without autocast) SDPA has no kernel to run."""
 
 
 def apply_attention_backend(transformer: nn.Module, name: str) -> None:
@@ -39,8 +48,10 @@ def compile_blocks(transformer: nn.Module) -> None:
     transformer.compile_repeated_blocks(dynamic=None)
 
 
-def apply_speed_options(transformer: nn.Module, attention_backend: str, compile: bool) -> None:
-    """model.attention_backend and model.compile on a loaded transformer."""
-    apply_attention_backend(transformer, attention_backend)
+def apply_speed_options(model: DiffusionModel, attention_backend: str, compile: bool) -> None:
+    """model.attention_backend and model.compile on a loaded model's transformer. The backend is checked against the
+    family here too: with model.path only on the workers, the config load could not (RayflowConfig._validate_size)."""
+    type(model).check_attention_backend(attention_backend)
+    apply_attention_backend(model.transformer, attention_backend)
     if compile:
-        compile_blocks(transformer)
+        compile_blocks(model.transformer)

@@ -58,13 +58,30 @@ def check_device(cfg: RayflowConfig, facts: DeviceFacts) -> None:
     kernel without CUDA, compile without a compiler."""
     for key, value in uses_bf16(cfg):
         if not facts.bf16:
-            raise ConfigError(key, value, f"a setting without bfloat16: {facts.name} has no native bf16 "
-                                          f"(CUDA compute capability 8.0 or newer); use float16 or float32")
-    from rayflow.models.speed import CUDA_ONLY_BACKENDS
+            # Not float16: it trains only under learner.mixed_precision=autocast (LearnerConfig's check), which computes
+            # in bf16 too, so the advice to use it went round in a circle.
+            allowed = "float32" if key == "model.dtype" else "'none' with model.dtype=float32"
+            raise ConfigError(key, value, f"{allowed}: {facts.name} has no native bf16 (CUDA compute capability 8.0 or "
+                                          f"newer), and model.dtype=float16 trains only with "
+                                          f"learner.mixed_precision=autocast, which computes in bf16")
+    from rayflow.models.speed import CUDA_ONLY_BACKENDS, HALF_ONLY_BACKENDS
 
-    if cfg.model.attention_backend in CUDA_ONLY_BACKENDS and facts.device != "cuda":
-        raise ConfigError("model.attention_backend", cfg.model.attention_backend,
+    backend = cfg.model.attention_backend
+    if backend in CUDA_ONLY_BACKENDS and facts.device != "cuda":
+        raise ConfigError("model.attention_backend", backend,
                           f"one of 'auto', 'flash', 'math' on {facts.device} ({list(CUDA_ONLY_BACKENDS)} are CUDA kernels)")
+    if backend in HALF_ONLY_BACKENDS and facts.device == "cuda":
+        # Else the first rollout request fails in SDPA ("No available kernel"): the learner's autocast or bf16 policy
+        # would run it in bf16, but a rollout rank computes in model.dtype.
+        if not facts.bf16:
+            raise ConfigError("model.attention_backend", backend,
+                              f"'auto', 'efficient' or 'math' on {facts.name}: CUDA's {backend} kernel needs compute "
+                              f"capability 8.0 or newer")
+        if cfg.model.dtype == "float32":
+            raise ConfigError("model.attention_backend", backend,
+                              f"'auto', 'efficient' or 'math' with model.dtype=float32 (CUDA's {backend} kernel takes "
+                              f"float16 and bfloat16 only, and rollout ranks compute in model.dtype), or "
+                              f"model.dtype=bfloat16")
     if cfg.model.compile and not facts.compiler:
         needed = "Triton (pip install triton)" if facts.device == "cuda" else "a C++ compiler (g++ or clang++)"
         raise ConfigError("model.compile", True, f"false on this {facts.device}: torch.compile needs {needed}")

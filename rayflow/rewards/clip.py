@@ -15,6 +15,7 @@ import os
 
 import torch
 
+from rayflow.distributed.placement import gpus_withheld
 from rayflow.errors import ConfigError
 from rayflow.rewards.registry import register_reward
 
@@ -58,8 +59,11 @@ def check_clip_dir(reward: str, path, key: str) -> None:
 
 
 def _device(device: str | None) -> torch.device:
-    """The worker's GPU when Ray gave it one (CUDA_VISIBLE_DEVICES is set per actor), else the CPU."""
-    return torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    """`device`, or the worker's GPU when Ray gave it one (reward.gpus_per_worker > 0: CUDA_VISIBLE_DEVICES names it),
+    else the CPU. A worker without a GPU sees every GPU of its node (gpus_withheld), whose cuda:0 is another role's."""
+    if device:
+        return torch.device(device)
+    return torch.device("cuda" if not gpus_withheld() and torch.cuda.is_available() else "cpu")
 
 
 class _ClipModel:

@@ -17,6 +17,7 @@ import re
 import numpy as np
 import torch
 
+from rayflow.distributed.placement import gpus_withheld
 from rayflow.errors import ConfigError
 from rayflow.rewards.registry import register_reward
 from rayflow.rewards.validation import check_number
@@ -69,7 +70,8 @@ class OcrReward:
             from rapidocr_onnxruntime import RapidOCR
         except ImportError:
             raise ImportError('ocr reward needs rapidocr-onnxruntime 1.4.x: pip install "rapidocr-onnxruntime>=1.4,<1.5"') from None
-        cuda = _cuda_provider_present() if use_cuda is None else use_cuda
+        # A worker without a GPU of its own sees every GPU of its node: onnxruntime's device 0 is another role's.
+        cuda = (not gpus_withheld() and _cuda_provider_present()) if use_cuda is None else use_cuda
         # No angle classifier, as flow_grpo reads (PaddleOCR with use_angle_cls=False, ocr(..., cls=False)); onnxruntime
         # on torch's thread count, which RewardWorker sets from reward.cpus_per_worker (its default, -1, took every core).
         self.engine = RapidOCR(text_score=min_confidence, use_cls=False, det_use_cuda=cuda, rec_use_cuda=cuda,

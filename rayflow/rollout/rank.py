@@ -109,7 +109,7 @@ class RolloutRank:
         else:
             # A LoRA starts as the identity (B = 0), so the base weights are version 0's merged weights.
             self._synced = {name: params[name] for name in target_weight_names(self.model.transformer, targets)}
-        apply_speed_options(self.model.transformer, m.attention_backend, m.compile)
+        apply_speed_options(self.model, m.attention_backend, m.compile)
 
     def join(self, group: Group) -> None:
         if group.size != self.world_size or group.rank != self.rank:

@@ -182,11 +182,13 @@ class WeightSource:
             self._held = True
 
     def current(self) -> tuple[int, dict[str, torch.Tensor]] | None:
-        """The newest (version, tensors) pushed, as broadcast (merged in merged mode): for late joiners."""
+        """The newest (version, tensors) pushed, as broadcast (merged in merged mode), on the CPU: for late joiners,
+        through the driver (WeightSync.attach). A tensor crosses Ray on its device (rayflow.distributed.tensor_pickle):
+        the buckets' CUDA views failed in a driver without CUDA, and a driver on a GPU node put them on its first GPU."""
         if self.latest is None:
             return None
         version, packed = self.latest
-        return version, packed.tensors()
+        return version, {name: t.cpu() for name, t in packed.tensors().items()}
 
     # -- pushes --------------------------------------------------------------------------------
     def push(self, wire: WirePush) -> int:
