@@ -313,16 +313,19 @@ def test_a_request_whose_trajectories_are_lost_is_handed_back_spending_no_retry(
 
 
 @ray.remote(num_cpus=0, num_gpus=0, max_calls=1)  # max_calls: the worker exits after it, its torch patched
-def _clip_device_where_torch_sees_the_nodes_gpus(device: str | None) -> str:
-    """A CLIP-family reward's device in a Ray worker without GPUs, on a GPU node: there Ray (2.60) leaves
+def _devices_where_torch_sees_the_nodes_gpus(device: str | None) -> tuple[str, bool]:
+    """A CLIP-family reward's device, and whether a role computes on CUDA (placement.uses_cuda: rollout ranks, learner
+    ranks, the weight-sync actor), in a Ray worker without GPUs on a GPU node: there Ray (2.60) leaves
     CUDA_VISIBLE_DEVICES alone, so torch sees every GPU of the node (a rollout rank's, a learner's)."""
     torch.cuda.is_available = lambda: True
+    from rayflow.distributed.placement import uses_cuda
     from rayflow.rewards.clip import _device
 
-    return str(_device(device))
+    return str(_device(device)), uses_cuda()
 
 
-def test_a_reward_worker_without_a_gpu_does_not_take_another_roles_gpu(ray_session):
-    """reward.gpus_per_worker=0 (the default): CLIP loaded onto the node's cuda:0, which Ray gave another actor."""
-    assert ray.get(_clip_device_where_torch_sees_the_nodes_gpus.remote(None)) == "cpu"
-    assert ray.get(_clip_device_where_torch_sees_the_nodes_gpus.remote("cuda")) == "cuda"  # kwargs.device, as asked
+def test_a_worker_without_a_gpu_does_not_take_another_roles_gpu(ray_session):
+    """reward.gpus_per_worker=0 (the default): CLIP loaded onto the node's cuda:0, which Ray gave another actor; so did
+    a rank or weight-sync actor given 0 GPUs."""
+    assert ray.get(_devices_where_torch_sees_the_nodes_gpus.remote(None)) == ("cpu", False)
+    assert ray.get(_devices_where_torch_sees_the_nodes_gpus.remote("cuda"))[0] == "cuda"  # kwargs.device, as asked

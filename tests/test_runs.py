@@ -452,6 +452,27 @@ def test_null_gpu_counts_are_pinned_once_to_what_the_cluster_can_give(monkeypatc
                                                            "learner.gpus_per_rank=0", "sync.gpus=0"]))
 
 
+def test_a_weight_sync_actor_without_a_gpu_is_refused_when_the_rollout_ranks_have_one():
+    """The broadcast group's backend follows each member's device: a CPU source (gloo) and GPU ranks (NCCL) never form
+    one group. Such a source used to take its node's cuda:0, another role's GPU."""
+    from rayflow.config import load_config
+    from rayflow.distributed.resources import check_sync_source_device, pin_null_gpus
+    from rayflow.errors import ConfigError
+
+    def checked(*overrides, gpus_now=True):
+        cfg = load_config(GRPO, list(overrides))
+        pin_null_gpus(cfg, gpus_now, {})
+        check_sync_source_device(cfg)
+
+    with pytest.raises(ConfigError, match=r"^sync\.gpus: got 0\.0; allowed: a float > 0 .* rollout\.gpus_per_rank=0\.5"):
+        checked("rollout.gpus_per_rank=0.5", "sync.gpus=0")
+    with pytest.raises(ConfigError, match=r"^sync\.gpus"):
+        checked("sync.gpus=0")  # null rollout GPUs pinned to 1 on a GPU cluster
+    checked()  # null: 1 each
+    checked("sync.gpus=0", gpus_now=False)  # a CPU cluster: gloo throughout
+    checked("sync.gpus=0", "placement.mode=colocated")  # no weight-sync actor
+
+
 def test_a_run_that_joins_a_cluster_waits_for_the_autoscalers_first_report(monkeypatch):
     """The head's monitor reports a few seconds after it starts: a RayJob submitted at once was refused as if no
     autoscaler could add a node (and would have pinned null GPU counts to 0). A run that joined waits for the report."""

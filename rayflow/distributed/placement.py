@@ -34,6 +34,15 @@ def gpus_withheld() -> bool:
     return ray.get_runtime_context().worker.mode == ray.WORKER_MODE and not ray.get_gpu_ids()
 
 
+def uses_cuda() -> bool:
+    """Whether this process computes on CUDA: a GPU is visible, and in a Ray worker Ray gave it one (every role asks
+    this: a rank, reward worker or weight-sync actor given 0 GPUs on a GPU node took the node's cuda:0, another
+    role's, instead of the CPU)."""
+    import torch
+
+    return not gpus_withheld() and torch.cuda.is_available()
+
+
 def resolve_gpus(gpus_per_rank: float | None) -> float:
     """A config's gpus_per_rank, with null meaning 1 when the cluster has GPUs and 0 otherwise."""
     if gpus_per_rank is not None:

@@ -153,9 +153,21 @@ def check_cluster_fits(cfg: RayflowConfig, joined: bool = False) -> None:
         autoscaler_max = None if runs else {}
     available = ray.cluster_resources()
     pin_null_gpus(cfg, available.get("GPU", 0) > 0, autoscaler_max)
+    check_sync_source_device(cfg)
     check_fits(cfg, available, autoscaler_max)
     if autoscaler_max == {}:  # the nodes there are now are all there will be
         check_placeable(cfg, [node["Resources"] for node in ray.nodes() if node["Alive"]])
+
+
+def check_sync_source_device(cfg: RayflowConfig) -> None:
+    """ConfigError naming sync.gpus when the weight-sync actor would have no GPU while the rollout ranks it broadcasts
+    to have one (disaggregated placement, GPU counts pinned): the group's backend follows each member's device, so a
+    CPU source (gloo) never meets the ranks' NCCL. Before each role asked Ray whether it had a GPU
+    (placement.uses_cuda), such a source took its node's cuda:0, another role's GPU."""
+    if not cfg.placement.colocated and (cfg.rollout.gpus_per_rank or 0) > 0 and cfg.sync.gpus == 0:
+        raise ConfigError("sync.gpus", cfg.sync.gpus, f"a float > 0 (null: 1 on a GPU cluster) with "
+                                                      f"rollout.gpus_per_rank={cfg.rollout.gpus_per_rank:g}: the "
+                                                      f"broadcast to GPU rollout ranks is NCCL, whose source needs a GPU")
 
 
 def check_placeable(cfg: RayflowConfig, nodes: list[dict[str, float]]) -> None:

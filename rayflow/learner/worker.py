@@ -26,7 +26,7 @@ import ray
 import torch
 
 from rayflow.checkpoint import Checkpoint, CheckpointWriteError, check_identity, sharded_staging_dir
-from rayflow.distributed.placement import PlacedGroup, Reservation, resolve_gpus
+from rayflow.distributed.placement import PlacedGroup, Reservation, resolve_gpus, uses_cuda
 from rayflow.distributed.placement import reserve as reserve_placement
 from rayflow.distributed.restart_budget import RestartBudget
 from rayflow.distributed.process_group import GroupHost, Rendezvous, init_default_group
@@ -84,7 +84,7 @@ class LearnerWorker(GroupHost):
         phase = Phases(self.setup_s)
         with phase("device"):
             # Ray exposes the bundle's GPU as the only visible one.
-            device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+            device = torch.device("cuda", 0) if uses_cuda() else torch.device("cpu")
             if device.type == "cuda":
                 torch.cuda.set_device(device)
         world_size = self.spec.learner.world_size

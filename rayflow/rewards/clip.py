@@ -15,7 +15,7 @@ import os
 
 import torch
 
-from rayflow.distributed.placement import gpus_withheld
+from rayflow.distributed.placement import uses_cuda
 from rayflow.errors import ConfigError
 from rayflow.rewards.registry import register_reward
 
@@ -63,7 +63,7 @@ def _device(device: str | None) -> torch.device:
     else the CPU. A worker without a GPU sees every GPU of its node (gpus_withheld), whose cuda:0 is another role's."""
     if device:
         return torch.device(device)
-    return torch.device("cuda" if not gpus_withheld() and torch.cuda.is_available() else "cpu")
+    return torch.device("cuda" if uses_cuda() else "cpu")
 
 
 class _ClipModel:

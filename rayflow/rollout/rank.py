@@ -31,6 +31,7 @@ from rayflow.models.lora import TRAINED_ADAPTER, adapter_parameters, target_weig
 from rayflow.models.weight_sets import named_weights
 from rayflow.models import DiffusionModel, load_configured
 from rayflow.models.speed import apply_speed_options
+from rayflow.distributed.placement import uses_cuda
 from rayflow.distributed.process_group import CollectiveError, LeftGroup
 from rayflow.rollout.spec import RolloutRankSpec
 from rayflow.sync.receiver import VersionAbandoned, WeightReceiver
@@ -79,7 +80,7 @@ class RolloutRank:
         # Loading bars of every rank would be forwarded to the driver's console.
         diffusers_logging.disable_progress_bar()
         transformers_logging.disable_progress_bar()
-        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self.device = torch.device("cuda" if uses_cuda() else "cpu")
         self.shared = shared
         if shared is not None:
             self.model = shared.model

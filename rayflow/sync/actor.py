@@ -11,6 +11,7 @@ from __future__ import annotations
 import ray
 import torch
 
+from rayflow.distributed.placement import uses_cuda
 from rayflow.distributed.process_group import CollectiveGroup, GroupHost, Rendezvous
 from rayflow.distributed.tensor_pickle import install as install_tensor_pickling
 from rayflow.models.synced import SyncedModelSpec
@@ -72,7 +73,7 @@ class WeightSyncActor(GroupHost):
         self.spec = spec
         # Full fine-tuning pushes the plain weights themselves: nothing to fold.
         fold = AdapterFolder(synced) if spec.mode == "merged" and synced.train_mode == "lora" else None
-        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        device = torch.device("cuda" if uses_cuda() else "cpu")
         self.source = WeightSource(spec, device, fold)
 
     def join(self, rendezvous: Rendezvous, name: str, receivers: list[ray.actor.ActorHandle]) -> None:

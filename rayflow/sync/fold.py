@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from rayflow.distributed.placement import uses_cuda
 from rayflow.models import load_configured
 from rayflow.models.lora import TRAINED_ADAPTER, adapter_parameters, merged_weights
 from rayflow.models.synced import SyncedModelSpec
@@ -16,7 +17,7 @@ class AdapterFolder:
     in the plain transformer."""
 
     def __init__(self, spec: SyncedModelSpec):
-        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        device = torch.device("cuda" if uses_cuda() else "cpu")
         self.model = load_configured(spec.model, device, transformer_only=True)
         spec.add_lora_slot(self.model)
 
