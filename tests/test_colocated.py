@@ -4,6 +4,8 @@ Synchronous runs equal the single-process reference trainer: bit for bit on one 
 to rounding on two FSDP2-sharded devices (their gradient all-reduce sums in another order, as the disaggregated
 world-size-2 learners do), with no weight broadcast."""
 
+import math
+
 import pytest
 import torch
 
@@ -93,6 +95,24 @@ def test_two_sharded_devices_serve_uneven_requests_end_where_the_reference_does_
         torch.testing.assert_close(adapters["default"][key], value, rtol=0, atol=1e-5)
     trained = max(float(v.abs().max()) for k, v in expected["default"].items() if ".lora_B." in k)
     assert trained > 1e-4  # B starts at 0: the adapter moved, far beyond the tolerance
+
+
+def test_full_fine_tuning_under_autocast_samples_its_fp32_masters_over_a_bf16_pipeline(ray_session, tiny_model_dir, tmp_path):
+    """learner.mixed_precision=autocast keeps fp32 master weights over a model.dtype=bfloat16 pipeline: the device
+    samples with them under the learner's autocast (its bf16 latents met fp32 weights: "mat1 and mat2 must have the
+    same dtype" at the first rollout), and its rewards follow the disaggregated run's, whose rollout ranks sample a
+    bf16 copy of the same weights, to bf16's rounding."""
+    full = ("learner.train_mode=full", "learner.lr=0.0001", "model.dtype=bfloat16", "learner.mixed_precision=autocast")
+    histories = []
+    for placement in (SYNCHRONOUS, [s for s in SYNCHRONOUS if s != "placement.mode=colocated"] + ["sync.mode=merged"]):
+        trainer = Trainer(small_cfg(GRPO, tiny_model_dir, tmp_path / str(len(histories)), *placement, *full))
+        try:
+            histories.append(trainer.run())
+        finally:
+            trainer.shutdown()
+    colocated, disaggregated = histories
+    assert [h["reward/mean"] for h in colocated] == pytest.approx([h["reward/mean"] for h in disaggregated], rel=1e-2)
+    assert all(math.isfinite(h["train/grad_norm"]) and h["train/grad_norm"] > 0 for h in colocated)
 
 
 def test_cfg_parallel_ranks_of_a_replica_share_a_node():

@@ -160,6 +160,9 @@ def test_user_interpolation_resolves(tmp_path):
          "rollout.num_replicas x rollout.cfg_parallel_size = 2 in placement.mode=colocated"),
         (["placement.mode=colocated", "async.max_staleness=1"], "async.max_staleness", 1, "0 in placement.mode=colocated"),
         (["placement.mode=colocated", "sync.mode=merged"], "sync.mode", "merged", "'lora' in placement.mode=colocated"),
+        # Full fine-tuning's disaggregated sync.mode=merged is unread when colocated: the message says so, not "adapter".
+        (["learner.train_mode=full", "sync.mode=merged", "placement.mode=colocated"], "sync.mode", "merged",
+         "its default, unread there: rollouts sample the learner's own weights, its adapter or, with learner.train_mode=full, its parameters"),
         (["learner.offload_optimizer_during_rollout=true"], "learner.offload_optimizer_during_rollout", True,
          "false unless placement.mode=colocated"),
         (["learner.train_mode=half"], "learner.train_mode", "half", "['lora', 'full']"),

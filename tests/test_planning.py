@@ -232,6 +232,16 @@ def test_full_fine_tuning_plan_counts_whole_weight_copies_gradients_and_moments_
         check_fits(cfg, plan, int(79.6 * GiB))
 
 
+def test_full_fine_tuning_under_autocast_plans_its_gathered_blocks_in_fp32(recipe_sizes):
+    """learner.mixed_precision=autocast with train_mode=full shards fp32 master weights and no FSDP2 policy casts them:
+    a block is gathered in fp32 (measured on the tiny model: 2,375,168 bytes for block 0 against bf16's 1,187,584), twice
+    what a bf16 model's blocks take under learner.mixed_precision=bf16."""
+    full = ["learner.train_mode=full", "sync.mode=merged", "learner.lora_rank=8", "learner.lora_alpha=8"]
+    gathered = {mp: roles(load_config(RECIPE_8GPU, [*full, f"learner.mixed_precision={mp}"]), recipe_sizes[0])[1]
+                .resident["FSDP2 gathered blocks (2)"] for mp in ("bf16", "autocast")}
+    assert gathered["autocast"] == 2 * recipe_sizes[0].block_parameters * 4 == 2 * gathered["bf16"]
+
+
 def test_start_up_check_refuses_on_a_gpu_cluster_before_any_actor(recipe_plan, monkeypatch):
     """launch.run_recipe calls check_before_start right after Ray starts: the probe's GPU memory (or
     trainer.gpu_memory_gib) against the plan, which is made while the probe's task runs."""

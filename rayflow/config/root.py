@@ -160,7 +160,9 @@ class RayflowConfig:
               f"0 {where} (a device samples or trains, never both at once: there is nothing to overlap; "
               f"placement.mode=disaggregated overlaps rollout and training)")
         _need(self.sync.mode == "lora", "sync.mode", self.sync.mode,
-              f"'lora' {where} (rollouts sample under the learner's own adapter: nothing is merged or sent)")
+              f"'lora' {where} (its default, unread there: rollouts sample the learner's own weights, its adapter or, "
+              f"with learner.train_mode=full, its parameters, so nothing is merged or sent; 'merged' is for disaggregated "
+              f"placement)")
 
     def _validate_size(self) -> None:
         from rayflow.models.base import model_class, pipeline_class_of

@@ -19,6 +19,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+from typing import TYPE_CHECKING
 
 import ray
 import torch
@@ -30,7 +31,7 @@ from rayflow.distributed.watchdog import Watchdog
 from rayflow.driver.timing import Phases
 from rayflow.errors import ConfigError
 from rayflow.learner.optim import offload_optimizer_state, reload_optimizer_state
-from rayflow.distributed.parallelize import gather_for_sampling, release_gathered
+from rayflow.distributed.parallelize import autocast, gather_for_sampling, release_gathered
 from rayflow.models.lora import TRAINED_ADAPTER
 from rayflow.models.weight_sets import using_weights
 from rayflow.learner.spec import LearnerSpec
@@ -40,6 +41,10 @@ from rayflow.rollout.spec import RolloutRankSpec
 from rayflow.rollout.replica import RolloutReplica
 from rayflow.rollout.worker import CONCURRENCY_GROUPS, RolloutRankHost
 from rayflow.sync.source import SyncReport
+from rayflow.types import RolloutRequest, Trajectory
+
+if TYPE_CHECKING:
+    from rayflow.cfg.policy import CFGPolicy
 
 
 @ray.remote(concurrency_groups={**CONCURRENCY_GROUPS, **LEARNER_CONCURRENCY_GROUPS})
@@ -73,6 +78,17 @@ class DeviceWorker(RolloutRankHost):
 
     def setup_seconds(self) -> dict[str, float]:
         return self.learner.setup_s
+
+    @ray.method(num_returns=2)
+    def generate(self, request: RolloutRequest, policy: CFGPolicy | None = None,
+                 weights: dict[str, torch.Tensor] | None = None) -> tuple[int, list[Trajectory] | None]:
+        """RolloutRankHost.generate, under the learner's autocast when it trains every weight: full fine-tuning with
+        learner.mixed_precision=autocast holds fp32 master weights over a model.dtype pipeline (a bfloat16 one's
+        latents and prompt embeddings met fp32 weights: "mat1 and mat2 must have the same dtype"), so the device samples
+        with the bf16 matmuls its learner trains with. LoRA's adapters cast their own inputs (unchanged)."""
+        full = self.learner_config.train_mode == "full"
+        with autocast(self.learner_config.mixed_precision if full else "none", self.learner.backend.model.device):
+            return super().generate(request, policy, weights)
 
     def sees(self, path: str) -> bool:
         return self.learner.sees(path)

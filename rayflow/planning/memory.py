@@ -161,7 +161,9 @@ def _sync_payload(cfg: RayflowConfig, sizes: ModelSizes) -> int:
 def learner_rank(cfg: RayflowConfig, sizes: ModelSizes) -> RoleMemory:
     lr = cfg.learner
     wb = dtype_bytes(cfg.model.dtype)
-    compute_bytes = 2 if lr.mixed_precision == "bf16" else wb
+    # What FSDP2 gathers a block in: bf16 under its policy, else the sharded weights' own dtype (full fine-tuning's fp32
+    # masters under autocast, which no FSDP2 policy casts).
+    compute_bytes = 2 if lr.mixed_precision == "bf16" else (_trained_bytes(cfg) if lr.train_mode == "full" else wb)
     shards = lr.world_size if lr.sharded else 1
     weights = sizes.parameters["transformer"] * (_trained_bytes(cfg) if lr.train_mode == "full" else wb)
     emas = cfg.algorithm.needs_ema_rollout + (cfg.trainer.ema_decay > 0)  # "old", "ema"
