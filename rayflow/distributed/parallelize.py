@@ -48,7 +48,8 @@ def transformer_blocks(transformer: nn.Module) -> list[nn.Module]:
     blocks = [block for name, child in transformer.named_children()
               if isinstance(child, nn.ModuleList) and name.endswith("transformer_blocks") for block in child]
     if not blocks:
-        raise ValueError(f"{type(transformer).__name__} has no `transformer_blocks` ModuleList (sharding and checkpointing are per block)")
+        raise ValueError(f"{type(transformer).__name__} has no `transformer_blocks` ModuleList "
+                         "(sharding and checkpointing are per block)")
     return blocks
 
 
@@ -70,9 +71,9 @@ def _checkpointed_class(cls: type[nn.Module]) -> type[nn.Module]:
 def apply_activation_checkpointing(transformer: nn.Module) -> None:
     """Recompute each repeated block's activations in backward (non-reentrant checkpointing of its forward).
 
-    The checkpoint is set in each block's own forward (a subclass swapped in, as FSDP2 does) rather than at diffusers' call site
-    (`enable_gradient_checkpointing`), for two reasons. model.compile compiles the block, so the checkpoint is then
-    traced into the compiled graph and recomputed by its backward (torchtitan's order: checkpointing, then compile).
+    The checkpoint is set in each block's own forward (a subclass swapped in, as FSDP2 does) rather than at diffusers'
+    call site (`enable_gradient_checkpointing`), for two reasons. model.compile compiles the block, so the checkpoint is
+    then traced into the compiled graph and recomputed by its backward (torchtitan's order: checkpointing, then compile).
     At diffusers' call site, backward re-ran the compiled block, and a block recompiled between the forward and the
     backward (CFG's second branch, a new prompt length) re-ran another graph: on an H200 the learner's first step
     failed with CheckpointError. And no wrapper module is added, so parameter names (adapter names, checkpoints,
