@@ -473,6 +473,28 @@ def test_a_weight_sync_actor_without_a_gpu_is_refused_when_the_rollout_ranks_hav
     checked("sync.gpus=0", "placement.mode=colocated")  # no weight-sync actor
 
 
+def test_a_weight_sync_actor_on_a_gpu_is_refused_when_the_rollout_ranks_have_none():
+    """The other way round: rollout ranks given 0 GPUs compute on the CPU (placement.uses_cuda) and join the broadcast
+    with gloo, while a source given a GPU (sync.gpus null: 1 on a GPU cluster) creates its side with NCCL; the ranks'
+    gloo waited for the source's connection until the group's forming timeout at the first weight sync."""
+    from rayflow.config import load_config
+    from rayflow.distributed.process_group import device_backend
+    from rayflow.distributed.resources import check_sync_source_device, pin_null_gpus
+    from rayflow.errors import ConfigError
+
+    assert device_backend("cuda") != device_backend("cpu")  # what each side would create
+    for gpus in ("1.0", "0.2"):
+        cfg = load_config(GRPO, ["rollout.gpus_per_rank=0", f"sync.gpus={gpus}"])
+        pin_null_gpus(cfg, True, {})
+        with pytest.raises(ConfigError, match=rf"^sync\.gpus: got {gpus}; allowed: 0 or null with rollout\.gpus_per_rank=0"):
+            check_sync_source_device(cfg)
+    for sync_gpus in ("0", "null"):  # CPU ranks and a CPU source on a GPU cluster: gloo throughout
+        cfg = load_config(GRPO, ["rollout.gpus_per_rank=0", f"sync.gpus={sync_gpus}"])
+        pin_null_gpus(cfg, True, {})
+        assert cfg.sync.gpus == 0 and cfg.learner.gpus_per_rank == 1  # null follows the ranks; the learners' stays 1
+        check_sync_source_device(cfg)
+
+
 def test_a_run_that_joins_a_cluster_waits_for_the_autoscalers_first_report(monkeypatch):
     """The head's monitor reports a few seconds after it starts: a RayJob submitted at once was refused as if no
     autoscaler could add a node (and would have pinned null GPU counts to 0). A run that joined waits for the report."""

@@ -8,6 +8,7 @@ import json
 import multiprocessing
 import os
 import platform
+import re
 import shutil
 import subprocess
 import sys
@@ -247,12 +248,15 @@ def test_layout_settings_out_of_range_are_named():
 
 @pytest.mark.parametrize("argv, named", [(["--steps", "0"], "steps=0"), (["--steps", "-5"], "steps=-5"),
                                           (["--vae-steps", "0"], "vae_steps=0")])
-def test_step_counts_below_one_are_named_before_the_vae_trains(tmp_path, monkeypatch, argv, named):
+def test_step_counts_below_one_are_named_before_the_vae_trains(tmp_path, monkeypatch, capsys, argv, named):
     """--steps 0 divided by zero in the cosine schedule after the VAE's minutes, and a negative count trained nothing
-    and saved the untrained transformer as a base: both named at the start, before anything trains."""
+    and saved the untrained transformer as a base: both named at the start, before anything trains, as a usage error
+    (exit 2; it was a ValueError traceback)."""
     monkeypatch.setattr("pretrain_shapes.pretrain", lambda *a, **k: pytest.fail("the pretraining started"))
-    with pytest.raises(ValueError, match=rf"PretrainConfig: {named} must be >= 1"):
+    with pytest.raises(SystemExit) as exited:
         main(["--out", str(tmp_path / "base"), *argv])
+    assert exited.value.code == 2
+    assert re.search(rf"error: PretrainConfig: {named} must be >= 1", capsys.readouterr().err)
 
 
 def test_workers_must_divide_the_transformer_batch():

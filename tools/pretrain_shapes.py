@@ -465,9 +465,12 @@ def main(argv: list[str] | None = None) -> None:
                         help="processes sharing every transformer batch (2 on 2 cores: about 0.7 of the time; "
                              "1 is how the shipped weights were made)")
     args = parser.parse_args(argv)
-    cfg = PretrainConfig(seed=args.seed, vae_steps=args.vae_steps, vae_min_accuracy=args.vae_min_accuracy,
-                         steps=args.steps, caption_noise=args.caption_noise, layout_rows=args.layout_rows,
-                         layout_scenes=args.layout_scenes, workers=args.workers)
+    try:
+        cfg = PretrainConfig(seed=args.seed, vae_steps=args.vae_steps, vae_min_accuracy=args.vae_min_accuracy,
+                             steps=args.steps, caption_noise=args.caption_noise, layout_rows=args.layout_rows,
+                             layout_scenes=args.layout_scenes, workers=args.workers)
+    except ValueError as e:  # a flag out of range (each field is the flag of its name): a usage error, not a traceback
+        parser.error(str(e))
     if cfg.workers == 1:
         pretrain(args.out, cfg)
         return

@@ -445,10 +445,10 @@ class SyncConfig:
     cpus: float = 1.0
     """CPUs of the weight-sync actor."""
     gpus: float | None = None
-    """GPUs of the weight-sync actor (the broadcast source: nccl needs it on a GPU of its own; 0 with GPU rollout ranks
-    is refused when the run starts); null: 1 when the cluster has GPUs or its autoscaler reports it can add them, else 0
-    (decided when the run starts; 0 with a warning naming the key where a v1 autoscaler, the shipped configs', may add
-    GPUs it does not report)."""
+    """GPUs of the weight-sync actor (the broadcast source: nccl needs it on a GPU of its own; 0 with GPU rollout ranks,
+    and > 0 with CPU ones, is refused when the run starts); null: 0 with rollout.gpus_per_rank=0, else 1 when the
+    cluster has GPUs or its autoscaler reports it can add them, else 0 (decided when the run starts; 0 with a warning
+    naming the key where a v1 autoscaler, the shipped configs', may add GPUs it does not report)."""
     resources: dict[str, float] = field(default_factory=dict)
     """Custom Ray resources per weight-sync actor (e.g. {"gpu_node": 1} to keep them on one node type)."""
     max_restarts: int = 3

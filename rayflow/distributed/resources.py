@@ -60,7 +60,8 @@ def pin_null_gpus(cfg: RayflowConfig, gpus_now: bool, autoscaler_max: dict[str, 
     of the moment instead, null was 0 on an autoscaling cluster whose GPU-less head is all there is at the start, and
     the ranks ran on the GPU nodes without a GPU. Where that cannot be told (no GPU yet, an autoscaler that does not
     report what it can add: the v1 autoscaler of the shipped cluster configs) null is 0, with a warning naming the
-    keys to set."""
+    keys to set. A null sync.gpus is 0 beside rollout ranks given 0 GPUs: the broadcast source computes where the ranks
+    it sends to do."""
     nulls = [b for b in role_bundles(cfg) if b.gpus is None]
     if not nulls:
         return
@@ -72,6 +73,8 @@ def pin_null_gpus(cfg: RayflowConfig, gpus_now: bool, autoscaler_max: dict[str, 
     for b in nulls:
         section, key = b.gpus_key.split(".")
         setattr(getattr(cfg, section), key, gpus)
+    if any(b.gpus_key == "sync.gpus" for b in nulls) and cfg.rollout.gpus_per_rank == 0:
+        cfg.sync.gpus = 0.0  # the broadcast source on the device of the ranks it sends to (check_sync_source_device)
 
 
 def check_bundles_reserve_something(cfg: RayflowConfig, cluster_has_gpus: bool | None) -> None:
@@ -160,14 +163,22 @@ def check_cluster_fits(cfg: RayflowConfig, joined: bool = False) -> None:
 
 
 def check_sync_source_device(cfg: RayflowConfig) -> None:
-    """ConfigError naming sync.gpus when the weight-sync actor would have no GPU while the rollout ranks it broadcasts
-    to have one (disaggregated placement, GPU counts pinned): the group's backend follows each member's device, so a
-    CPU source (gloo) never meets the ranks' NCCL. Before each role asked Ray whether it had a GPU
-    (placement.uses_cuda), such a source took its node's cuda:0, another role's GPU."""
-    if not cfg.placement.colocated and (cfg.rollout.gpus_per_rank or 0) > 0 and cfg.sync.gpus == 0:
+    """ConfigError naming sync.gpus when the weight-sync actor and the rollout ranks it broadcasts to would not both
+    have a GPU or both be without one (disaggregated placement, GPU counts pinned): the group's backend follows each
+    member's device, so a CPU source (gloo) never meets GPU ranks' NCCL, nor a GPU source (NCCL) CPU ranks' gloo: the
+    ranks waited out the group's forming timeout at the first weight sync. Before each role asked Ray whether it had a
+    GPU (placement.uses_cuda), both took their node's cuda:0, another role's GPU."""
+    if cfg.placement.colocated or cfg.rollout.gpus_per_rank is None or cfg.sync.gpus is None:
+        return
+    ranks, source = cfg.rollout.gpus_per_rank > 0, cfg.sync.gpus > 0
+    if ranks and not source:
         raise ConfigError("sync.gpus", cfg.sync.gpus, f"a float > 0 (null: 1 on a GPU cluster) with "
                                                       f"rollout.gpus_per_rank={cfg.rollout.gpus_per_rank:g}: the "
                                                       f"broadcast to GPU rollout ranks is NCCL, whose source needs a GPU")
+    if source and not ranks:
+        raise ConfigError("sync.gpus", cfg.sync.gpus, "0 or null with rollout.gpus_per_rank=0: the rollout ranks "
+                                                      "compute on the CPU and join the broadcast with gloo, which a "
+                                                      "source on a GPU (NCCL) never meets")
 
 
 def check_placeable(cfg: RayflowConfig, nodes: list[dict[str, float]]) -> None:
