@@ -12,7 +12,8 @@ import torch
 
 
 def get_rng_state() -> dict[str, torch.Tensor]:
-    """This process's RNG states by name: "torch", "cuda.<i>", "numpy.*", "python.*"."""
+    """This process's RNG states by name: "torch", "cuda.<i>" (a process that computes on CUDA), "numpy.*",
+    "python.*"."""
     version, mt, gauss = random.getstate()
     _, keys, pos, has_gauss, cached = np.random.get_state()
     state = {
@@ -24,13 +25,16 @@ def get_rng_state() -> dict[str, torch.Tensor]:
         # None (no cached gaussian) as NaN.
         "python.gauss": torch.tensor([float("nan") if gauss is None else gauss], dtype=torch.float64),
     }
-    if torch.cuda.is_available():
+    # Only a process that computes on CUDA has CUDA states to keep: asking is_available() instead made the driver, and
+    # a CPU role on a GPU node (which sees every GPU of it), create a context on every GPU of the node at each save.
+    if torch.cuda.is_initialized():
         state.update({f"cuda.{i}": s for i, s in enumerate(torch.cuda.get_rng_state_all())})
     return state
 
 
 def set_rng_state(state: dict[str, torch.Tensor]) -> None:
-    """Restore `get_rng_state` output (CUDA states only for the devices both runs have)."""
+    """Restore `get_rng_state` output (CUDA states only in a process that computes on CUDA, for the devices both runs
+    have)."""
     torch.set_rng_state(state["torch"])
     pos, has_gauss = state["numpy.pos_has_gauss"].tolist()
     keys = state["numpy.keys"].numpy().astype(np.uint32)
@@ -38,7 +42,7 @@ def set_rng_state(state: dict[str, torch.Tensor]) -> None:
     version, *mt = state["python.state"].tolist()
     gauss = float(state["python.gauss"][0])
     random.setstate((version, tuple(mt), None if gauss != gauss else gauss))
-    if torch.cuda.is_available():
+    if torch.cuda.is_initialized():
         for i in range(torch.cuda.device_count()):
             if f"cuda.{i}" in state:
                 torch.cuda.set_rng_state(state[f"cuda.{i}"], i)

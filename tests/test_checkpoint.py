@@ -356,3 +356,30 @@ def test_the_reference_trainer_resumed_from_an_earlier_step_keeps_no_step_of_the
                               f"trainer.resume={checkpoint.step_dir(root, 1)}"), log=quiet)
     assert [os.path.basename(p) for p in list_checkpoints(root)] == ["step_00000001", "step_00000003"]
     assert any(name.startswith(".abandoned-step_00000002-") for name in os.listdir(root))
+
+
+def test_rng_state_leaves_cuda_alone_in_a_process_that_does_not_compute_on_it(monkeypatch):
+    """A process that never computed on CUDA (the driver; a role given 0 GPUs on a GPU node, which sees every GPU of
+    the node) saves and restores no CUDA RNG state: asking for them created a CUDA context on every GPU of its node at
+    each save. One that computes on CUDA keeps them, per device."""
+    from rayflow.rng import get_rng_state, set_rng_state
+
+    def no_context(*_):
+        raise AssertionError("a CUDA context was created")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a GPU node ...
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)  # ... this process has not used
+    monkeypatch.setattr(torch.cuda, "get_rng_state_all", no_context)
+    monkeypatch.setattr(torch.cuda, "set_rng_state", no_context)
+    state = get_rng_state()
+    assert not any(k.startswith("cuda.") for k in state)
+    set_rng_state({**state, "cuda.0": torch.zeros(8, dtype=torch.uint8)})
+
+    restored = []
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "get_rng_state_all", lambda: [torch.ones(8, dtype=torch.uint8)] * 2)
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda s, i: restored.append(i))
+    assert [k for k in get_rng_state() if k.startswith("cuda.")] == ["cuda.0", "cuda.1"]
+    set_rng_state({**state, "cuda.0": torch.ones(8, dtype=torch.uint8)})
+    assert restored == [0]  # the devices both runs have
