@@ -88,6 +88,7 @@ def plan_resume(cfg: RayflowConfig) -> ResumePlan:
         return ResumePlan(None)
     meta = read_meta(path)
     check_train_mode(meta, {"train_mode": cfg.learner.train_mode}, path)
+    check_checkpoint_model(meta, run_model_dir(cfg), path)  # before "complete": another model's run is not this one
     step = meta["step"]
     if step >= t.total_steps:
         raise RunComplete(
@@ -121,6 +122,43 @@ def plan_resume(cfg: RayflowConfig) -> ResumePlan:
             + " to start a new run"
         )
     return ResumePlan(path, step, moved + [f"{k}: {a!r} -> {b!r}" for k, a, b in diffs], inputs)
+
+
+def run_model_dir(cfg: RayflowConfig) -> str:
+    """The pipeline directory the run loads: model.path, or the cached tiny twin (preflight builds it first)."""
+    from rayflow.models.tiny import cached_tiny_dir
+
+    m = cfg.model
+    return m.path if m.path is not None else cached_tiny_dir(m.cache_dir, m.tiny_size, m.tiny_seed, m.tiny_arch)
+
+
+def check_checkpoint_model(meta: dict, model_dir: str, path: str) -> None:
+    """Refuse a checkpoint whose meta.json records another model than `model_dir` holds: its pipeline class (the
+    family), transformer class, or a key of the transformer's config (its layout). Told from the files, before Ray
+    starts: without this a run whose config.yaml is missing (settings not compared) resumed another family's
+    checkpoint, or was called complete, and only the learners' identity check refused it. Skipped where the model
+    directory is not here (a cluster's path)."""
+    saved = meta["identity"].get("model")
+    config_file = os.path.join(model_dir, "transformer", "config.json")
+    if not isinstance(saved, dict) or not os.path.isfile(config_file):
+        return
+    with open(config_file) as f:
+        config = json.load(f)
+    current = {"pipeline": pipeline_class_of(model_dir), "transformer": config.get("_class_name")}
+    diffs = [(f"identity.model.{key}", saved[key], value) for key, value in current.items()
+             if key in saved and saved[key] != value]
+    saved_config = saved.get("transformer_config") or {}
+    if not diffs:  # the same classes: a layout key both record (the config file names some the identity lacks)
+        diffs = [(f"identity.model.transformer_config.{key}", saved_config[key], config[key])
+                 for key in sorted(set(saved_config) & set(config)) if saved_config[key] != config[key]]
+    if diffs:
+        raise CheckpointMismatch(
+            f"checkpoint {path} was written for another model: {os.path.join(path, 'meta.json')} has "
+            + ", ".join(f"{key}={a!r}" for key, a, _ in diffs) + f"; this run's model {model_dir} has "
+            + ", ".join(f"{key.rsplit('.', 1)[-1]}={b!r}" for key, _, b in diffs)
+            + ". Resume it with the model it was trained on (model.path / model.tiny_arch), or start a new run (another "
+              "trainer.run_name, or trainer.resume=never)"
+        )
 
 
 def input_paths(config: dict) -> dict[str, str]:

@@ -91,6 +91,20 @@ def test_what_cannot_be_evaluated_is_named(args, message, capsys):
     assert message in str(stopped.value.code) + capsys.readouterr().err
 
 
+def test_a_prompt_the_reward_cannot_read_is_named_by_file_and_line_before_the_model_loads(tmp_path, monkeypatch, capsys):
+    """As the recipes name it (preflight's check_prompt_file): the shapes reward's parse error named neither the file
+    nor the line, and came only after the images were sampled."""
+    import evaluate as tool
+
+    prompts = tmp_path / "eval.txt"
+    prompts.write_text("a blue triangle\ntwo purple hexagons\n")
+    monkeypatch.setattr(tool.reference, "build_run", lambda cfg: pytest.fail("the model loaded before the check"))
+    with pytest.raises(SystemExit) as stopped:
+        main([recipe("flowgrpo_tiny.yaml"), "reward.functions=[{name: shapes}]", f"data.eval_prompts={prompts}"])
+    assert str(stopped.value.code) == (f"error: {prompts}:2: shapes prompt 'two purple hexagons': unknown colour "
+                                       f"'purple'; allowed: ['blue', 'green', 'red', 'yellow']")
+
+
 def test_a_run_without_a_checkpoint_points_to_base(tmp_path):
     cfg = load_config(recipe("flowgrpo_tiny.yaml"), [f"trainer.output_dir={tmp_path}", "trainer.run_name=fresh"])
     write_run_config(cfg)

@@ -182,6 +182,26 @@ def test_ray_metrics_get_latest_values_and_counter_increments(tmp_path, monkeypa
     assert made["rayflow_rollout_regenerated"].description == "rollout/regenerated"
 
 
+def test_a_rewind_sets_the_skipped_steps_counter_back_so_the_new_timelines_skips_are_counted(tmp_path, monkeypatch):
+    """train/skipped_steps is the timeline's running total: a learner rewind sets it back to the checkpoint's. The Ray
+    counter kept the voided timeline's total as its baseline, so the new timeline's skips went uncounted (and the
+    dashboard's skips per minute showed none) until they passed it. It counts every skipped step trained."""
+    import ray.util.metrics
+
+    FakeMetric.made = {}
+    monkeypatch.setattr(ray.util.metrics, "Gauge", FakeMetric)
+    monkeypatch.setattr(ray.util.metrics, "Counter", FakeMetric)
+    monitor = Monitor(str(tmp_path), LoggingConfig(tensorboard=False, progress_bar=False), total_steps=5)
+    for step, total in [(1, 0), (2, 1), (3, 2)]:  # steps 2 and 3 skipped; the checkpoint at step 1 holds 0
+        monitor.log(step, {"train/skipped_steps": total, "rollout/regenerated": 1})
+    monitor.rewind(1, {"train/skipped_steps": 0})
+    for step, total in [(2, 0), (3, 1), (4, 2)]:  # the new timeline skips steps 3 and 4
+        monitor.log(step, {"train/skipped_steps": total, "rollout/regenerated": 1})
+    monitor.close()
+    assert FakeMetric.made["rayflow_train_skipped_steps"].increments == [1, 1, 1, 1]
+    assert FakeMetric.made["rayflow_rollout_regenerated"].increments == [1]  # kept across a rewind: not set back
+
+
 def scrape(port: int, names: set[str], timeout_s: float = 60) -> dict[str, float]:
     """Values of `names` on a node's Prometheus endpoint, polled until all are there."""
     deadline = time.monotonic() + timeout_s

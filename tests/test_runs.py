@@ -70,6 +70,25 @@ def test_a_refused_resume_of_another_runs_checkpoint_says_to_leave_out_that_resu
                               f"trainer.resume={step}"))
 
 
+@pytest.mark.parametrize("total_steps", [1, 5])
+def test_a_checkpoint_of_another_model_family_is_named_from_its_meta_json_before_anything_else(tiny_model_dir, tiny_twin,
+                                                                                               tmp_path, total_steps):
+    """A run without config.yaml (settings not compared) whose checkpoint a tiny SD3 run wrote, resumed by a
+    Qwen-Image run: it was called complete (at total_steps), or resumed and refused only by the learners."""
+    from rayflow.checkpoint import CheckpointMismatch
+    from rayflow.paths import recipe as recipe_path
+
+    run_dir = tmp_path / "sd3run"
+    reference.train(small_cfg(recipe_path("flowgrpo_sd3.yaml"), tiny_twin("sd3"), run_dir, "trainer.total_steps=1",
+                              "trainer.eval_every=0"), log=lambda *_: None)
+    assert not (run_dir / "config.yaml").exists()
+    meta = re.escape(os.path.join(run_dir, "checkpoints", "step_00000001", "meta.json"))
+    with pytest.raises(CheckpointMismatch, match=rf"{meta} has identity\.model\.pipeline='StableDiffusion3Pipeline', .*"
+                                                 rf"this run's model {re.escape(tiny_model_dir)} has "
+                                                 r"pipeline='QwenImagePipeline', .*Resume it with the model"):
+        plan_resume(small_cfg(GRPO, tiny_model_dir, run_dir, f"trainer.total_steps={total_steps}"))
+
+
 def test_a_run_directory_given_as_the_resume_target_is_named_with_its_checkpoints(tiny_model_dir, finished_run, tmp_path):
     """trainer.resume (and export_lora.py) take a checkpoint or a directory of checkpoints; a run's own directory was
     refused with no word of the checkpoints/ inside it, nor of the key that named it."""

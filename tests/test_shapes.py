@@ -13,7 +13,8 @@ from rayflow.rewards.shapes import detect
 from rayflow.rewards.validation import check_prompt_file
 from rayflow.rewards.weighted import WeightedReward
 from rayflow.worlds.shapes import (
-    CATEGORIES, ObjectSpec, Placed, Requirements, parse_prompt, prompt_of, render, sample_requirements, sample_scene,
+    BACKGROUND, CATEGORIES, COLOURS, ObjectSpec, Placed, Requirements, parse_prompt, prompt_of, render,
+    sample_requirements, sample_scene,
 )
 
 
@@ -95,6 +96,21 @@ def test_two_touching_shapes_of_one_colour_are_not_one_shape():
     # 21 px apart, as the grid's neighbouring cells are, they stay two circles.
     apart = np.maximum(one, np.roll(one, 21, axis=1))
     assert float(reward(torch.from_numpy(apart)[None], ["two red circles"]).scores[0]) == 1.0
+
+
+@pytest.mark.parametrize("size, rows, cols", [
+    ((64, 64), slice(30, 33), slice(20, 40)),  # a 3 x 20 px bar (a drawn square is 14 x 14)
+    ((64, 64), slice(20, 42), slice(30, 35)),  # 5 x 22 px, upright
+    ((64, 256), slice(30, 31), slice(10, 70)),  # a 1-px line of 60 px in a wide image (not MERGED across its width)
+])
+def test_a_line_or_a_sliver_is_no_circle_square_or_triangle(size, rows, cols):
+    """A component much longer one way than the other filled its bounding box, corners included, and was a square."""
+    image = np.empty((*size, 3), dtype=np.uint8)
+    image[:] = BACKGROUND
+    image[rows, cols] = COLOURS["red"]
+    assert [(d.shape, d.colour) for d in detect(image)] == [("thin", "red")]
+    out = make_reward("shapes", score="strict")(torch.from_numpy(image)[None], ["a red square"])
+    assert float(out.scores[0]) == 0.0
 
 
 @pytest.mark.parametrize("prompt, scene, expected", [

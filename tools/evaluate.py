@@ -39,6 +39,7 @@ from rayflow.learner.spec import LearnerSpec
 from rayflow.models.lora import EVAL_EMA_ADAPTER, TRAINED_ADAPTER, rollout_adapter_name
 from rayflow.models.weight_sets import using_weights
 from rayflow.paths import check_output_dirs, run_start_dir
+from rayflow.rewards.validation import check_prompt_file
 from rayflow.runs import CONFIG_FILE, USER_ERRORS
 from rayflow.sampling.denoise import generate
 from rayflow.worlds.shapes import CATEGORIES, category_of, parse_prompt
@@ -78,6 +79,9 @@ def evaluate(cfg: RayflowConfig, checkpoint: str | None, seeds: int, adapter: st
     allowed = (TRAINED_ADAPTER, *ema_copies(LearnerSpec.from_config(cfg)))
     if adapter not in allowed:  # before the model loads
         raise ValueError(f"--adapter: got {adapter!r}; allowed: one of {list(allowed)} (the weight sets this run keeps)")
+    # Before the model loads, as the recipes do (preflight): a prompt a reward cannot score is named by file and line,
+    # not by the reward after sampling. The prompts evaluated are data.eval_prompts', else data.prompts' first ones.
+    check_prompt_file([fn.name for fn in cfg.reward.functions], cfg.data.eval_prompts or cfg.data.prompts)
     run = reference.build_run(cfg)
     if checkpoint is not None:
         reference.resume(run, checkpoint)

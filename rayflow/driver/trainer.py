@@ -687,7 +687,8 @@ class Trainer:
             except LearnerError as again:  # a rank of the new group died in the restore: restart again, on budget
                 died = again
         del self.history[self.version - self.first_version:]
-        self.monitor.rewind(self.version)
+        # The skipped-step total is the checkpoint's again (the other counters' totals are kept across a rewind).
+        self.monitor.rewind(self.version, {"train/skipped_steps": self.skips.total})
         redone = ("no finished step is lost" if lost == self.version else f"step {lost} is trained again"
                   if lost == self.version + 1 else f"steps {self.version + 1}..{lost} are trained again")
         log.warning("rewound to step %d (%s); training goes on from step %d", self.version, redone, self.version + 1)

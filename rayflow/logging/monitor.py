@@ -151,9 +151,14 @@ class Monitor:
             )
             self.bar.update(1)
 
-    def rewind(self, step: int) -> None:
+    def rewind(self, step: int, totals: dict[str, float] | None = None) -> None:
         """The run went back to `step` (learners restarted from a checkpoint) and logs the later steps again:
-        TensorBoard drops the ones it holds, as for a resumed run; the progress bar goes back."""
+        TensorBoard drops the ones it holds, as for a resumed run; the progress bar goes back. `totals`: the running
+        totals the rewind set back to the checkpoint's (train/skipped_steps); their Ray counters count on from there,
+        so the new timeline's increments are counted (they were not until it passed the voided timeline's total)."""
+        for tag, value in (totals or {}).items():
+            if tag in self.counters:  # min: a resumed run rewound before its first step counts the checkpoint's yet
+                self._counted[tag] = min(self._counted.get(tag, 0), value)
         if self.writer is not None:
             from tensorboard.compat.proto.event_pb2 import Event, SessionLog
 

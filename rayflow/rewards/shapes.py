@@ -1,10 +1,11 @@
 """The `shapes` reward: GenEval's check of a shapes-world prompt (rayflow.worlds.shapes) on a decoded image.
 
 Shapes are found by colour segmentation (each pixel to the nearest palette colour or the background,
-within a distance) and 4-connected components (one larger than a shape is shapes run together: MERGED); a
-component's kind comes from how it fills its bounding box (a triangle about half, narrowing to the top; a circle and
-a square most of it) and whether it fills the box's corners (a square does, a circle does not). The requirements of
-a prompt (`score: requirements` is the fraction met; the default score is flow_grpo's, `flow_grpo_score`):
+within a distance) and 4-connected components (one larger than a shape is shapes run together: MERGED; one less than
+half as long one way as the other is a line or a sliver: THIN); a component's kind comes from how it fills its
+bounding box (a triangle about half, narrowing to the top; a circle and a square most of it) and whether it fills the
+box's corners (a square does, a circle does not). The requirements of a prompt (`score: requirements` is the
+fraction met; the default score is flow_grpo's, `flow_grpo_score`):
 
     per object   its shape is there; in its colour (when named); as many as the number word says
     position     the objects of the first kind sit in that third of the image (left, right, top, bottom)
@@ -85,6 +86,13 @@ several shapes of one colour run together, not one shape: two touching red circl
 MERGED, which no prompt asks for (the components of the shipped base's 640 evaluation images are at most 16 px across,
 a drawn shape 15, two touching ones 30)."""
 MERGED = "merged"
+THIN_RATIO = 0.5
+"""A component whose bounding box is less than this times as long one way as the other (in drawn shapes' sides, as
+MERGED_SIDE) is a line or a sliver, not a circle, square or triangle (each drawn in a box about as tall as wide): its
+kind is THIN, which no prompt asks for. A 1-px line, or a 3 x 20 px bar, filled its box, corners included, and was a
+square (the components of the shipped base's evaluation images are at least 0.53 times as long one way as the
+other)."""
+THIN = "thin"
 
 
 def detect(image: np.ndarray) -> list[Detection]:
@@ -99,8 +107,9 @@ def detect(image: np.ndarray) -> list[Detection]:
         for component in label_components(nearest == index):
             if component.sum() >= min_area:
                 ys, xs = np.nonzero(component)
-                merged = np.ptp(ys) + 1 > MERGED_SIDE * side_h or np.ptp(xs) + 1 > MERGED_SIDE * side_w
-                kind = MERGED if merged else classify(component)
+                across = ((np.ptp(ys) + 1) / side_h, (np.ptp(xs) + 1) / side_w)  # in drawn shapes' sides
+                kind = (MERGED if max(across) > MERGED_SIDE else THIN if min(across) < THIN_RATIO * max(across)
+                        else classify(component))
                 found.append(Detection(kind, _NAMES[index], (xs.mean() + 0.5) / w, (ys.mean() + 0.5) / h))
     return found
 
