@@ -133,16 +133,20 @@ class Trainer:
                 # nodes the run needs together (a placement never taken is removed at shutdown). Then every role's
                 # actors start at once (on a cluster, on their own nodes): the reward workers, rollout ranks and
                 # weight-sync actor load while the learners do; the weight-sync group forms once the replicas are up.
+                # The learners and rollout ranks, the longest to build, are created first: a raylet starts as many
+                # workers at a time as its node has cores, in the order asked (2 here: created last, the learners
+                # were forked ~1 s after the light actors and the start-up waited for them).
                 with phase("actors"):
                     reward_pg = self._own(RewardPool.reserve(cfg.reward))
                     rollout_pgs = [self._own(reservation) for reservation in RolloutPool.reserve(cfg.rollout)]
                     sync_pg = self._own(WeightSync.reserve(cfg.sync))
                     learner_pg = self._own(LearnerGroup.reserve(learner_spec))
-                    self.rewards = self._own(RewardPool(cfg.reward, reservation=reward_pg))
+                    self.learners = self._own(LearnerGroup(learner_spec, reservation=learner_pg, wait=False))
                     self.rollout = self._own(RolloutPool.start(spec, cfg.rollout, reservations=rollout_pgs))
+                    self.rewards = self._own(RewardPool(cfg.reward, reservation=reward_pg))
                     self.sync = self._own(WeightSync(cfg.sync, spec, None, cfg.rollout.collective_timeout_s,
                                                      reservation=sync_pg))
-                    self.learners = self._own(LearnerGroup(learner_spec, reservation=learner_pg))
+                    self.learners.wait_ready()
                 with phase("rollout"):
                     self.rollout.wait_ready()
                 with phase("weight sync"):

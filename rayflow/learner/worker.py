@@ -184,8 +184,10 @@ def light_batch(batch: list[Trajectory] | list[TrajectoryRef], world_size: int) 
 class LearnerGroup:
     """learner.world_size LearnerWorker ranks in one placement group (GPU bundles when the cluster has GPUs)."""
 
-    def __init__(self, spec: LearnerSpec, name: str = "rayflow-learner", reservation: Reservation | None = None):
-        """`reservation`: the group's placement asked for already (`LearnerGroup.reserve`)."""
+    def __init__(self, spec: LearnerSpec, name: str = "rayflow-learner", reservation: Reservation | None = None,
+                 wait: bool = True):
+        """`reservation`: the group's placement asked for already (`LearnerGroup.reserve`). `wait=False`: the ranks
+        are started and not waited for (`wait_ready` does), so that other roles' actors start while they build."""
         lc = spec.learner
         self.spec, self.name = spec, name
         self.world_size = lc.world_size
@@ -193,7 +195,9 @@ class LearnerGroup:
         self.budget = RestartBudget(lc.max_restarts, lc.restart_window_s)
         self.restarts = 0
         """Times the group was started again after a rank died."""
-        self._start()
+        self._spawn()
+        if wait:
+            self.wait_ready()
 
     @staticmethod
     def reserve(spec: LearnerSpec, name: str = "rayflow-learner") -> Reservation:
@@ -213,16 +217,26 @@ class LearnerGroup:
         group._setup()
         return group
 
+    def wait_ready(self) -> "LearnerGroup":
+        """Wait until the ranks started by the constructor joined their group and built the sharded model (version
+        0); on failure the ranks are killed and the placement group removed."""
+        self._setup()
+        return self
+
     def _start(self, keep_placement: bool = False) -> None:
         """Spawn the ranks in the placement group's bundles and build the sharded model on each (version 0).
         `keep_placement` (a restart): a failure leaves the ranks and the placement group to the caller (the next
         restart kills the ranks, the owner's `shutdown` releases both); at the first start it releases both."""
+        self._spawn()
+        self._setup(keep_placement)
+
+    def _spawn(self) -> None:
+        """Create the ranks' actors in the placement group's bundles, without waiting for them."""
         actor = ray.remote(concurrency_groups=LEARNER_CONCURRENCY_GROUPS)(LearnerWorker)
         self.workers = [
             self.placed.spawn(r, actor, self.spec, r, name=f"{self.name}-{r}-{self.placed.pg.id.hex()[:8]}-{self.restarts}")
             for r in range(self.world_size)
         ]
-        self._setup(keep_placement)
 
     def _setup(self, keep_placement: bool = False) -> None:
         """Join the ranks' group and build the sharded model on each (version 0). On failure the ranks are killed and
