@@ -3,6 +3,7 @@ QwenImagePipeline.load_lora_weights and by tools/generate.py --lora."""
 
 import importlib.util
 import os
+import shutil
 import subprocess
 import sys
 
@@ -230,7 +231,7 @@ def test_generate_refuses_a_checkpoint_of_another_model_and_names_bad_input(tiny
         assert message in str(info.value.code) + capsys.readouterr().err, argv
 
 
-def test_generate_reads_a_lora_as_diffusers_loads_it(tiny_model_dir, trained, tmp_path):
+def test_generate_reads_a_lora_as_diffusers_loads_it(tiny_model_dir, trained, tmp_path, monkeypatch):
     """generate.py --lora checks a LoRA as the pipeline's load_lora_weights reads it. ComfyUI's layout of the same
     tensors ("diffusion_model." keys, which QwenImagePipeline converts) was refused as another model's; peft's own
     (no "transformer." prefix), which diffusers loads into nothing with a warning, passed the check and gave the base
@@ -257,6 +258,14 @@ def test_generate_reads_a_lora_as_diffusers_loads_it(tiny_model_dir, trained, tm
         save_file({prefix + k.removeprefix("transformer."): v for k, v in {**tensors, **extra}.items()},
                   str(tmp_path / layout / "pytorch_lora_weights.safetensors"))
     torch.testing.assert_close(latents(str(tmp_path / "comfy")), latents(exported), rtol=0, atol=1e-5)
+    # An earlier export kept beside it under another name: diffusers, asked for no file by name, loaded the first of
+    # the files whose names end as its own that the directory listed (with a warning). The file it writes is read.
+    two_files = tmp_path / "two_files"
+    shutil.copytree(exported, two_files)
+    save_file({k: torch.zeros_like(v) for k, v in tensors.items()}, str(two_files / "a_pytorch_lora_weights.safetensors"))
+    listdir = os.listdir
+    monkeypatch.setattr(os, "listdir", lambda path=".": sorted(listdir(path)))  # the directory lists the other first
+    torch.testing.assert_close(latents(str(two_files)), latents(exported), rtol=0, atol=0)
     with pytest.raises(SystemExit) as info:
         latents(str(tmp_path / "peft"))
     assert f"of its {len(tensors)} tensors would load into nothing (QwenImagePipeline.load_lora_weights loads keys that " \

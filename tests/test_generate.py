@@ -79,6 +79,6 @@ def test_inputs_that_failed_after_sampling_are_refused_first_naming_the_flag(tin
     tool.parse_args(base + ["--seed", "-1"])  # torch takes it (modulo 2**64), as the pipeline's generator does
     lora = tmp_path / "lora"
     lora.mkdir()
-    (lora / tool.LORA_WEIGHTS).write_bytes(b"")
+    (lora / tool.DIFFUSERS_LORA_FILE).write_bytes(b"")
     with pytest.raises(SystemExit, match=r"--adapter old: .* is a diffusers LoRA"):
         tool.diffusers_lora_dir(str(lora), "old", str(tmp_path), model=None)  # before its tensors are read

@@ -30,14 +30,12 @@ from rayflow.export import export_lora
 from rayflow.learner.model import model_identity
 from rayflow.models import load_model, model_class, pipeline_class_of
 from rayflow.models.base import DiffusionModel
-from rayflow.models.lora import EMA_ADAPTER, EVAL_EMA_ADAPTER, TRAINED_ADAPTER
+from rayflow.models.lora import DIFFUSERS_LORA_FILE, EMA_ADAPTER, EVAL_EMA_ADAPTER, TRAINED_ADAPTER
 from rayflow.paths import check_output_dirs
 from rayflow.sampling.denoise import generate
 from rayflow.types import RolloutRequest, SamplingParams
 
 
-LORA_WEIGHTS = "pytorch_lora_weights.safetensors"
-"""What diffusers' save_lora_weights writes."""
 
 SEED_RANGE = (-(2**63), 2**64 - 1)
 """What torch.Generator.manual_seed takes (a negative seed wraps modulo 2**64, as in the pipeline's own generator)."""
@@ -91,7 +89,7 @@ def diffusers_lora_dir(path: str, adapter: str | None, scratch: str, model: Diff
     """`path` if it is a diffusers-format LoRA; a checkpoint (or a run's checkpoints directory) is checked against
     `model` (check_trained_on) and exported into `scratch` first. Anything else is refused, naming what was
     looked for."""
-    if os.path.isfile(os.path.join(path, LORA_WEIGHTS)):
+    if os.path.isfile(os.path.join(path, DIFFUSERS_LORA_FILE)):
         if adapter is not None:  # it holds one adapter: --adapter would be ignored, and the user misled
             raise SystemExit(f"error: --adapter {adapter}: {path!r} is a diffusers LoRA (one adapter); --adapter "
                              f"chooses among a rayflow checkpoint's adapters")
@@ -104,7 +102,7 @@ def diffusers_lora_dir(path: str, adapter: str | None, scratch: str, model: Diff
             return export_lora(checkpoint, scratch, adapter)
         except (ValueError, FileNotFoundError) as e:  # a full fine-tuning checkpoint (no LoRA), an adapter it lacks
             raise SystemExit(f"error: --lora: {e}") from None
-    raise SystemExit(f"error: --lora: {path!r} holds neither a diffusers LoRA ({LORA_WEIGHTS}) nor a rayflow checkpoint (meta.json)")
+    raise SystemExit(f"error: --lora: {path!r} holds neither a diffusers LoRA ({DIFFUSERS_LORA_FILE}) nor a rayflow checkpoint (meta.json)")
 
 
 def check_lora_fits(path: str, model: DiffusionModel) -> None:
@@ -117,7 +115,7 @@ def check_lora_fits(path: str, model: DiffusionModel) -> None:
     sizes (peft failed with a traceback of every mismatched tensor, or dropped the missing ones with a warning)."""
     pipeline = type(model.pipe)
     loadable = getattr(pipeline, "_lora_loadable_modules", ["transformer"])
-    state_dict = pipeline.lora_state_dict(path)
+    state_dict = pipeline.lora_state_dict(path, weight_name=DIFFUSERS_LORA_FILE)  # the file load_lora reads
     unloaded = sorted(key for key in state_dict if key.partition(".")[0] not in loadable)
     if unloaded:
         raise SystemExit(f"error: --lora: {path!r}: {len(unloaded)} of its {len(state_dict)} tensors would load into "

@@ -189,9 +189,13 @@ class DiffusionModel(ABC):
     def decode(self, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
         """Final latents [B, N, C] -> images [B, H, W, 3] uint8."""
 
-    @abstractmethod
     def load_lora(self, path: str) -> None:
-        """Load a diffusers-format LoRA directory into the transformer (as the pipeline's load_lora_weights)."""
+        """Load a diffusers-format LoRA directory into the transformer (the pipeline's load_lora_weights), from its
+        DIFFUSERS_LORA_FILE: asked for no file by name, diffusers loads the first of the directory's files whose name
+        ends so, in the order the directory lists them (an earlier export kept beside it could be the one loaded)."""
+        from rayflow.models.lora import DIFFUSERS_LORA_FILE
+
+        self.pipe.load_lora_weights(path, weight_name=DIFFUSERS_LORA_FILE)
 
     def planning_conditioning(self, batch: int, tokens: int) -> PromptEmbeds:
         """Conditioning of `tokens` text tokens per sample on the model's device (meta for the memory

@@ -111,9 +111,6 @@ class FluxModel(pooled.PooledTextModel):
             return_dict=False,
         )[0]
 
-    def load_lora(self, path: str) -> None:
-        self.pipe.load_lora_weights(path)
-
     @torch.no_grad()
     def decode(self, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
         grid = self.pipe._unpack_latents(latents, height, width, self.pipe.vae_scale_factor)

@@ -19,6 +19,8 @@ from torch import nn
 TRAINED_ADAPTER = "default"
 EMA_ADAPTER = "old"
 EVAL_EMA_ADAPTER = "ema"
+DIFFUSERS_LORA_FILE = "pytorch_lora_weights.safetensors"
+"""The file of a diffusers-format LoRA directory: what save_lora_weights writes, and the one file load_lora reads."""
 
 
 def _tuner_layers(transformer: nn.Module) -> list[nn.Module]:

@@ -128,9 +128,6 @@ class QwenImageModel(DiffusionModel):
         dim = self.transformer.config.joint_attention_dim
         return PromptEmbeds(torch.empty(batch, tokens, dim, device=self.device, dtype=self.dtype), None)
 
-    def load_lora(self, path: str) -> None:
-        self.pipe.load_lora_weights(path)
-
     @torch.no_grad()
     def decode(self, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
         vae = self.pipe.vae

@@ -141,9 +141,6 @@ class SD3Model(pooled.PooledTextModel):
         )[0]
         return out.flatten(2).transpose(1, 2)
 
-    def load_lora(self, path: str) -> None:
-        self.pipe.load_lora_weights(path)
-
     @torch.no_grad()
     def decode(self, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
         h, w = self._latent_hw(height, width)
