@@ -244,8 +244,9 @@ def preflight(cfg: RayflowConfig) -> tuple[list[str], ResumePlan]:
     prompts = load_prompts(cfg.data.prompts, cfg.data.max_prompt_chars)
     if cfg.data.eval_prompts:
         load_prompts(cfg.data.eval_prompts, cfg.data.max_prompt_chars, key="data.eval_prompts")
-    for path in filter(None, (cfg.data.prompts, cfg.data.eval_prompts)):  # e.g. an OCR prompt without a quoted target
-        check_prompt_file([fn.name for fn in cfg.reward.functions], path)
+    for key, path in (("data.prompts", cfg.data.prompts), ("data.eval_prompts", cfg.data.eval_prompts)):
+        if path:  # e.g. an OCR prompt without a quoted target
+            check_prompt_file([fn.name for fn in cfg.reward.functions], path, cfg.data.max_prompt_chars, key)
     if cfg.model.path is not None and not os.environ.get("RAY_ADDRESS"):
         check_shapes_base(cfg.model.path)  # the shipped base: missing or corrupt is named with its rebuild command
         if not os.path.isdir(cfg.model.path):

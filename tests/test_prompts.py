@@ -72,6 +72,33 @@ def test_a_missing_eval_prompt_file_is_named_as_data_eval_prompts_before_the_run
         preflight(cfg)
 
 
+def test_the_reward_check_of_a_prompt_file_reads_it_with_the_runs_max_prompt_chars(tmp_path, monkeypatch):
+    """preflight's reward check (check_prompt_file) read the files at the default 4096 characters: a run with
+    data.max_prompt_chars=10000 stopped on a 5000-character prompt, blaming data.max_prompt_chars=4096."""
+    from rayflow import runs
+    from rayflow.config import load_config
+    from rayflow.rewards.validation import check_prompt_file
+
+    long = write(tmp_path, "long.txt", "a red apple " + "x" * 5000 + "\n")
+    cfg = load_config(os.path.join(REPO, "recipes", "flowgrpo_tiny.yaml"),
+                      [f"data.prompts={long}", f"data.eval_prompts={long}", "data.max_prompt_chars=10000"])
+
+    class PromptsChecked(Exception):
+        pass
+
+    def stop(cfg):
+        raise PromptsChecked
+
+    monkeypatch.setattr(runs, "build_tiny_model_once", stop)  # the prompt files passed: the model would be built next
+    with pytest.raises(PromptsChecked):
+        runs.preflight(cfg)
+    with pytest.raises(ValueError, match="allowed: at most data.max_prompt_chars=100 "):
+        check_prompt_file(["color"], long, max_chars=100)
+    missing = str(tmp_path / "held_out.txt")  # named as the setting that named it, not always data.prompts
+    with pytest.raises(ConfigError, match=re.escape(f"data.eval_prompts: got {missing!r}")):
+        check_prompt_file(["color"], missing, key="data.eval_prompts")
+
+
 def test_a_binary_file_names_file_and_line(tmp_path):
     path = str(tmp_path / "p.txt")
     with open(path, "wb") as f:

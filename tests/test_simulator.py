@@ -158,6 +158,25 @@ def test_the_measured_h100_costs_size_the_8_gpu_recipe_as_worked_out_by_hand(cap
     assert float(line.split()[-6]) == pytest.approx(by_hand, rel=0.01)
 
 
+def test_without_gpus_a_cost_files_basis_is_scaled_to_the_configs_shape(capsys):
+    """Without --gpus the basis was ignored: the H100 file's 19.49 s for 4 samples on one learner rank was taken as the
+    8-GPU recipe's whole batch of 64 on 4 ranks (33 s a step at staleness 1, rollout-bound), where --gpus predicts the
+    same split at 78 s (learner-bound). A replica of another size than the basis' has no rule: refused."""
+    from rayflow.paths import REPO_ROOT
+
+    measured = f"{REPO_ROOT}/cluster/costs/qwen_image_h100_measured.json"
+    big = recipe("flowgrpo_qwen_image_8gpu.yaml")
+    assert simulate_main(["--costs", measured, "--config", big, "--gpus", "6", "--staleness", "1", "--top", "1"]) == 0
+    (split,) = capsys.readouterr().out.splitlines()[1:]
+    assert split.startswith("6 GPUs: 2x1 roll + 4 lrn, s=1")  # the recipe's 2 replicas and 4 learner ranks
+    assert simulate_main(["--costs", measured, "--config", big, "--staleness", "1", "rollout.cfg_parallel_size=1"]) == 0
+    (line,) = capsys.readouterr().out.splitlines()[1:]
+    assert line.split()[2:] == split.split()[-6:]
+    assert simulate_main(["--costs", measured, "--config", big]) == 2
+    assert ("rollout.cfg_parallel_size: got 2; allowed: 1, the GPUs per replica the costs of --costs"
+            in capsys.readouterr().err)
+
+
 def test_the_cli_takes_overrides_after_a_list_option_and_names_a_bad_basis(tmp_path, capsys):
     """The README adds `algorithm.prompts_per_step=32 reward.num_workers=8` after `--staleness 0 1`; a basis of 0
     GPUs per replica divided by zero."""

@@ -81,7 +81,9 @@ def evaluate(cfg: RayflowConfig, checkpoint: str | None, seeds: int, adapter: st
         raise ValueError(f"--adapter: got {adapter!r}; allowed: one of {list(allowed)} (the weight sets this run keeps)")
     # Before the model loads, as the recipes do (preflight): a prompt a reward cannot score is named by file and line,
     # not by the reward after sampling. The prompts evaluated are data.eval_prompts', else data.prompts' first ones.
-    check_prompt_file([fn.name for fn in cfg.reward.functions], cfg.data.eval_prompts or cfg.data.prompts)
+    key = "data.eval_prompts" if cfg.data.eval_prompts else "data.prompts"
+    check_prompt_file([fn.name for fn in cfg.reward.functions], cfg.data.eval_prompts or cfg.data.prompts,
+                      cfg.data.max_prompt_chars, key)
     run = reference.build_run(cfg)
     if checkpoint is not None:
         reference.resume(run, checkpoint)

@@ -116,7 +116,7 @@ def row_prompts(run_dir: str) -> list[str] | None:
         print(f"note: the grids' rows are not labelled: data.eval_prompts of {path} is {prompts!r}, not a file here",
               file=sys.stderr)
         return None
-    return load_prompts(prompts)
+    return load_prompts(prompts, data.get("max_prompt_chars", 4096), key="data.eval_prompts")  # as the run read them
 
 
 def plot_grids(before: tuple[int, "numpy.ndarray"], after: tuple[int, "numpy.ndarray"], out: str, title: str,

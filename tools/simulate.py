@@ -23,7 +23,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 from rayflow.config import load_config, split_overrides  # noqa: E402
 from rayflow.errors import ConfigError  # noqa: E402
-from rayflow.planning.simulator import CostBasis, Costs, Shape, SimulationInputError, simulate, size_cluster  # noqa: E402
+from rayflow.planning.simulator import (  # noqa: E402
+    CostBasis, Costs, Shape, SimulationInputError, scaled_costs, simulate, size_cluster,
+)
 
 
 def read_costs(path: str) -> tuple[Costs, CostBasis | None]:
@@ -49,6 +51,17 @@ def read_costs(path: str) -> tuple[Costs, CostBasis | None]:
                 raise SimulationInputError(f"--costs {path!r}: basis.{key}: got {value!r}; allowed: an integer >= 1")
     known = {"benchmark", "basis", "note", "setup"}
     return Costs.from_dict({k: v for k, v in data.items() if k not in known}, source=f"--costs {path!r}"), basis
+
+
+def config_costs(costs: Costs, basis: CostBasis, cfg, path: str) -> Costs:
+    """A basis' costs at the config's batch, request size and learner.world_size. Replicas of another size than the
+    basis' are refused: the model has no rule for a rollout split over more or fewer CFG-parallel GPUs."""
+    if cfg.rollout.cfg_parallel_size != basis.gpus_per_replica:
+        raise SimulationInputError(
+            f"rollout.cfg_parallel_size: got {cfg.rollout.cfg_parallel_size}; allowed: {basis.gpus_per_replica}, the "
+            f"GPUs per replica the costs of --costs {path!r} were measured for (basis.gpus_per_replica); or size "
+            f"splits of such replicas with --gpus")
+    return scaled_costs(costs, basis, cfg.algorithm.batch_size, cfg.rollout.micro_batch_size, cfg.learner.world_size)
 
 
 def row(label: str, p) -> str:
@@ -97,6 +110,8 @@ def main(argv: list[str] | None = None) -> int:
                         label = f"{gpus} GPUs: {split.replicas}x{basis.gpus_per_replica} roll + {split.learner_ranks} lrn, s={s}"
                         lines.append(row(label, split.prediction))
         else:
+            if basis is not None:  # the costs are for the basis' shape: at the config's, as --gpus scales them
+                costs = config_costs(costs, basis, cfg, args.costs)
             for r in args.replicas or [base.replicas]:
                 for s in staleness:
                     shape = Shape(**{**base.__dict__, "replicas": r, "max_staleness": s})

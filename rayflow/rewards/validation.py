@@ -44,14 +44,15 @@ def _parameters(factory) -> str:
     return ", ".join(str(p) for p in inspect.signature(factory).parameters.values()) or "none"
 
 
-def check_prompt_file(names: list[str], path: str) -> None:
-    """Raise ValueError naming the file and line of the first prompt one of the rewards cannot score."""
+def check_prompt_file(names: list[str], path: str, max_chars: int = 4096, key: str = "data.prompts") -> None:
+    """Raise ValueError naming the file and line of the first prompt one of the rewards cannot score. The file is read
+    as load_prompts reads it: `max_chars` is the run's data.max_prompt_chars, `key` the setting that named the file."""
     from rayflow.data.prompts import prompt_lines
 
     checks = [(n, c) for n in names if (c := getattr(reward_factory(n), "check_prompt", None)) is not None]
     if not checks:
         return
-    for lineno, prompt in prompt_lines(path):
+    for lineno, prompt in prompt_lines(path, max_chars, key):
         for name, check in checks:
             try:
                 check(prompt)
