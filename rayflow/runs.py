@@ -142,8 +142,14 @@ def check_checkpoint_model(meta: dict, model_dir: str, path: str) -> None:
     config_file = os.path.join(model_dir, "transformer", "config.json")
     if not isinstance(saved, dict) or not os.path.isfile(config_file):
         return
-    with open(config_file) as f:
-        config = json.load(f)
+    try:
+        with open(config_file) as f:
+            config = json.load(f)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:  # escaped naming no file (json's own message only)
+        raise ValueError(f"model.path: {config_file} is not a valid transformer config.json ({e})") from None
+    if not isinstance(config, dict):  # a list escaped as an AttributeError traceback
+        raise ValueError(f"model.path: {config_file} is not a valid transformer config.json (got a JSON "
+                         f"{type(config).__name__}; allowed: an object of the transformer's settings)")
     current = {"pipeline": pipeline_class_of(model_dir), "transformer": config.get("_class_name")}
     diffs = [(f"identity.model.{key}", saved[key], value) for key, value in current.items()
              if key in saved and saved[key] != value]

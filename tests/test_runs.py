@@ -89,6 +89,20 @@ def test_a_checkpoint_of_another_model_family_is_named_from_its_meta_json_before
         plan_resume(small_cfg(GRPO, tiny_model_dir, run_dir, f"trainer.total_steps={total_steps}"))
 
 
+@pytest.mark.parametrize("content, got", [("{not json", "Expecting property name"), ("[1, 2]", "got a JSON list")])
+def test_an_unreadable_transformer_config_of_the_resumed_model_is_named_by_file(tiny_model_dir, finished_run, tmp_path,
+                                                                                  content, got):
+    """The resume's model check reads model.path's transformer/config.json: a file that is not JSON was answered with
+    json's message alone (no file named), one that is not an object with an AttributeError traceback."""
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model)
+    config = model / "transformer" / "config.json"
+    config.write_text(content)
+    with pytest.raises(ValueError, match=rf"^model\.path: {re.escape(str(config))} is not a valid transformer "
+                                         rf"config\.json \(.*{got}"):
+        plan_resume(small_cfg(GRPO, str(model), finished_run, "trainer.total_steps=5"))
+
+
 def test_a_run_directory_given_as_the_resume_target_is_named_with_its_checkpoints(tiny_model_dir, finished_run, tmp_path):
     """trainer.resume (and export_lora.py) take a checkpoint or a directory of checkpoints; a run's own directory was
     refused with no word of the checkpoints/ inside it, nor of the key that named it."""
