@@ -29,9 +29,10 @@ STEPS = 4
 SYNCHRONOUS = ("trainer.eval_every=0", "logging.progress_bar=false", "async.max_staleness=0", "trainer.save_every=2",
                f"trainer.total_steps={STEPS}")
 ASYNCHRONOUS = ("trainer.eval_every=0", "logging.progress_bar=false", "async.max_staleness=1")
-SYNC_STALLS_IN_5_S = ("trainer.save_every=0", "trainer.total_steps=4", "rollout.collective_timeout_s=5",
+SYNC_STALLS_IN_3_S = ("trainer.save_every=0", "trainer.total_steps=4", "rollout.collective_timeout_s=3",
                       "learner.stall_timeout_s=60")
-"""A weight-sync actor that takes no push is found within 5 s, long before the learners' watchdog."""
+"""A weight-sync actor that takes no push is found within 3 s, long before the learners' watchdog (its deadlines, in
+multiples of the timeout, are the fault tests' longest waits: a stopped actor's settle 4 x 3 = 12 s)."""
 
 
 @pytest.fixture(scope="module")
@@ -446,7 +447,7 @@ def test_a_weight_sync_actor_stuck_in_a_push_is_replaced_as_stalled_in_a_synchro
         ray_session, tiny_model_dir, tmp_path, undisturbed, monkeypatch, caplog):
     """Version 2's push is never taken: the driver's wait for it ends at the sync's deadline (it stopped the run with a
     TimeoutError), the actor is replaced as stalled and the version pushed again; the run equals an undisturbed one."""
-    trainer = Trainer(small_cfg(GRPO, tiny_model_dir, tmp_path, *SYNCHRONOUS, "rollout.collective_timeout_s=5"))
+    trainer = Trainer(small_cfg(GRPO, tiny_model_dir, tmp_path, *SYNCHRONOUS, "rollout.collective_timeout_s=3"))
     try:
         after_step(trainer, monkeypatch, 1, lambda: hang_push_of(trainer, 2))
         trainer.run()
@@ -501,7 +502,7 @@ def test_a_weight_sync_actor_stuck_in_a_push_is_replaced_as_stalled_not_blamed_o
     """Asynchronous: version 2's push is never taken, and learner rank 0 waited for it with no deadline as it pushed 3,
     blocking the learners' step until their watchdog stopped the run naming them (LearnerStalled). It waits the sync's
     timeout (rollout.collective_timeout_s) and reports the push not taken; the driver replaces the actor."""
-    cfg = small_cfg(GRPO, tiny_model_dir, tmp_path, *ASYNCHRONOUS, *SYNC_STALLS_IN_5_S)
+    cfg = small_cfg(GRPO, tiny_model_dir, tmp_path, *ASYNCHRONOUS, *SYNC_STALLS_IN_3_S)
     trainer = Trainer(cfg)
     try:
         after_step(trainer, monkeypatch, 1, lambda: hang_push_of(trainer, 2))
@@ -595,7 +596,7 @@ def test_a_stopped_weight_sync_actor_is_replaced_as_stalled_in_an_asynchronous_r
     """Asynchronous: the weight-sync actor is stopped (SIGSTOP) after step 1: it neither answers nor dies. The driver
     asked it for the versions a broadcast lost with no deadline after every step, and the run hung there; it waits the
     sync's timeout (rollout.collective_timeout_s) and replaces the actor as stalled."""
-    cfg = small_cfg(GRPO, tiny_model_dir, tmp_path, *ASYNCHRONOUS, *SYNC_STALLS_IN_5_S)
+    cfg = small_cfg(GRPO, tiny_model_dir, tmp_path, *ASYNCHRONOUS, *SYNC_STALLS_IN_3_S)
     trainer, stopped = Trainer(cfg), []
     try:
         after_step(trainer, monkeypatch, 1, lambda: stop_sync_actor(trainer, stopped))
@@ -615,7 +616,7 @@ def test_an_evaluation_waiting_for_a_version_never_staged_replaces_the_weight_sy
     rollout watchdog (rollout.stall_timeout_s), which replaced the rollout replica as stalled, again and again. The
     driver waits for the broadcast before the evaluation, within the sync's deadline, and replaces the weight-sync
     actor as stalled."""
-    cfg = small_cfg(GRPO, tiny_model_dir, tmp_path, *ASYNCHRONOUS, *SYNC_STALLS_IN_5_S, "trainer.total_steps=2",
+    cfg = small_cfg(GRPO, tiny_model_dir, tmp_path, *ASYNCHRONOUS, *SYNC_STALLS_IN_3_S, "trainer.total_steps=2",
                     "trainer.eval_every=2", "rollout.stall_timeout_s=30")
     trainer = Trainer(cfg)
     try:
@@ -634,7 +635,7 @@ def test_a_weight_sync_actor_stopped_as_a_rollout_replica_dies_is_replaced_as_st
     the sync group without the dead replica (`connect`), and the stopped actor's settle for it went unanswered: a bare
     TimeoutError out of the pool stopped the run. `connect` marks the actor stalled instead, the driver replaces it as
     stalled on sync.max_restarts (the replacement connects the live replicas) and pushes the version again."""
-    cfg = small_cfg(GRPO, tiny_model_dir, tmp_path, *ASYNCHRONOUS, *SYNC_STALLS_IN_5_S)
+    cfg = small_cfg(GRPO, tiny_model_dir, tmp_path, *ASYNCHRONOUS, *SYNC_STALLS_IN_3_S)
     trainer, stopped = Trainer(cfg), []
 
     def stop_sync_actor_and_kill_a_rollout_rank():
@@ -846,7 +847,7 @@ def test_a_weight_sync_actor_and_a_rollout_rank_lost_together_are_both_replaced(
     request failed), the re-formed sync group asked the dead actor to settle, and its ActorDiedError stopped the run;
     found first by the driver (the actor's death), the replacement's group waited for the dead rank to join until the
     collective timeout (300 s by default), and the run stopped. Both are replaced; the run equals an undisturbed one."""
-    cfg = small_cfg(GRPO, tiny_model_dir, tmp_path, *SYNCHRONOUS, "rollout.collective_timeout_s=5")
+    cfg = small_cfg(GRPO, tiny_model_dir, tmp_path, *SYNCHRONOUS, "rollout.collective_timeout_s=3")
     trainer = Trainer(cfg)
 
     def lose_the_node():
