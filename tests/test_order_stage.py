@@ -19,8 +19,8 @@ from rayflow.worlds.shapes import parse_prompt, prompt_of
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
 
 from order_stage import (  # noqa: E402
-    OrderStageConfig, StageScenes, main, order_prompts, order_stage, order_target, parse_args, stage_scenes, swapped,
-    target_field,
+    OrderStageConfig, StageScenes, held_out_arrangements, main, order_prompts, order_stage, order_target, parse_args,
+    stage_scenes, swapped, target_field,
 )
 
 
@@ -28,6 +28,19 @@ def test_swapped_exchanges_the_two_objects_and_keeps_the_relation():
     req = parse_prompt("a red triangle above a blue circle")
     assert prompt_of(swapped(req)) == "a blue circle above a red triangle"
     assert prompt_of(swapped(swapped(req))) == "a red triangle above a blue circle"
+
+
+def test_a_held_out_relation_is_held_out_in_its_scenes_not_only_its_wording():
+    """The same scene worded the other way round, and the exchanged order (an order row's contrast), are held out too;
+    the same two objects on the other axis are other scenes."""
+    assert set(held_out_arrangements(parse_prompt("a red triangle above a blue circle"))) == {
+        "a red triangle above a blue circle", "a blue circle below a red triangle",  # the scene asked for
+        "a blue circle above a red triangle", "a red triangle below a blue circle",  # its swap
+    }
+    assert set(held_out_arrangements(parse_prompt("a blue triangle to the right of a green square"))) == {
+        "a blue triangle to the right of a green square", "a green square to the left of a blue triangle",
+        "a green square to the right of a blue triangle", "a blue triangle to the left of a green square",
+    }
 
 
 def test_target_field_weighs_each_scene_by_how_likely_it_makes_x_t():
@@ -104,7 +117,8 @@ def test_the_shipped_base_is_the_rebuild_commands_stage_of_the_shipped_pretraine
     with open(os.path.join(SHAPES_MODEL_DIR, MANIFEST)) as f:
         manifest = json.load(f)
     assert manifest["config"] == json.loads(json.dumps(asdict(cfg)))  # tuples as the manifest's lists
-    assert len(cfg.exclude) == 4 and all(parse_prompt(p).relation for p in cfg.exclude)
+    # The held-out file's four relation prompts, each with its two objects on its axis in either order and wording.
+    assert len(cfg.exclude) == 4 * 4 and all(parse_prompt(p).relation for p in cfg.exclude)
     assert args.threads == 2
 
 
@@ -130,7 +144,7 @@ def test_exclude_holds_out_a_prompt_however_it_is_written(tmp_path):
     exclude.write_text("A red triangle above a blue circle.\na blue  triangle to the right of a green square\n")
     cfg, _ = parse_args(["--base", PRETRAINED_MODEL_DIR, "--out", str(tmp_path / "out"), "--exclude", str(exclude)])
     taught = [p for p, _ in order_prompts(replace(cfg, scenes=1))]
-    assert len(taught) == 528 - 2
+    assert len(taught) == 528 - 2 * 4  # each held-out prompt's arrangement in either order and wording
     assert held_out not in taught and "a blue triangle to the right of a green square" not in taught
     # The shipped held-out file's four relation prompts are written as the world writes them: nothing changes for it.
     assert len(order_prompts(replace(SMALL, exclude=(held_out,), scenes=1))) == 528 - 1

@@ -9,7 +9,8 @@ circle" and "a blue circle above a red triangle" sample alike, and RL does not t
 (README, Learning on the shapes world). This stage does, with supervised rows, and leaves the rest to RL. Each step
 has `order_rows` order rows and `anchor_rows` anchor rows, AdamW at a constant learning rate:
 
-- an order row: a relation prompt p of the world (those in --exclude left out), x₀ one of `scenes` scenes of p,
+- an order row: a relation prompt p of the world (none of --exclude's relation prompts' two objects on its axis, in
+  either order or wording: held_out_arrangements), x₀ one of `scenes` scenes of p,
   σ ~ U(sigma_min, 1) (a quarter of the rows at σ = 1 exactly), x_t = (1 − σ)·x₀ + σ·ε, and the target velocity
 
       v* = v_base(x_t, p) + (x̄_q − x̄_p) / (2σ)
@@ -55,7 +56,7 @@ from rayflow.data.prompts import load_prompts  # noqa: E402
 from rayflow.models.base import PromptEmbeds  # noqa: E402
 from rayflow.models.shapes import MANIFEST, check_shapes_base  # noqa: E402
 from rayflow.rewards.validation import check_prompt_file  # noqa: E402
-from rayflow.worlds.shapes import Requirements, parse_prompt, prompt_of, scene_for  # noqa: E402
+from rayflow.worlds.shapes import RELATIONS, Requirements, parse_prompt, prompt_of, scene_for  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -64,7 +65,8 @@ class OrderStageConfig:
     """The base continued (its manifest's sha256 goes into the result's)."""
     base_manifest_sha256: str = ""
     exclude: tuple[str, ...] = ()
-    """Relation prompts left out of the order rows (the recipes' held-out evaluation prompts)."""
+    """Relation prompts left out of the order rows: from the command line, every wording of each held-out evaluation
+    prompt's two objects on its axis, in either order (held_out_arrangements)."""
     seed: int = 0
     steps: int = 2000
     order_rows: int = 32
@@ -91,6 +93,15 @@ def swapped(req: Requirements) -> Requirements:
     """The relation prompt with its two objects exchanged: "a blue circle above a red triangle" for "a red triangle
     above a blue circle"."""
     return replace(req, objects=(req.objects[1], req.objects[0]))
+
+
+def held_out_arrangements(req: Requirements) -> tuple[str, ...]:
+    """Every relation prompt of `req`'s two objects along its axis, in either order and either wording: for "a red
+    triangle above a blue circle", it, "a red triangle below a blue circle" and the two with the objects exchanged.
+    Leaving these out holds the prompt out in the scenes it asks for (an order row's swap is its contrast, so the
+    exchanged order would show them too), not only in its wording."""
+    axis = RELATIONS[:2] if req.relation in RELATIONS[:2] else RELATIONS[2:]
+    return tuple(prompt_of(replace(r, relation=relation)) for r in (req, swapped(req)) for relation in axis)
 
 
 def anchor_pool(pipe, n: int, chunk: int = 256) -> tuple[torch.Tensor, list[str]]:
@@ -214,7 +225,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[OrderStageConfig, argpars
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--base", required=True, help="the shapes base to continue (a diffusers directory)")
     parser.add_argument("--out", required=True, help="directory to write (replaced if it exists)")
-    parser.add_argument("--exclude", help="a prompts file whose relation prompts the order rows leave out")
+    parser.add_argument("--exclude", help="a prompts file whose relation prompts the order rows hold out, in the scenes "
+                        "they ask for (held_out_arrangements)")
     parser.add_argument("--steps", type=int, default=OrderStageConfig.steps)
     parser.add_argument("--seed", type=int, default=OrderStageConfig.seed)
     parser.add_argument("--threads", type=int, default=2, help="torch threads (the result depends on it in rounding)")
@@ -227,7 +239,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[OrderStageConfig, argpars
     if args.exclude:
         prompts = load_prompts(args.exclude, key="--exclude")  # a missing file named as --exclude's
         check_prompt_file(["shapes"], args.exclude)  # a prompt the world cannot read: named with its file and line
-        exclude = tuple(p for p in prompts if parse_prompt(p).relation)
+        held_out = [parse_prompt(p) for p in prompts if parse_prompt(p).relation]
+        exclude = tuple(dict.fromkeys(p for req in held_out for p in held_out_arrangements(req)))
     cfg = OrderStageConfig(base=args.base, base_manifest_sha256=sha256_file(manifest), exclude=exclude,
                            seed=args.seed, steps=args.steps)
     return cfg, args
