@@ -146,6 +146,9 @@ def test_exclude_holds_out_a_prompt_however_it_is_written(tmp_path):
     taught = [p for p, _ in order_prompts(replace(cfg, scenes=1))]
     assert len(taught) == 528 - 2 * 4  # each held-out prompt's arrangement in either order and wording
     assert held_out not in taught and "a blue triangle to the right of a green square" not in taught
+    assert "a blue circle below a red triangle" not in taught  # the held-out scene, worded the other way round
+    assert "a blue circle above a red triangle" not in taught  # its swap, whose order row would contrast with it
+    assert "a red triangle to the left of a blue circle" in taught  # the same two objects on the other axis
     # The shipped held-out file's four relation prompts are written as the world writes them: nothing changes for it.
     assert len(order_prompts(replace(SMALL, exclude=(held_out,), scenes=1))) == 528 - 1
 
