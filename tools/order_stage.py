@@ -100,7 +100,7 @@ def held_out_arrangements(req: Requirements) -> tuple[str, ...]:
     triangle above a blue circle", it, "a red triangle below a blue circle" and the two with the objects exchanged.
     Leaving these out holds the prompt out in the scenes it asks for (an order row's swap is its contrast, so the
     exchanged order would show them too), not only in its wording."""
-    axis = RELATIONS[:2] if req.relation in RELATIONS[:2] else RELATIONS[2:]
+    axis = RELATIONS[:2] if req.relation in RELATIONS[:2] else RELATIONS[2:]  # (above, below) or (left of, right of)
     return tuple(prompt_of(replace(r, relation=relation)) for r in (req, swapped(req)) for relation in axis)
 
 
@@ -239,7 +239,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[OrderStageConfig, argpars
     if args.exclude:
         prompts = load_prompts(args.exclude, key="--exclude")  # a missing file named as --exclude's
         check_prompt_file(["shapes"], args.exclude)  # a prompt the world cannot read: named with its file and line
-        held_out = [parse_prompt(p) for p in prompts if parse_prompt(p).relation]
+        held_out = [req for req in map(parse_prompt, prompts) if req.relation]
         exclude = tuple(dict.fromkeys(p for req in held_out for p in held_out_arrangements(req)))
     cfg = OrderStageConfig(base=args.base, base_manifest_sha256=sha256_file(manifest), exclude=exclude,
                            seed=args.seed, steps=args.steps)
