@@ -355,49 +355,31 @@ def test_the_local_start_lock_is_usable_by_every_user_and_read_only_is_enough(tm
         pass
 
 
-def test_a_second_interrupt_during_the_teardown_still_stops_the_local_ray(tiny_model_dir, tmp_path, monkeypatch):
-    """Ctrl-C, then another while the actors shut down: the second escaped the actors' teardown, and the local Ray
-    the run had started (and its worker zygotes) were left running."""
+@pytest.mark.parametrize("stop, again, status", [
+    ("ctrl-c", None, 130), ("sigterm", None, 143),
+    ("sigterm", "sigterm", 143), ("ctrl-c", "ctrl-c", 130),  # a second stop while the actors shut down
+    (None, "sigterm", 143),  # the run had ended, and was stopped while it shut down
+])
+def test_an_interrupted_run_exits_with_the_signals_status(tiny_model_dir, tmp_path, monkeypatch, capsys, stop, again,
+                                                          status):
+    """Ctrl-C exits 130 and SIGTERM (`ray job stop`, a container's shutdown) 143, as the shell reports a process a
+    signal ended, after the line that says where to continue; a failure exits 1. Both exited 1, so a script around the
+    command could not tell a stop from a failure. A second stop during the teardown cuts the actors' shutdown short
+    and the local Ray (and its worker zygotes) are still stopped and the run directory released, with the first stop's
+    status: it escaped the teardown as a traceback and exit 130."""
+    import signal
+
     import ray
 
     from rayflow.driver import launch
     from rayflow.driver import trainer as trainer_module
     from rayflow.planning import device_check
 
-    stopped = []
-
-    class Interrupted:
-        def __init__(self, cfg, prompts):
-            pass
-
-        def run(self):
-            raise KeyboardInterrupt  # the first Ctrl-C
-
-        def shutdown(self):
-            raise KeyboardInterrupt  # the second, during the teardown
-
-    monkeypatch.setattr(launch, "start_ray", lambda cfg: True)
-    monkeypatch.setattr(launch, "_stop_on_sigterm", lambda: None)
-    monkeypatch.setattr(launch, "check_cluster_fits", lambda cfg, joined: None)
-    monkeypatch.setattr(device_check, "check_before_start", lambda cfg: None)
-    monkeypatch.setattr(trainer_module, "Trainer", Interrupted)
-    monkeypatch.setattr(ray, "shutdown", lambda: stopped.append("ray"))
-    monkeypatch.setattr(launch, "stop_worker_zygotes", lambda: stopped.append("zygotes"))
-    with pytest.raises(KeyboardInterrupt):
-        launch.run_recipe(GRPO, [f"model.path={tiny_model_dir}", f"trainer.output_dir={tmp_path}"])
-    assert stopped == ["ray", "zygotes"]
-
-
-@pytest.mark.parametrize("stop, status", [("ctrl-c", 130), ("sigterm", 143)])
-def test_an_interrupted_run_exits_with_the_signals_status(tiny_model_dir, tmp_path, monkeypatch, capsys, stop, status):
-    """Ctrl-C exits 130 and SIGTERM (`ray job stop`, a container's shutdown) 143, as the shell reports a process a
-    signal ended, after the line that says where to continue; a failure exits 1. Both exited 1, so a script around the
-    command could not tell a stop from a failure."""
-    import signal
-
-    from rayflow.driver import launch
-    from rayflow.driver import trainer as trainer_module
-    from rayflow.planning import device_check
+    def send(signal_name):
+        if signal_name == "ctrl-c":
+            raise KeyboardInterrupt
+        os.kill(os.getpid(), signal.SIGTERM)  # the launcher's handler raises here, before the next line
+        pytest.fail("SIGTERM did not stop the run")
 
     class Stopped:
         version = 2
@@ -409,15 +391,20 @@ def test_an_interrupted_run_exits_with_the_signals_status(tiny_model_dir, tmp_pa
             return {}
 
         def run(self):
-            if stop == "ctrl-c":
-                raise KeyboardInterrupt
-            os.kill(os.getpid(), signal.SIGTERM)  # the launcher's handler raises here, before the next line
-            pytest.fail("SIGTERM did not stop the run")
+            if stop:
+                send(stop)
+            return []
 
         def shutdown(self):
-            pass
+            if again:
+                send(again)
 
-    monkeypatch.setattr(launch, "start_ray", lambda cfg: False)
+    torn_down = []
+    monkeypatch.setattr(launch, "start_ray", lambda cfg: True)
+    monkeypatch.setattr(ray, "shutdown", lambda: torn_down.append("ray"))
+    monkeypatch.setattr(launch, "stop_worker_zygotes", lambda: torn_down.append("zygotes"))
+    release = launch.release_run_dir
+    monkeypatch.setattr(launch, "release_run_dir", lambda lock: torn_down.append("run dir") or release(lock))
     monkeypatch.setattr(launch, "check_cluster_fits", lambda cfg, joined: None)
     monkeypatch.setattr(device_check, "check_before_start", lambda cfg: None)
     monkeypatch.setattr(trainer_module, "Trainer", Stopped)
@@ -428,7 +415,8 @@ def test_an_interrupted_run_exits_with_the_signals_status(tiny_model_dir, tmp_pa
     finally:
         signal.signal(signal.SIGTERM, previous)
     assert exited.value.code == status
-    assert "interrupted at step 2; " in capsys.readouterr().err
+    assert torn_down == ["ray", "zygotes", "run dir"]
+    assert ("interrupted at step 2; " in capsys.readouterr().err) == (stop is not None)
 
 
 def test_a_failure_inside_an_actor_is_reported_as_its_root_cause_in_one_line(ray_session):

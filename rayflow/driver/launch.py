@@ -200,30 +200,46 @@ def run_recipe(default_config: str, argv: list[str] | None = None) -> list[dict[
         log.info("startup of learner rank 0: %s", _seconds(trainer.learners.setup_seconds()))
         history = trainer.run()
         log.info("%s", summary(cfg, history, time.perf_counter() - start))
-        return history
     except KeyboardInterrupt as e:
         step = trainer.version if trainer is not None else 0
         print(f"interrupted at step {step}; {_where(cfg)}", file=sys.stderr)
-        # The shell's 128 + signal number, so a script around the command tells a stop from a failure (1).
-        sys.exit(128 + (signal.SIGTERM if isinstance(e, Terminated) else signal.SIGINT))
+        sys.exit(_stopped_status(e))
     except Exception as e:
         if isinstance(root_cause(e), USER_ERRORS):
             sys.exit(f"error: {describe_failure(e)}")
         log.exception("the run failed")
         sys.exit(f"error: {describe_failure(e)}; {_where(cfg)}")
     finally:
-        try:
-            if trainer is not None:
-                trainer.shutdown()
-        finally:  # a second Ctrl-C or SIGTERM during the actors' teardown still stops the local Ray this run started
-            try:
-                if started:
-                    import ray
+        stopped_in_teardown = _tear_down(trainer, started, run_lock)
+    if stopped_in_teardown is not None:  # the run had ended; stopped while it was tearing down, it exits as stopped
+        sys.exit(_stopped_status(stopped_in_teardown))
+    return history
 
-                    ray.shutdown()
-                    stop_worker_zygotes()
-            finally:
-                release_run_dir(run_lock)
+
+def _stopped_status(stop: KeyboardInterrupt) -> int:
+    """The shell's 128 + signal number, so a script around the command tells a stop from a failure (1)."""
+    return 128 + (signal.SIGTERM if isinstance(stop, Terminated) else signal.SIGINT)
+
+
+def _tear_down(trainer, started: bool, run_lock) -> KeyboardInterrupt | None:
+    """Shut the run's actors down, then the local Ray this run started, then release the run directory, however the
+    run ended. A Ctrl-C or SIGTERM during one of these cuts that one short and the rest still run (the local Ray is
+    stopped, the directory released); it is returned, not raised, so the run's own outcome (a stop's status, a
+    failure's message) is what the process exits with, without a traceback from the teardown."""
+    import ray
+
+    parts = [("the actors' shutdown", trainer.shutdown)] if trainer is not None else []
+    if started:
+        parts += [("Ray's shutdown", ray.shutdown), ("the worker zygotes' stop", stop_worker_zygotes)]
+    parts.append(("the run directory's release", lambda: release_run_dir(run_lock)))
+    stopped = None
+    for name, part in parts:
+        try:
+            part()
+        except KeyboardInterrupt as e:
+            log.warning("stopped again during the teardown: %s cut short (%s)", name, e or "Ctrl-C")
+            stopped = stopped or e
+    return stopped
 
 
 def _where(cfg: RayflowConfig) -> str:
