@@ -588,8 +588,8 @@ class TrainerConfig:
         _need(self.logdir.strip() != "", f"{prefix}.logdir", self.logdir, "a directory path (not empty)")
         # Below 2**32, seed x 1_000_003 + the sample counter stays under 2**63 however many samples a run draws.
         _need(0 <= self.seed < SEED_LIMIT, f"{prefix}.seed", self.seed,
-              f"an integer in [0, 2**32) (sample seeds are trainer.seed x 1_000_003 + a sample counter, and torch "
-              f"seeds must fit in 64 bits)")
+              "an integer in [0, 2**32) (sample seeds are trainer.seed x 1_000_003 + a sample counter, and torch "
+              "seeds must fit in 64 bits)")
         _need(
             self.run_name is None or (self.run_name not in ("", ".", "..") and "/" not in self.run_name),
             f"{prefix}.run_name", self.run_name, "null or a directory name (no '/')",
