@@ -359,6 +359,7 @@ def test_the_local_start_lock_is_usable_by_every_user_and_read_only_is_enough(tm
     ("ctrl-c", None, 130), ("sigterm", None, 143),
     ("sigterm", "sigterm", 143), ("ctrl-c", "ctrl-c", 130),  # a second stop while the actors shut down
     (None, "sigterm", 143),  # the run had ended, and was stopped while it shut down
+    ("failure", "sigterm", "error: RuntimeError: a rank failed; "),  # a failed run keeps its message (exit 1)
 ])
 def test_an_interrupted_run_exits_with_the_signals_status(tiny_model_dir, tmp_path, monkeypatch, capsys, stop, again,
                                                           status):
@@ -366,7 +367,7 @@ def test_an_interrupted_run_exits_with_the_signals_status(tiny_model_dir, tmp_pa
     signal ended, after the line that says where to continue; a failure exits 1. Both exited 1, so a script around the
     command could not tell a stop from a failure. A second stop during the teardown cuts the actors' shutdown short
     and the local Ray (and its worker zygotes) are still stopped and the run directory released, with the first stop's
-    status: it escaped the teardown as a traceback and exit 130."""
+    status, or a failed run's message: it escaped the teardown as a traceback and exit 130."""
     import signal
 
     import ray
@@ -376,6 +377,8 @@ def test_an_interrupted_run_exits_with_the_signals_status(tiny_model_dir, tmp_pa
     from rayflow.planning import device_check
 
     def send(signal_name):
+        if signal_name == "failure":
+            raise RuntimeError("a rank failed")
         if signal_name == "ctrl-c":
             raise KeyboardInterrupt
         os.kill(os.getpid(), signal.SIGTERM)  # the launcher's handler raises here, before the next line
@@ -414,9 +417,12 @@ def test_an_interrupted_run_exits_with_the_signals_status(tiny_model_dir, tmp_pa
             launch.run_recipe(GRPO, [f"model.path={tiny_model_dir}", f"trainer.output_dir={tmp_path}", "trainer.run_name=r"])
     finally:
         signal.signal(signal.SIGTERM, previous)
-    assert exited.value.code == status
+    if isinstance(status, str):  # sys.exit(message): printed, exit status 1
+        assert exited.value.code.startswith(status), exited.value.code
+    else:
+        assert exited.value.code == status
     assert torn_down == ["ray", "zygotes", "run dir"]
-    assert ("interrupted at step 2; " in capsys.readouterr().err) == (stop is not None)
+    assert ("interrupted at step 2; " in capsys.readouterr().err) == (stop in ("ctrl-c", "sigterm"))
 
 
 def test_a_failure_inside_an_actor_is_reported_as_its_root_cause_in_one_line(ray_session):
