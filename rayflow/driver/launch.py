@@ -225,20 +225,25 @@ def _tear_down(trainer, started: bool, run_lock) -> KeyboardInterrupt | None:
     """Shut the run's actors down, then the local Ray this run started, then release the run directory, however the
     run ended. A Ctrl-C or SIGTERM during one of these cuts that one short and the rest still run (the local Ray is
     stopped, the directory released); it is returned, not raised, so the run's own outcome (a stop's status, a
-    failure's message) is what the process exits with, without a traceback from the teardown."""
-    import ray
-
+    failure's message) is what the process exits with, without a traceback from the teardown. An error in a part
+    (the actors' shutdown failing) lets the rest run too, and is raised after them."""
     parts = [("the actors' shutdown", trainer.shutdown)] if trainer is not None else []
     if started:
+        import ray
+
         parts += [("Ray's shutdown", ray.shutdown), ("the worker zygotes' stop", stop_worker_zygotes)]
     parts.append(("the run directory's release", lambda: release_run_dir(run_lock)))
-    stopped = None
+    stopped, error = None, None
     for name, part in parts:
         try:
             part()
         except KeyboardInterrupt as e:
             log.warning("stopped again during the teardown: %s cut short (%s)", name, e or "Ctrl-C")
             stopped = stopped or e
+        except Exception as e:
+            error = error or e
+    if error is not None:
+        raise error
     return stopped
 
 
