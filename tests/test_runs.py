@@ -568,19 +568,23 @@ zygotes = worker_imports.start_worker_zygotes("QwenImagePipeline") if sys.argv[1
 ray.init(address="local", num_cpus=2, include_dashboard=False, **zygotes)
 worker_imports.wait_worker_zygotes()
 MODEL_CODE = ("diffusers", "diffusers.pipelines.qwenimage.pipeline_qwenimage", "transformers", "peft")
+ACTOR_CODE = ("rayflow.learner.worker", "rayflow.rollout.rank")
 zygotes = [z.process.pid for z in worker_imports._started]
 
 @ray.remote
 class Probe:
     def loaded(self):
         parent = zygotes.index(os.getppid()) if os.getppid() in zygotes else None
-        return [m for m in MODEL_CODE if m in sys.modules], parent
+        return [m for m in MODEL_CODE if m in sys.modules], parent, [m for m in ACTOR_CODE if m in sys.modules]
 
 try:
     # A fresh worker's modules, before it runs anything of rayflow's own; then an actor that needs no model code.
     print("worker:", ray.get(ray.remote(lambda: [m for m in MODEL_CODE if m in sys.modules]).remote()))
     print("actor:", ray.get(Probe.remote().loaded.remote()))
     print("light actor:", ray.get(Probe.options(**worker_imports.light_actor_options()).remote().loaded.remote()))
+    # Ray's variables of its own (a runtime env's): not the zygotes' Ray config, so a plain worker.
+    own = {"runtime_env": {"env_vars": {"RAY_health_check_initial_delay_ms": "4321"}}}
+    print("own ray variables:", ray.get(Probe.options(**own).remote().loaded.remote()))
     # Idle workers the raylet started itself (a forked worker's parent is a zygote): none started ahead of demand.
     def proc(pid):
         try:
@@ -603,8 +607,9 @@ finally:
 @pytest.mark.parametrize("zygotes", ["yes", "no"])
 def test_a_local_runs_workers_are_forked_with_the_model_code_imported(tmp_path, zygotes):
     """What start-up and the suite gain from (README, Benchmarks, start-up): Ray's workers are forked from a zygote
-    that holds torch, diffusers and the run's pipeline class; an actor that needs none of it (weight sync, rewards)
-    is forked from the light zygote, which holds torch only."""
+    that holds torch, diffusers and the run's pipeline class, then Ray and the learner's and rollout rank's code; an
+    actor that needs none of the model code (weight sync, rewards) is forked from the light zygote, which holds torch
+    and Ray. A worker whose runtime env sets a RAY_* variable of its own is a plain process, not forked."""
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     result = subprocess.run([sys.executable, "-c", ZYGOTE_PROBE, zygotes], cwd=tmp_path, env=env, capture_output=True,
                             text=True, timeout=180)
@@ -614,8 +619,12 @@ def test_a_local_runs_workers_are_forked_with_the_model_code_imported(tmp_path, 
     forked = zygotes == "yes" and zygotes_wanted()
     model_code = ["diffusers", "diffusers.pipelines.qwenimage.pipeline_qwenimage", "transformers", "peft"]
     assert f"worker: {model_code if forked else []}" in result.stdout, result.stdout
-    assert f"actor: ({model_code if forked else []}, {0 if forked else None})" in result.stdout, result.stdout
-    assert f"light actor: ([], {1 if forked else None})" in result.stdout, result.stdout
+    # The model zygote holds the learner's and the rollout rank's code too (imported with Ray, under the first worker's
+    # Ray variables).
+    actor = (model_code, 0, ["rayflow.learner.worker", "rayflow.rollout.rank"]) if forked else ([], None, [])
+    assert f"actor: {actor}" in result.stdout, result.stdout
+    assert f"light actor: {([], 1, []) if forked else ([], None, [])}" in result.stdout, result.stdout
+    assert "own ray variables: ([], None, [])" in result.stdout, result.stdout
     if forked:  # the raylet started two plain workers for the first driver, idle for the whole run (no actor takes one)
         assert "plain idle workers: 0" in result.stdout, result.stdout
 

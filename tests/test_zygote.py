@@ -10,7 +10,10 @@ import time
 
 import pytest
 
+from rayflow.distributed.worker_imports import LIGHT_RAY_MODULES, MODEL_RAY_MODULES
 from rayflow.distributed.zygote import CLIENT, Zygote
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 WORKER = """
 import json, os, random, signal, sys, time
@@ -195,9 +198,58 @@ def test_a_zygote_that_cannot_preload_is_named_with_its_error(tmp_path):
     missing = r"(?s)preloading \['no_such_module_here'\].*No module named 'no_such_module_here'"
     with pytest.raises(RuntimeError, match=missing):
         Zygote.start(str(tmp_path / "z"), ["no_such_module_here"])
-    # Ray caches its config at import: a zygote holding it would hand every worker this process's.
+    # Ray caches its config at import: a zygote holding it from the start would hand every worker its starter's.
     with pytest.raises(RuntimeError, match="imported ray"):
-        Zygote.start(str(tmp_path / "r"), ["ray"])
+        Zygote.start(str(tmp_path / "r"), ["ray.util"])
+    # What it imports with Ray, at its first worker: an error there is in its log, and every worker runs by itself.
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    zygote = Zygote.start(str(tmp_path / "later"), ["json", "ray", "no_such_module_here"])
+    try:
+        for _ in range(2):
+            client = run_worker(zygote.socket_path, script, "exit", "0")
+            assert report_of(client)["pid"] == client.pid  # run by its client: not forked
+            assert client.wait(60) == 0
+    finally:
+        zygote.stop()
+    assert "No module named 'no_such_module_here'" in (tmp_path / "later.log").read_text()
+
+
+RAY_PROBE = """
+import json, os, sys
+preloaded = all(m in sys.modules for m in sys.argv[1:])
+import ray._raylet
+print(json.dumps({"pid": os.getpid(), "ppid": os.getppid(), "preloaded": preloaded,
+                  "delay": ray._raylet.Config.health_check_initial_delay_ms(),
+                  "random_id": ray._raylet.UniqueID.from_random().hex()}), flush=True)
+"""
+
+
+def test_ray_is_imported_under_the_first_workers_ray_variables_and_a_worker_with_others_runs_itself(tmp_path):
+    """The model zygote's modules from "ray" on are imported when the first worker asks, with its RAY_* variables
+    set: Ray's C++ side reads them then, some for good (the job id: a worker of a zygote that imported Ray at start
+    failed Ray's check for it). A forked worker finds the RayConfig of its own variables; one whose variables differ
+    is not forked (its client runs it, without the preload). Forked workers draw different random ids from Ray's
+    generator: a preloaded module that defines a remote class seeds it in the zygote, and every worker then drew the
+    same ones (in a suite run two put the same object into the store and one died)."""
+    script = tmp_path / "probe.py"
+    script.write_text(RAY_PROBE)
+    zygote = Zygote.start(str(tmp_path / "z"), ["json", *MODEL_RAY_MODULES])
+    try:
+        reports = []
+        for delay in ("1234", "1234", "4321"):
+            client = run_worker(zygote.socket_path, script, *MODEL_RAY_MODULES,
+                                env={"RAY_health_check_initial_delay_ms": delay, "PYTHONPATH": REPO_ROOT})
+            reports.append((report_of(client), client.pid))
+            assert client.wait(60) == 0
+    finally:
+        zygote.stop()
+    (first, _), (second, _), (other, other_client) = reports
+    for forked in (first, second):
+        assert (forked["ppid"], forked["preloaded"], forked["delay"]) == (zygote.process.pid, True, 1234)
+    assert first["random_id"] != second["random_id"]
+    assert (other["pid"], other["preloaded"], other["delay"]) == (other_client, False, 4321)
+    assert set(LIGHT_RAY_MODULES) <= set(MODEL_RAY_MODULES)  # so the light zygote's are checked here too
 
 
 def wait_gone(pid: int, timeout_s: float = 10.0) -> bool:

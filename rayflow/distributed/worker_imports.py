@@ -26,8 +26,14 @@ from rayflow.distributed.zygote import Zygote, worker_command
 from rayflow.distributed.zygote_client import LIGHT_ENV
 
 MODEL_MODULES = ("torch", "torch.distributed.fsdp", "peft")
-"""What the model zygote imports besides the run's pipeline class (`diffusers:<class>`)."""
+"""What the model zygote imports at start besides the run's pipeline class (`diffusers:<class>`)."""
 LIGHT_MODULES = ("torch",)
+MODEL_RAY_MODULES = ("ray", "rayflow.learner.worker", "rayflow.rollout.rank")
+LIGHT_RAY_MODULES = ("ray",)
+"""What each zygote imports when its first worker asks, under that worker's Ray variables
+(rayflow.distributed.zygote.RayEnvironment): Ray, and the actors' code that defines no Ray remote class. Defining one
+draws a random id from the generator of Ray's C++ side, which seeds it in the zygote, and every worker forked after
+that drew the same "random" ids (two forked workers put the same object into the store, and one of them died)."""
 SWITCH_ENV = "RAYFLOW_ZYGOTE"
 MAX_CORES = 16
 """Above this many cores a local run starts plain workers: there the imports are not the bottleneck they are on a
@@ -50,7 +56,8 @@ def start_worker_zygotes(pipeline_class: str) -> dict:
         raise RuntimeError("this process's zygotes already run (a local Ray started here is still up)")
     directory = tempfile.mkdtemp(prefix="rayflow-zygote-")  # mode 0700: only this user reaches the sockets
     try:
-        for name, modules in (("model", [*MODEL_MODULES, f"diffusers:{pipeline_class}"]), ("light", LIGHT_MODULES)):
+        for name, modules in (("model", [*MODEL_MODULES, f"diffusers:{pipeline_class}", *MODEL_RAY_MODULES]),
+                              ("light", [*LIGHT_MODULES, *LIGHT_RAY_MODULES])):
             _started.append(Zygote.launch(os.path.join(directory, name), list(modules)))
     except BaseException:
         stop_worker_zygotes()

@@ -2,13 +2,13 @@
 
 A Ray worker is a fresh Python process, and on a laptop its first seconds are imports: torch, diffusers,
 transformers, peft, about 3 s of CPU per actor, paid again by every actor a run or the test suite starts. Forked
-from a process that already holds them, a worker starts with them imported (shared copy-on-write) for about 0.5 s of
-CPU: its own `import ray`, Ray's worker set-up and rayflow's modules.
+from a process that already holds them, a worker starts with them imported (shared copy-on-write), and with Ray and
+rayflow's actor code too once the zygote holds those, for a few tenths of a second of CPU: Ray's worker set-up.
 
-    server   `python -m rayflow.distributed.zygote SOCKET MODULE...`: imports the modules ("pkg.mod" or
-             "pkg:Attr"), never Ray (Ray's C++ side caches its config and auth mode at import, which each worker
-             must read from its own environment), then on each connection forks a child that becomes the worker
-             (`become_worker`) and reports its pid and, later, its exit status.
+    server   `python -m rayflow.distributed.zygote SOCKET MODULE... [ray MODULE...]`: imports the modules ("pkg.mod"
+             or "pkg:Attr") before "ray", then listens; on each connection forks a child that becomes the worker
+             (`become_worker`) and reports its pid and, later, its exit status. "ray" and the modules after it are
+             imported when the first worker asks, under its RAY_* variables (`RayEnvironment`).
     client   rayflow/distributed/zygote_client.py: the command Ray runs for a worker (runtime_env py_executable).
     owner    `Zygote.launch`, `wait_ready`, `stop` (or `start`: both first two): the process that starts the local
              Ray (rayflow.distributed.worker_imports).
@@ -31,6 +31,9 @@ import struct
 import subprocess
 import sys
 import time
+import traceback
+
+from rayflow.distributed.zygote_client import REFUSED
 
 CLIENT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "zygote_client.py")
 READY = b"ready\n"
@@ -104,13 +107,11 @@ def worker_command(model: Zygote, light: Zygote) -> str:
 # -- the server ------------------------------------------------------------------------------------
 
 def serve(socket_path: str, modules: list[str]) -> None:
-    for name in modules:
-        module, _, attribute = name.partition(":")
-        imported = importlib.import_module(module)
-        if attribute:
-            getattr(imported, attribute)
+    modules, ray_modules = _split_at_ray(modules)
+    _preload(modules)
     if "ray" in sys.modules:
         raise RuntimeError(f"preloading {modules} imported ray: a forked worker would keep this process's Ray config")
+    ray_env = RayEnvironment(ray_modules)
     _die_with_parent()
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(socket_path + ".bound")
@@ -136,7 +137,7 @@ def serve(socket_path: str, modules: list[str]) -> None:
     while not stopping:
         for key, _ in selector.select(timeout=1.0):  # SIGCHLD wakes it; the timeout reaps even if a wake-up were lost
             if key.fileobj is listener:
-                _accept(listener, selector, workers)
+                _accept(listener, selector, workers, ray_env)
             elif key.fileobj == wake_r:
                 os.read(wake_r, 4096)
             else:  # a client closed its connection (it was killed): its worker goes too
@@ -151,7 +152,61 @@ def serve(socket_path: str, modules: list[str]) -> None:
         time.sleep(0.01)
 
 
-def _accept(listener: socket.socket, selector: selectors.BaseSelector, workers: dict[int, socket.socket]) -> None:
+def _preload(modules: list[str]) -> None:
+    for name in modules:
+        module, _, attribute = name.partition(":")
+        imported = importlib.import_module(module)
+        if attribute:
+            getattr(imported, attribute)
+
+
+def _split_at_ray(modules: list[str]) -> tuple[list[str], list[str]]:
+    """The modules before "ray" (imported at start) and "ray" with those after it (imported with the first worker's
+    Ray environment: `RayEnvironment`)."""
+    if "ray" not in modules:
+        return modules, []
+    at = modules.index("ray")
+    return modules[:at], modules[at:]
+
+
+class RayEnvironment:
+    """Ray and the modules after it, imported once the workers' environment is known.
+
+    Ray's C++ side reads its configuration from the RAY_* variables as `ray._raylet` is imported, and some of it for
+    good: the job id and the raylet's pid are internal flags that `ray._raylet.Config.initialize` does not read again
+    (a worker forked from a zygote that imported Ray at start, before the driver's `ray.init`, failed Ray's check for
+    its job id; with the first driver's own variables, the token-auth mode among them, it is what the raylet would
+    have started). So they are imported with the first worker's RAY_* variables in place of this process's, and a
+    worker whose RAY_* variables differ from those (another job's, or a runtime env that sets one) is refused: its
+    client runs it as a fresh process. The modules must not define Ray remote classes (`worker_imports`)."""
+
+    def __init__(self, modules: list[str]):
+        self.modules = modules
+        self.variables: dict[str, str] | None = None
+        """The RAY_* variables Ray was imported with; None until then."""
+        self.failed = False
+        """The import failed (its traceback is in this zygote's log): every worker runs as a fresh process."""
+
+    def admits(self, env: dict[str, str]) -> bool:
+        """Whether a worker of environment `env` may be forked (importing Ray with it if it is the first)."""
+        if not self.modules:
+            return True
+        variables = {k: v for k, v in env.items() if k.startswith("RAY_")}
+        if self.variables is None and not self.failed:
+            for name in [k for k in os.environ if k.startswith("RAY_")]:
+                del os.environ[name]
+            os.environ.update(variables)
+            self.variables = variables
+            try:
+                _preload(self.modules)
+            except Exception:
+                traceback.print_exc()
+                self.failed = True
+        return not self.failed and variables == self.variables
+
+
+def _accept(listener: socket.socket, selector: selectors.BaseSelector, workers: dict[int, socket.socket],
+            ray_env: RayEnvironment) -> None:
     conn, _ = listener.accept()
     try:
         conn.settimeout(10)
@@ -159,9 +214,12 @@ def _accept(listener: socket.socket, selector: selectors.BaseSelector, workers: 
         request, fds = _receive_request(conn) if uid == os.getuid() else (None, [])
     except OSError:
         request, fds = None, []
-    if request is None or len(fds) != 3:
+    refused = request is not None and len(fds) == 3 and not ray_env.admits(request["env"])
+    if request is None or len(fds) != 3 or refused:
         for fd in fds:
             os.close(fd)
+        if refused:
+            _send_int(conn, REFUSED)
         conn.close()
         return
     sys.stdout.flush()
@@ -174,13 +232,17 @@ def _accept(listener: socket.socket, selector: selectors.BaseSelector, workers: 
             os._exit(70)  # become_worker never returns; reached only if it raised before running the worker
     for fd in fds:
         os.close(fd)
-    try:
-        conn.sendall(struct.pack("!i", pid))
-    except OSError:
-        pass  # the client is gone: reported below as its connection closing
+    _send_int(conn, pid)  # a client gone is reported below, as its connection closing
     conn.setblocking(False)
     workers[pid] = conn
     selector.register(conn, selectors.EVENT_READ, pid)
+
+
+def _send_int(conn: socket.socket, value: int) -> None:
+    try:
+        conn.sendall(struct.pack("!i", value))
+    except OSError:
+        pass  # the client is gone
 
 
 def _receive_request(conn: socket.socket) -> tuple[dict | None, list[int]]:
@@ -218,11 +280,8 @@ def _reap(workers: dict[int, socket.socket], selector: selectors.BaseSelector) -
             selector.unregister(conn)
         except KeyError:
             pass  # already unregistered: its client had gone
-        try:
-            conn.setblocking(True)
-            conn.sendall(struct.pack("!i", status))
-        except OSError:
-            pass
+        conn.setblocking(True)
+        _send_int(conn, status)
         conn.close()
 
 

@@ -20,12 +20,15 @@ import time
 
 LIGHT_ENV = "RAYFLOW_LIGHT_WORKER"
 """Set (to "1") in the runtime env of an actor that needs no model code: it is forked from the light zygote."""
+REFUSED = 0
+"""The zygote's answer instead of a pid when it does not fork the worker (rayflow.distributed.zygote.RayEnvironment):
+this process runs it."""
 
 
 def main(model_socket: str, light_socket: str, argv: list[str]) -> int:
     conn = connect(light_socket if os.environ.get(LIGHT_ENV) == "1" else model_socket)
     if conn is None:  # no zygote: be the worker
-        os.execv(sys.executable, [sys.executable, *argv])
+        run_worker(argv)
     forward = SignalForwarder()
     sigmask = sorted(int(signum) for signum in signal.pthread_sigmask(signal.SIG_BLOCK, []))
     request = json.dumps({"argv": argv, "env": dict(os.environ), "cwd": os.getcwd(), "nice": os.nice(0),
@@ -35,6 +38,8 @@ def main(model_socket: str, light_socket: str, argv: list[str]) -> int:
     worker = _read_int(conn)
     if worker is None:
         return 1
+    if worker == REFUSED:
+        run_worker(argv)
     forward.to(worker)
     status = _read_int(conn)
     if status is None:  # the zygote went away (it kills its workers as it stops)
@@ -44,6 +49,11 @@ def main(model_socket: str, light_socket: str, argv: list[str]) -> int:
             signal.signal(os.WTERMSIG(status), signal.SIG_DFL)
         os.kill(os.getpid(), os.WTERMSIG(status))
     return os.waitstatus_to_exitcode(status) if os.WIFEXITED(status) else 1
+
+
+def run_worker(argv: list[str]) -> None:
+    """Become the worker: `python ARGV...` in this process."""
+    os.execv(sys.executable, [sys.executable, *argv])
 
 
 def connect(path: str, wait_s: float = 120.0) -> socket.socket | None:
