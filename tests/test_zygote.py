@@ -12,8 +12,7 @@ import pytest
 
 from rayflow.distributed.worker_imports import LIGHT_RAY_MODULES, MODEL_RAY_MODULES
 from rayflow.distributed.zygote import CLIENT, Zygote
-
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from rayflow.paths import REPO_ROOT
 
 WORKER = """
 import json, os, random, signal, sys, time

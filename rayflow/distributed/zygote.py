@@ -192,7 +192,7 @@ class RayEnvironment:
         if not self.modules:
             return True
         variables = {k: v for k, v in env.items() if k.startswith("RAY_")}
-        if self.variables is None and not self.failed:
+        if self.variables is None:  # the first worker (set before the import, so a failed one is not tried again)
             for name in [k for k in os.environ if k.startswith("RAY_")]:
                 del os.environ[name]
             os.environ.update(variables)
