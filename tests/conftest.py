@@ -9,6 +9,11 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 # another failed a 5 s collective timeout). Every Ray the suite starts, in this process or in the subprocesses
 # that inherit its environment, runs its workers at niceness 0, level with the test processes.
 os.environ.setdefault("RAY_worker_niceness", "0")
+# The fault tests stop actors with SIGSTOP (a process that neither answers nor dies). Ray kills such a worker only
+# after its kill_worker_timeout_milliseconds (5000 by default: the time a worker gets to exit on its own), and its
+# bundle, which the replacement takes, is free only then: every replacement of a stopped actor waited 5 s (a stopped
+# weight-sync actor's replacement answered its first call after 6.1 s; 1.9 s at 1000). Runs keep Ray's default.
+os.environ.setdefault("RAY_kill_worker_timeout_milliseconds", "1000")
 # `pytest /path/to/rayflow` works from any directory: tests that spawn tools and recipes name their
 # working directory themselves; the rest run from the repository root, whatever the caller's is.
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -220,6 +220,9 @@ def test_one_actor_of_each_kind_killed_during_a_synchronous_run_leaves_it_equal_
     """A rollout rank and a reward worker after step 1, the weight-sync actor after step 2, a learner rank after
     step 3 (the newest checkpoint is step 2's: step 3 is trained again) and one inside step 4's save (steps 3 and 4
     trained again: a death there stopped the run)."""
+    # The driver wakes on what it waits for (a replacement's placement and ranks starting, not only the requests in
+    # flight): no step here waits out its poll, which the lone replica's replacement did twice.
+    monkeypatch.setattr(trainer_module, "POLL_S", 60.0)
     trainer = Trainer(small_cfg(GRPO, tiny_model_dir, tmp_path, *SYNCHRONOUS))
     try:
         kill_after_steps(trainer, monkeypatch, {
@@ -233,6 +236,7 @@ def test_one_actor_of_each_kind_killed_during_a_synchronous_run_leaves_it_equal_
         assert trainer.sync.restarts == 1 and trainer.learners.restarts == 2
         assert "rewound to step 2 (step 3 is trained again)" in caplog.text
         assert "rewound to step 2 (steps 3..4 are trained again)" in caplog.text
+        assert all(h["perf/step_s"] < trainer_module.POLL_S for h in trainer.history), trainer.history
         assert_equal_to_undisturbed(trainer, undisturbed)
     finally:
         trainer.shutdown()

@@ -259,10 +259,10 @@ class Trainer:
         """Wait (at most POLL_S) for something to finish; finished rollouts go to rewards (evaluation's stay with
         their futures), scored trajectories to the queue."""
         watching = [self.sync.watching] if self.sync.watching is not None else []
-        refs = self.rollout.refs + self.rewards.refs + (training or []) + watching
+        refs = self.rollout.refs + self.rollout.replacement_refs + self.rewards.refs + (training or []) + watching
         if refs:
             ray.wait(refs, num_returns=1, timeout=POLL_S)
-        else:  # nothing in flight (requests wait for a replacement to load): poll without spinning
+        else:  # nothing in flight or starting: poll without spinning
             time.sleep(POLL_S)
         finished = [future for future in self.rollout.collect() if future not in self.evaluating]
         for future in finished:

@@ -125,7 +125,8 @@ class RolloutReplica:
         # Rank 0 picks the rendezvous on its own node; the others receive it as an ObjectRef argument,
         # so no call here blocks.
         rendezvous = self.workers[0].rendezvous.remote()
-        self._joined = [w.join.remote(rendezvous, name) for w in self.workers]
+        self.join_refs = [w.join.remote(rendezvous, name) for w in self.workers]
+        """Each rank's start-up (model loaded, group joined): done once it is up, an error if it failed."""
         self._submit_lock = threading.Lock()
         self._dead: str | None = None
 
@@ -142,22 +143,22 @@ class RolloutReplica:
 
     def wait_ready(self, timeout: float | None = None) -> "RolloutReplica":
         """Wait until every rank loaded its model and joined the group."""
-        self._collect(self._joined, "start-up", timeout)
+        self._collect(self.join_refs, "start-up", timeout)
         return self
 
     def ready(self) -> bool:
         """Without waiting: True once every rank loaded its model and joined the group; raises
         ReplicaError if a rank failed to start."""
         self._raise_if_dead()
-        done, _ = ray.wait(self._joined, num_returns=len(self._joined), timeout=0)
+        done, _ = ray.wait(self.join_refs, num_returns=len(self.join_refs), timeout=0)
         for ref in done:
             try:
                 ray.get(ref)
             except Exception as e:
-                rank = self._joined.index(ref)
+                rank = self.join_refs.index(ref)
                 self._dead = f"rollout replica {self.name!r}: {self.describe_rank(rank)} failed to start: {_summary(e)}"
                 raise ReplicaError(self._dead) from None
-        return len(done) == len(self._joined)
+        return len(done) == len(self.join_refs)
 
     def check_alive(self, timeout: float = 10.0) -> bool:
         """Ask every rank (on its monitor thread, which answers while sampling); False, and out of
