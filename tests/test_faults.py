@@ -467,9 +467,11 @@ def test_a_learner_rank_0_lost_before_the_weight_sync_actor_took_its_push_rewind
     """Synchronous: learner rank 0 ends step 1 (its metrics in) and dies before the weight-sync actor took the push it
     owned (its node lost as the actor fetched it; simulated by a push never sent). The driver's wait for version 1
     ended at the sync's deadline and the actor was replaced as stalled (with sync.max_restarts=0 the run stopped) before
-    the push to the replacement found the learners' death. The death is found first: the learners rewind."""
-    trainer = Trainer(small_cfg(GRPO, tiny_model_dir, tmp_path, *SYNCHRONOUS, "rollout.collective_timeout_s=2",
+    the push to the replacement found the learners' death. The death is found first, as the rank dies, not at the
+    sync's deadline (80 s here; 620 s by default), which the wait had to reach before it looked: the learners rewind."""
+    trainer = Trainer(small_cfg(GRPO, tiny_model_dir, tmp_path, *SYNCHRONOUS, "rollout.collective_timeout_s=30",
                                 "sync.max_restarts=0"))
+    assert trainer.sync.deadline_s == 80.0
 
     def push_nothing_at(worker, version):  # defined here: Ray ships it by value to the learner process
         push = worker.push_weights
@@ -496,6 +498,7 @@ def test_a_learner_rank_0_lost_before_the_weight_sync_actor_took_its_push_rewind
         trainer.run()
         assert trainer.sync.restarts == 0 and trainer.learners.restarts == 1
         assert "rewound to step 0 (step 1 is trained again)" in caplog.text
+        assert all(h["perf/step_s"] < 30 for h in trainer.history), trainer.history  # the rewound step 1's wait too
         assert_equal_to_undisturbed(trainer, undisturbed)
     finally:
         trainer.shutdown()

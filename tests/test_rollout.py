@@ -10,6 +10,7 @@ import importlib.util
 import os
 import threading
 import time
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -552,6 +553,40 @@ def test_a_replacements_placement_does_not_block_the_pool_and_one_never_placed_c
             assert not pool.starting and "was not placed within 1s" in caplog.text
             assert "its restarts are used up; going on without it" in caplog.text
         pool.shutdown()
+
+
+def test_the_driver_wakes_for_each_replacement_that_can_move_on_and_never_spins(ray_session):
+    """`RolloutPool.replacement_refs`, which the driver's loop waits on with the requests in flight (Trainer._serve):
+    a replacement placed, or with every rank up, before the call is there, done (the wait returns at once and `collect`
+    takes it in; left out, the driver slept a whole poll: a fault test's step took 63 s with a 60-s poll), and a rank
+    up while its peer still loads is not (the wait would return at once, again and again, while the peer loads)."""
+    import ray
+
+    @ray.remote(num_cpus=0, max_concurrency=2)
+    class Loading:
+        def __init__(self):
+            self.done = threading.Event()
+
+        def join(self):
+            self.done.wait()
+
+        def finish(self):
+            self.done.set()
+
+    placed, up, (up_0, up_1), rank = ray.put(None), ray.put(None), (ray.put(0), ray.put(1)), Loading.remote()
+    loading = rank.join.remote()
+    pool = RolloutPool([SimpleNamespace(name="rollout-0")])
+    pool.placing = {0: (SimpleNamespace(ready_ref=lambda: placed), 0.0)}  # placed since the last `collect`
+    pool.starting = {1: SimpleNamespace(join_refs=[up, loading]), 2: SimpleNamespace(join_refs=[up_0, up_1])}
+    try:
+        assert pool.replacement_refs == [placed, loading, up_0, up_1]
+        pool.placing, pool.starting = {}, {1: SimpleNamespace(join_refs=[up, loading])}
+        refs = pool.replacement_refs
+        assert refs == [loading] and not ray.wait(refs, timeout=0.2)[0]
+        ray.get(rank.finish.remote())
+        assert pool.replacement_refs == [up, loading] and ray.wait(refs, timeout=10)[0]
+    finally:
+        ray.kill(rank)
 
 
 @pytest.fixture(scope="module")

@@ -550,7 +550,9 @@ class Trainer:
         """Block until the newest version is on every live rollout rank; seconds the broadcast took."""
         while True:
             try:
-                return self.sync.wait(self.version, timeout_s=self.sync.deadline_s).broadcast_s
+                # The learners' death (below) is looked for every POLL_S, not only at the deadline (620 s by default).
+                return self.sync.wait(self.version, timeout_s=self.sync.deadline_s, check_every_s=POLL_S,
+                                      check=lambda: self.learners.check_alive(POLL_S)).broadcast_s
             except ReceiversLost as e:
                 log.warning("%s", e)
                 self._check_sync()

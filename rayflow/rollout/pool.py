@@ -182,12 +182,16 @@ class RolloutPool:
 
     @property
     def replacement_refs(self) -> list[ray.ObjectRef]:
-        """What the replacements being started wait on and have not got yet (a placement; ranks loading their
-        model and joining): `ray.wait` on them with `refs` returns as soon as `collect` can move a replacement on,
-        rather than at the caller's next poll (a dead replica's requests waited out two of them, 2 s on CPU)."""
+        """What the replacements being started wait on: each one's placement, or its ranks still loading their model
+        and joining. `ray.wait` on them with `refs` returns as soon as `collect` can move a replacement on, rather than
+        at the caller's next poll (a dead replica's requests waited out two of them, 2 s on CPU). A placement or a
+        replica's start-up that is done already is among them (`ray.wait` returns at once, and `collect` takes it in):
+        left out, a replacement placed or up before the call waited a whole poll."""
         refs = [reservation.ready_ref() for reservation, _ in self.placing.values()]
-        refs += [ref for replica in self.starting.values() for ref in replica.join_refs]
-        return ray.wait(refs, num_returns=len(refs), timeout=0)[1] if refs else []
+        for replica in self.starting.values():
+            _, loading = ray.wait(replica.join_refs, num_returns=len(replica.join_refs), timeout=0)
+            refs += loading or replica.join_refs  # ranks up already are left out while a peer loads: no spinning
+        return refs
 
     def collect(self) -> list[PoolFuture]:
         """Without waiting: the requests sampled since the last call. Requests of replicas that died are sent

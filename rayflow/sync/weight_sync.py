@@ -20,6 +20,8 @@ sync.restart_window_s), which re-forms the group; the caller then pushes the cur
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Callable
 from typing import Protocol
 
 import ray
@@ -139,14 +141,22 @@ class WeightSync:
         the base weights), to sample a request under: the evaluation EMA."""
         return self.actor.slot_tensors.remote(adapter)
 
-    def wait(self, version: int, timeout_s: float | None = None) -> SyncReport:
+    def wait(self, version: int, timeout_s: float | None = None, check: Callable[[], None] | None = None,
+             check_every_s: float = 1.0) -> SyncReport:
         """Block until `version` is staged on every rollout rank; raises the sync's failure, or TimeoutError when it is
         not staged within `timeout_s` (the actor's verdict; a stopped actor, which gives none, a grace later; one
-        `connect` found stalled, at once)."""
+        `connect` found stalled, at once). `check`, called every `check_every_s` while waiting, may raise to stop the
+        wait: the caller's look at what the version depends on (the learner that owns its push until the actor took
+        it; dead, the version never comes, and only the deadline said so)."""
         if self.stalled is not None:
             raise self.stalled
-        return ray.get(self.actor.wait.remote(version, timeout_s),
-                       timeout=None if timeout_s is None else timeout_s + self.spec.grace_s)
+        staged = self.actor.wait.remote(version, timeout_s)
+        end = None if timeout_s is None else time.monotonic() + timeout_s + self.spec.grace_s
+        while check is not None and (end is None or time.monotonic() < end):
+            if ray.wait([staged], timeout=check_every_s)[0]:
+                break
+            check()
+        return ray.get(staged, timeout=None if end is None else max(0.0, end - time.monotonic()))
 
     def lost_versions(self) -> list[int]:
         """Versions whose broadcast met a dead receiver since the last `connect`; raises the sync's failure, or
