@@ -108,12 +108,10 @@ def ray_session():
     """
     import ray
 
-    from rayflow.distributed.worker_imports import start_worker_zygotes, stop_worker_zygotes, wait_worker_zygotes
+    from rayflow.distributed.worker_imports import init_local_ray, stop_worker_zygote
 
-    # As a local run's: workers forked from zygotes that hold torch and the tiny model's classes imported.
-    zygotes = start_worker_zygotes("QwenImagePipeline")
-    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=True, **zygotes)
-    wait_worker_zygotes()
+    # As a local run's: workers forked from a zygote that holds torch and the tiny model's classes imported.
+    init_local_ray("QwenImagePipeline", num_cpus=8, include_dashboard=False, log_to_driver=True)
     yield ray
     ray.shutdown()
-    stop_worker_zygotes()
+    stop_worker_zygote()

@@ -407,7 +407,7 @@ def test_an_interrupted_run_exits_with_the_signals_status(tiny_model_dir, tmp_pa
     torn_down = []
     monkeypatch.setattr(launch, "start_ray", lambda cfg: True)
     monkeypatch.setattr(ray, "shutdown", lambda: torn_down.append("ray"))
-    monkeypatch.setattr(launch, "stop_worker_zygotes", lambda: torn_down.append("zygotes"))
+    monkeypatch.setattr(launch, "stop_worker_zygote", lambda: torn_down.append("zygote"))
     release = launch.release_run_dir
     monkeypatch.setattr(launch, "release_run_dir", lambda lock: torn_down.append("run dir") or release(lock))
     monkeypatch.setattr(launch, "check_cluster_fits", lambda cfg, joined: None)
@@ -425,7 +425,7 @@ def test_an_interrupted_run_exits_with_the_signals_status(tiny_model_dir, tmp_pa
         assert exited.value.code.startswith(status), exited.value.code
     else:
         assert exited.value.code == status
-    assert torn_down == ["ray", "zygotes", "run dir"]
+    assert torn_down == ["ray", "zygote", "run dir"]
     assert ("interrupted at step 2; " in capsys.readouterr().err) == (stop in ("ctrl-c", "sigterm"))
 
 
@@ -564,52 +564,61 @@ import os, sys
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
 import ray
 from rayflow.distributed import worker_imports
-zygotes = worker_imports.start_worker_zygotes("QwenImagePipeline") if sys.argv[1] == "yes" else {}
-ray.init(address="local", num_cpus=2, include_dashboard=False, **zygotes)
-worker_imports.wait_worker_zygotes()
+if sys.argv[1] == "yes":
+    worker_imports.init_local_ray("QwenImagePipeline", num_cpus=2, include_dashboard=False)
+else:
+    ray.init(address="local", num_cpus=2, include_dashboard=False)
 MODEL_CODE = ("diffusers", "diffusers.pipelines.qwenimage.pipeline_qwenimage", "transformers", "peft")
 ACTOR_CODE = ("rayflow.learner.worker", "rayflow.rollout.rank")
-zygotes = [z.process.pid for z in worker_imports._started]
+zygote = worker_imports._zygote.process.pid if worker_imports._zygote else None
 
 @ray.remote
 class Probe:
     def loaded(self):
-        parent = zygotes.index(os.getppid()) if os.getppid() in zygotes else None
-        return [m for m in MODEL_CODE if m in sys.modules], parent, [m for m in ACTOR_CODE if m in sys.modules]
+        forked = os.getppid() == zygote
+        return [m for m in MODEL_CODE if m in sys.modules], forked, [m for m in ACTOR_CODE if m in sys.modules]
 
 try:
-    # A fresh worker's modules, before it runs anything of rayflow's own; then an actor that needs no model code.
+    # A fresh worker's modules, before it runs anything of rayflow's own; then an actor.
     print("worker:", ray.get(ray.remote(lambda: [m for m in MODEL_CODE if m in sys.modules]).remote()))
     print("actor:", ray.get(Probe.remote().loaded.remote()))
-    print("light actor:", ray.get(Probe.options(**worker_imports.light_actor_options()).remote().loaded.remote()))
-    # Ray's variables of its own (a runtime env's): not the zygotes' Ray config, so a plain worker.
+    # An actor whose runtime env turns zygotes off; one with Ray's variables of its own (not the zygote's Ray
+    # config): plain workers.
+    plain = {"runtime_env": {"env_vars": {"RAYFLOW_ZYGOTE": "0"}}}
+    print("zygote off:", ray.get(Probe.options(**plain).remote().loaded.remote()))
     own = {"runtime_env": {"env_vars": {"RAY_health_check_initial_delay_ms": "4321"}}}
     print("own ray variables:", ray.get(Probe.options(**own).remote().loaded.remote()))
     # Idle workers the raylet started itself (a forked worker's parent is a zygote): none started ahead of demand.
-    def proc(pid):
+    def proc(pid):  # (command line, parent, CPU seconds)
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as f, open(f"/proc/{pid}/stat") as g:
-                return f.read().replace(b"\\0", b" ").decode(errors="replace"), int(g.read().rsplit(")", 1)[1].split()[1])
+                cmd, stat = f.read().replace(b"\\0", b" ").decode(errors="replace"), g.read().rsplit(")", 1)[1].split()
+            return cmd, int(stat[1]), (int(stat[11]) + int(stat[12])) / os.sysconf("SC_CLK_TCK")
         except (OSError, ValueError):
-            return "", 0
+            return "", 0, 0.0
     procs = {int(p): proc(p) for p in os.listdir("/proc") if p.isdigit()}
     # This Ray's raylet (a child of this driver): another Ray on the machine (the suite's other worker, a test's
     # cluster) may hold plain idle workers of its own.
-    raylets = {pid for pid, (cmd, ppid) in procs.items() if "raylet/raylet " in cmd and ppid == os.getpid()}
+    raylets = {pid for pid, (cmd, ppid, _) in procs.items() if "raylet/raylet " in cmd and ppid == os.getpid()}
     assert len(raylets) == 1, raylets
-    print("plain idle workers:", sum(cmd.startswith("ray::IDLE") and ppid in raylets for cmd, ppid in procs.values()))
+    print("plain idle workers:", sum(cmd.startswith("ray::IDLE") and ppid in raylets for cmd, ppid, _ in procs.values()))
+    # The clients the raylet ran for the forked workers (alive as long as their workers): each its own CPU seconds.
+    if zygote:
+        entry = worker_imports._zygote.socket_path + "-worker.py"
+        print("client cpu:", [cpu for cmd, ppid, cpu in procs.values() if entry in cmd and ppid in raylets])
 finally:
     ray.shutdown()
-    worker_imports.stop_worker_zygotes()
+    worker_imports.stop_worker_zygote()
 """
 
 
 @pytest.mark.parametrize("zygotes", ["yes", "no"])
 def test_a_local_runs_workers_are_forked_with_the_model_code_imported(tmp_path, zygotes):
     """What start-up and the suite gain from (README, Benchmarks, start-up): Ray's workers are forked from a zygote
-    that holds torch, diffusers and the run's pipeline class, then Ray and the learner's and rollout rank's code; an
-    actor that needs none of the model code (weight sync, rewards) is forked from the light zygote, which holds torch
-    and Ray. A worker whose runtime env sets a RAY_* variable of its own is a plain process, not forked."""
+    that holds torch, diffusers and the run's pipeline class, then Ray and the learner's and rollout rank's code. Ray
+    runs the zygote's client directly, not through its setup_worker.py (which a runtime env's py_executable needs, and
+    which imports Ray, ~0.45 s of CPU on this machine, before it runs the client): each client takes a few hundredths
+    of a second. A worker whose runtime env sets RAYFLOW_ZYGOTE=0, or a RAY_* variable of its own, is a plain process."""
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     result = subprocess.run([sys.executable, "-c", ZYGOTE_PROBE, zygotes], cwd=tmp_path, env=env, capture_output=True,
                             text=True, timeout=180)
@@ -619,14 +628,17 @@ def test_a_local_runs_workers_are_forked_with_the_model_code_imported(tmp_path, 
     forked = zygotes == "yes" and zygotes_wanted()
     model_code = ["diffusers", "diffusers.pipelines.qwenimage.pipeline_qwenimage", "transformers", "peft"]
     assert f"worker: {model_code if forked else []}" in result.stdout, result.stdout
-    # The model zygote holds the learner's and the rollout rank's code too (imported with Ray, under the first worker's
-    # Ray variables).
-    actor = (model_code, 0, ["rayflow.learner.worker", "rayflow.rollout.rank"]) if forked else ([], None, [])
+    # The zygote holds the learner's and the rollout rank's code too (imported with Ray, under the first worker's Ray
+    # variables).
+    actor = (model_code, True, ["rayflow.learner.worker", "rayflow.rollout.rank"]) if forked else ([], False, [])
     assert f"actor: {actor}" in result.stdout, result.stdout
-    assert f"light actor: {([], 1, []) if forked else ([], None, [])}" in result.stdout, result.stdout
-    assert "own ray variables: ([], None, [])" in result.stdout, result.stdout
+    assert "zygote off: ([], False, [])" in result.stdout, result.stdout
+    assert "own ray variables: ([], False, [])" in result.stdout, result.stdout
     if forked:  # the raylet started two plain workers for the first driver, idle for the whole run (no actor takes one)
         assert "plain idle workers: 0" in result.stdout, result.stdout
+        (clients,) = [json.loads(line.split(": ", 1)[1]) for line in result.stdout.splitlines()
+                      if line.startswith("client cpu: ")]
+        assert clients and max(clients) < 0.15, clients  # at least the first actor's
 
 
 DRIVER_PROBE = """
@@ -669,9 +681,9 @@ def test_a_local_ray_without_the_dashboards_packages_starts_without_it_and_says_
 
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     monkeypatch.setattr(ray._private.utils, "get_dashboard_dependency_error", lambda: missing)
-    init_kwargs = {}
-    monkeypatch.setattr(ray, "init", lambda **kw: init_kwargs.update(kw) or SimpleNamespace(dashboard_url="127.0.0.1:8265"))
-    monkeypatch.setattr(launch, "start_worker_zygotes", lambda pipeline_class: {})  # no Ray starts: no workers to fork
+    init_kwargs = {}  # no Ray starts
+    monkeypatch.setattr(launch, "init_local_ray",
+                        lambda pipeline_class, **kw: init_kwargs.update(kw) or SimpleNamespace(dashboard_url="127.0.0.1:8265"))
     with caplog.at_level("INFO", logger="rayflow"):
         assert launch.start_ray(small_cfg(GRPO, tiny_model_dir, tmp_path))
     assert init_kwargs["include_dashboard"] is (missing is None)

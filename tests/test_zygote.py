@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from rayflow.distributed.worker_imports import LIGHT_RAY_MODULES, MODEL_RAY_MODULES
+from rayflow.distributed.worker_imports import MODEL_RAY_MODULES
 from rayflow.distributed.zygote import CLIENT, Zygote
 from rayflow.paths import REPO_ROOT
 
@@ -42,8 +42,8 @@ def zygotes(tmp_path_factory):
 
 
 def run_worker(zygote_socket, script, *args, env=None, cwd=None, **popen):
-    """The client as Ray runs it (`python -S -I client MODEL LIGHT script ARGS`), the worker's stdout captured."""
-    return subprocess.Popen([sys.executable, "-S", "-I", CLIENT, zygote_socket, zygote_socket, str(script), *args],
+    """The client by hand (`python -S -I client SOCKET script ARGS`), the worker's stdout captured."""
+    return subprocess.Popen([sys.executable, "-S", "-I", CLIENT, zygote_socket, str(script), *args],
                             stdout=subprocess.PIPE, text=True, env={**os.environ, **(env or {})}, cwd=cwd, **popen)
 
 
@@ -75,6 +75,27 @@ def test_the_worker_is_forked_with_the_clients_argv_env_cwd_and_stdout(zygotes, 
     assert a["preloaded"] and b["preloaded"]
     assert a["path0"] == str(script.parent)
     assert a["random"] != b["random"]  # each reseeded, as a fresh process is
+
+
+def test_the_entry_script_a_local_ray_runs_forks_the_worker_script_with_rays_args(zygotes, script):
+    """`python ENTRY ARGS...`, as the raylet of `worker_imports.init_local_ray`'s Ray runs it for each worker: the
+    worker script Ray would have run (its default_worker.py), forked, with those args."""
+    zygote, _ = zygotes
+    client = subprocess.Popen([sys.executable, zygote.write_worker_entry(str(script)), "exit", "4"],
+                              stdout=subprocess.PIPE, text=True)
+    report = report_of(client)
+    assert client.wait(30) == 4
+    assert report["argv"] == ["exit", "4"] and report["ppid"] == zygote.process.pid != client.pid
+    assert report["preloaded"] and report["path0"] == str(script.parent)
+
+
+def test_a_worker_whose_environment_turns_zygotes_off_is_run_by_its_client(zygotes, script):
+    """RAYFLOW_ZYGOTE=0 in an actor's runtime env: a plain process, as on a cluster."""
+    zygote, _ = zygotes
+    client = run_worker(zygote.socket_path, script, "exit", "0", env={"RAYFLOW_ZYGOTE": "0"})
+    report = report_of(client)
+    assert client.wait(30) == 0
+    assert report["pid"] == client.pid and not report["preloaded"]
 
 
 def test_workers_forked_from_a_zygote_holding_torch_draw_from_torch_generators_of_their_own(tmp_path):
@@ -248,7 +269,6 @@ def test_ray_is_imported_under_the_first_workers_ray_variables_and_a_worker_with
         assert (forked["ppid"], forked["preloaded"], forked["delay"]) == (zygote.process.pid, True, 1234)
     assert first["random_id"] != second["random_id"]
     assert (other["pid"], other["preloaded"], other["delay"]) == (other_client, False, 4321)
-    assert set(LIGHT_RAY_MODULES) <= set(MODEL_RAY_MODULES)  # so the light zygote's are checked here too
 
 
 def wait_gone(pid: int, timeout_s: float = 10.0) -> bool:
@@ -265,24 +285,41 @@ def wait_gone(pid: int, timeout_s: float = 10.0) -> bool:
 
 
 @pytest.mark.parametrize("switch", [None, "0", "1"])
-def test_a_local_ray_on_a_gpu_machine_forks_from_zygotes_only_when_asked(monkeypatch, switch):
+def test_a_local_ray_on_a_gpu_machine_forks_from_a_zygote_only_when_asked(monkeypatch, switch):
     """Not yet tried with CUDA (README, Start-up): off where there are GPUs, on with RAYFLOW_ZYGOTE=1, and off
-    everywhere with RAYFLOW_ZYGOTE=0."""
+    everywhere with RAYFLOW_ZYGOTE=0. On, Ray's node is given the zygote's entry script as its worker script, and no
+    workers ahead of demand; off, ray.init as it is."""
+    import ray
+    from ray._private.parameter import RayParams
+
     from rayflow.distributed import worker_imports
 
     monkeypatch.setattr(worker_imports, "has_gpus", lambda: True)
-    monkeypatch.setattr(worker_imports, "_started", [])  # apart from the zygotes of this test session's Ray, if any
+    monkeypatch.setattr(worker_imports, "_zygote", None)  # apart from the zygote of this test session's Ray, if any
     if switch is None:
         monkeypatch.delenv(worker_imports.SWITCH_ENV, raising=False)
     else:
         monkeypatch.setenv(worker_imports.SWITCH_ENV, switch)
-    ray_init = worker_imports.start_worker_zygotes("QwenImagePipeline")
+    started = {}
+
+    def node_start(**kwargs):  # what ray.init hands its node: RayParams, defaulted by the node
+        params = RayParams()
+        params.update_if_absent(worker_path="default_worker.py", include_log_monitor=True)
+        started.update(kwargs, worker_path=params.worker_path, log_monitor=params.include_log_monitor)
+
+    monkeypatch.setattr(ray, "init", node_start)
     try:
-        assert bool(ray_init) is (switch == "1")
-        if ray_init:
-            assert ray_init["runtime_env"]["py_executable"].split()[-3:-2] == [CLIENT]
-            assert worker_imports.light_actor_options() == {"runtime_env": {"env_vars": {"RAYFLOW_LIGHT_WORKER": "1"}}}
+        worker_imports.init_local_ray("QwenImagePipeline", num_cpus=2)
+        zygote = worker_imports._zygote
+        assert (zygote is not None) is (switch == "1")
+        if zygote:
+            assert started == {"address": "local", "num_cpus": 2, "_system_config": worker_imports.NO_WORKERS_AHEAD,
+                               "worker_path": zygote.socket_path + "-worker.py", "log_monitor": True}
         else:
-            assert worker_imports.light_actor_options() == {}
+            assert started == {"address": "local", "num_cpus": 2, "worker_path": "default_worker.py",
+                               "log_monitor": True}
     finally:
-        worker_imports.stop_worker_zygotes()
+        worker_imports.stop_worker_zygote()
+    params = RayParams()
+    params.update_if_absent(worker_path="default_worker.py")
+    assert params.worker_path == "default_worker.py"  # Ray's default back once ray.init returned

@@ -9,7 +9,7 @@ rayflow's actor code too once the zygote holds those, for a few tenths of a seco
              or "pkg:Attr") before "ray", then listens; on each connection forks a child that becomes the worker
              (`become_worker`) and reports its pid and, later, its exit status. "ray" and the modules after it are
              imported when the first worker asks, under its RAY_* variables (`RayEnvironment`).
-    client   rayflow/distributed/zygote_client.py: the command Ray runs for a worker (runtime_env py_executable).
+    client   rayflow/distributed/zygote_client.py: what Ray runs for a worker (through `write_worker_entry`'s script).
     owner    `Zygote.launch`, `wait_ready`, `stop` (or `start`: both first two): the process that starts the local
              Ray (rayflow.distributed.worker_imports).
 
@@ -85,6 +85,15 @@ class Zygote:
                 raise RuntimeError(f"the zygote preloading {self.modules} did not start within {timeout_s:.0f}s "
                                    f"(exit code {self.process.returncode}): {log.read()[-2000:]}")
 
+    def write_worker_entry(self, worker_script: str) -> str:
+        """Write the script a local Ray runs for each worker, `python ENTRY ARGS...` in place of `python WORKER_SCRIPT
+        ARGS...`: the client, told this zygote's socket and WORKER_SCRIPT. Beside the socket; returns its path."""
+        path = self.socket_path + "-worker.py"
+        with open(path, "w") as f:
+            f.write(f"import sys\nsys.path[0] = {os.path.dirname(CLIENT)!r}\nfrom zygote_client import main\n"
+                    f"sys.exit(main({self.socket_path!r}, [{worker_script!r}, *sys.argv[1:]]))\n")
+        return path
+
     def stop(self) -> None:
         """End the server; workers it forked that are still running are killed."""
         if not self.process.stdout.closed:
@@ -96,12 +105,6 @@ class Zygote:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
-
-
-def worker_command(model: Zygote, light: Zygote) -> str:
-    """The worker command for Ray's runtime_env `py_executable`: the client, on this interpreter, without site,
-    told the two zygotes' sockets."""
-    return f"{sys.executable} -S -I {CLIENT} {model.socket_path} {light.socket_path}"
 
 
 # -- the server ------------------------------------------------------------------------------------

@@ -1,12 +1,15 @@
-"""A local Ray's worker command (`python -S -I zygote_client.py MODEL_SOCKET LIGHT_SOCKET default_worker.py ARGS...`,
-Ray's runtime_env `py_executable`): asks a zygote to fork the worker (the light one's socket if the environment sets
-LIGHT_ENV, else the model one's), then stands in for it until it ends.
+"""A local Ray's worker command: asks the zygote to fork the worker, then stands in for it until it ends.
 
-Standard library only, and run without `site`: this process's own start must cost next to nothing (~20 ms), the
-point being that the worker does not import torch and diffusers again. The forked worker gets this process's
-argv, environment, working directory, niceness, signal mask and stdin/stdout/stderr (in a process group of its own); this process forwards SIGTERM, SIGINT and
-SIGHUP to it and ends as it ends (same exit code, or the same signal). If this process is killed outright, the
-zygote sees the connection close and kills the worker. With no zygote listening, it runs the worker itself (exec).
+Ray runs `python ENTRY ARGS...`, ENTRY being the script `worker_entry_script` writes beside the zygote's socket,
+which calls `main(SOCKET, [default_worker.py, ARGS...])`; by hand (tests/test_zygote.py):
+`python -S -I zygote_client.py SOCKET WORKER_SCRIPT ARGS...`.
+
+Standard library only: this process's own start must cost next to nothing (~20-40 ms), the point being that the
+worker does not import torch and diffusers again. The forked worker gets this process's argv, environment, working
+directory, niceness, signal mask and stdin/stdout/stderr (in a process group of its own); this process forwards
+SIGTERM, SIGINT and SIGHUP to it and ends as it ends (same exit code, or the same signal). If this process is killed
+outright, the zygote sees the connection close and kills the worker. With no zygote listening, or SWITCH_ENV=0 in
+the worker's environment (an actor's runtime env), it runs the worker itself (exec): a plain process.
 """
 
 import array
@@ -18,16 +21,17 @@ import struct
 import sys
 import time
 
-LIGHT_ENV = "RAYFLOW_LIGHT_WORKER"
-"""Set (to "1") in the runtime env of an actor that needs no model code: it is forked from the light zygote."""
+SWITCH_ENV = "RAYFLOW_ZYGOTE"
+"""0 turns zygotes off: a local Ray started with it in the environment has none (rayflow.distributed.worker_imports),
+and an actor whose runtime env sets it gets a plain worker process."""
 REFUSED = 0
 """The zygote's answer instead of a pid when it does not fork the worker (rayflow.distributed.zygote.RayEnvironment):
 this process runs it."""
 
 
-def main(model_socket: str, light_socket: str, argv: list[str]) -> int:
-    conn = connect(light_socket if os.environ.get(LIGHT_ENV) == "1" else model_socket)
-    if conn is None:  # no zygote: be the worker
+def main(socket_path: str, argv: list[str]) -> int:
+    conn = None if os.environ.get(SWITCH_ENV) == "0" else connect(socket_path)
+    if conn is None:  # no zygote, or none wanted: be the worker
         run_worker(argv)
     forward = SignalForwarder()
     sigmask = sorted(int(signum) for signum in signal.pthread_sigmask(signal.SIG_BLOCK, []))
@@ -105,4 +109,4 @@ def _read_int(conn: socket.socket) -> int | None:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1], sys.argv[2], sys.argv[3:]))
+    sys.exit(main(sys.argv[1], sys.argv[2:]))

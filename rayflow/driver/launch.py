@@ -24,7 +24,7 @@ from collections.abc import Iterator
 from rayflow.checkpoint import checkpoint_root, newest_resumable
 from rayflow.config import RayflowConfig, load_config
 from rayflow.distributed.resources import check_cluster_fits, required_cpus
-from rayflow.distributed.worker_imports import start_worker_zygotes, stop_worker_zygotes, wait_worker_zygotes
+from rayflow.distributed.worker_imports import init_local_ray, stop_worker_zygote
 from rayflow.errors import ConfigError
 from rayflow.runs import USER_ERRORS, RunComplete, lock_run_dir, preflight, release_run_dir, write_run_config
 
@@ -56,18 +56,10 @@ def start_ray(cfg: RayflowConfig) -> bool:
     # A minimal Ray install (no ray[default]: the offline GPU machine's bundle) cannot start the dashboard, and
     # ray.init(include_dashboard=True) would refuse to start at all: run without it and say so.
     dashboard_missing = ray._private.utils.get_dashboard_dependency_error()
-    # Workers forked from processes that hold the model code imported (rayflow.distributed.worker_imports).
-    zygotes = start_worker_zygotes(pipeline_class)
-    try:
-        with _one_start_at_a_time():
-            context = ray.init(address="local", num_cpus=cpus, include_dashboard=not dashboard_missing,
-                               dashboard_host="127.0.0.1", dashboard_port=dashboard_port(), **zygotes)
-        wait_worker_zygotes()
-    except BaseException:
-        if ray.is_initialized():
-            ray.shutdown()
-        stop_worker_zygotes()
-        raise
+    # Workers forked from a process that holds the model code imported (rayflow.distributed.worker_imports).
+    with _one_start_at_a_time():
+        context = init_local_ray(pipeline_class, num_cpus=cpus, include_dashboard=not dashboard_missing,
+                                 dashboard_host="127.0.0.1", dashboard_port=dashboard_port())
     if dashboard_missing:
         log.warning("local Ray with %d logical CPUs, without its dashboard: %s (pip install 'ray[default]' for it)",
                     cpus, dashboard_missing)
@@ -231,7 +223,7 @@ def _tear_down(trainer, started: bool, run_lock) -> KeyboardInterrupt | None:
     if started:
         import ray
 
-        parts += [("Ray's shutdown", ray.shutdown), ("the worker zygotes' stop", stop_worker_zygotes)]
+        parts += [("Ray's shutdown", ray.shutdown), ("the worker zygote's stop", stop_worker_zygote)]
     parts.append(("the run directory's release", lambda: release_run_dir(run_lock)))
     stopped, error = None, None
     for name, part in parts:

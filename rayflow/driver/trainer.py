@@ -135,7 +135,7 @@ class Trainer:
                 # weight-sync actor load while the learners do; the weight-sync group forms once the replicas are up.
                 # The learners and rollout ranks, the longest to build, are created first: a raylet starts as many
                 # workers at a time as its node has cores, in the order asked (2 here: created last, the learners
-                # were forked ~1 s after the light actors and the start-up waited for them).
+                # were forked ~1 s after the weight-sync actor and reward workers, and the start-up waited for them).
                 with phase("actors"):
                     reward_pg = self._own(RewardPool.reserve(cfg.reward))
                     rollout_pgs = [self._own(reservation) for reservation in RolloutPool.reserve(cfg.rollout)]

@@ -24,7 +24,6 @@ from rayflow.config import RewardConfig, RewardFnConfig
 from rayflow.distributed.placement import PlacedGroup, Reservation
 from rayflow.distributed.placement import reserve as reserve_placement
 from rayflow.distributed.watchdog import Watchdog
-from rayflow.distributed.worker_imports import light_actor_options
 from rayflow.rewards.weighted import WeightedReward, reward_inputs
 from rayflow.distributed.restart_budget import RestartBudget
 from rayflow.types import RolloutRequest, Trajectory, TrajectoryRef
@@ -131,7 +130,7 @@ class RewardPool:
         # stalled worker is handled like a dead one.
         threads = max(1, int(cfg.cpus_per_worker))  # the torch threads of CPU-bound rewards (CLIP on CPU): the CPUs reserved
         return self.placed.spawn(index, RewardWorker, cfg.functions, cfg.batch_size, cfg.max_outage_s, threads,
-                                 max_restarts=0, **light_actor_options())
+                                 max_restarts=0)
 
     def _send(self, call: _Call, avoid: int | None = None) -> _Call:
         """Send `call` to the next live worker in round robin, other than `avoid` (the worker it failed or

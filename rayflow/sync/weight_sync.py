@@ -31,7 +31,6 @@ from rayflow.config import SyncConfig
 from rayflow.distributed.placement import Reservation, resolve_gpus
 from rayflow.distributed.placement import reserve as reserve_placement
 from rayflow.distributed.restart_budget import RestartBudget
-from rayflow.distributed.worker_imports import light_actor_options
 from rayflow.models.synced import SyncedModelSpec
 from rayflow.sync.actor import WeightSyncActor
 from rayflow.sync.source import SyncReport, SyncSpec, WeightSyncError, one_line
@@ -95,7 +94,7 @@ class WeightSync:
 
     def _start_actor(self) -> None:
         # No restarts by Ray: a new actor must join a new group generation, which `restart` forms.
-        self.actor = self.placed.spawn(0, WeightSyncActor, self.spec, self.synced, max_restarts=0, **light_actor_options())
+        self.actor = self.placed.spawn(0, WeightSyncActor, self.spec, self.synced, max_restarts=0)
         self._watch = self.actor.watch.remote()
         self.stalled: WeightSyncStalled | None = None
         """Set when `connect` found this actor stalled: `failure()` reports it, `wait` and `lost_versions` raise it."""
