@@ -5,7 +5,7 @@ On a laptop an actor's first seconds are imports: torch, diffusers, transformers
 (tests/conftest.py) therefore start Ray with `init_local_ray`: a zygote (rayflow.distributed.zygote) that imports
 torch, FSDP, peft and the run's diffusers pipeline class (its model classes and transformers' modeling code), then
 Ray and the learner's and rollout rank's code, and Ray starting every worker through the zygote client, which has
-the zygote fork it. A forked worker starts with all of that imported for ~0.1 s of CPU instead of ~3.5 s.
+the zygote fork it. A forked worker starts with all of that imported for ~0.2 s of CPU instead of ~3.5 s.
 
 Ray is told the client as its worker script (`_worker_script`), not through a runtime env's `py_executable`: a
 worker of a non-empty runtime env is started through Ray's setup_worker.py, which imports Ray (~0.45 s of CPU) before

@@ -1,6 +1,6 @@
 """A local Ray's worker command: asks the zygote to fork the worker, then stands in for it until it ends.
 
-Ray runs `python ENTRY ARGS...`, ENTRY being the script `worker_entry_script` writes beside the zygote's socket,
+Ray runs `python ENTRY ARGS...`, ENTRY being the script `Zygote.write_worker_entry` writes beside the zygote's socket,
 which calls `main(SOCKET, [default_worker.py, ARGS...])`; by hand (tests/test_zygote.py):
 `python -S -I zygote_client.py SOCKET WORKER_SCRIPT ARGS...`.
 
