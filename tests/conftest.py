@@ -14,6 +14,11 @@ os.environ.setdefault("RAY_worker_niceness", "0")
 # bundle, which the replacement takes, is free only then: every replacement of a stopped actor waited 5 s (a stopped
 # weight-sync actor's replacement answered its first call after 6.1 s; 1.9 s at 1000). Runs keep Ray's default.
 os.environ.setdefault("RAY_kill_worker_timeout_milliseconds", "1000")
+# Ray's log monitor (which forwards the actors' output to the test's driver) globs its session's log directory ten
+# times a second while it holds fewer than this many files, and every 0.5 s after: the suite's Rays start some 400
+# workers, two log files each, and their two monitors took 71 CPU-seconds of a 905-s run. At 0 they glob every 0.5 s
+# from the start: 1.5 CPU-seconds a minute instead of 3.4 under actor churn (2026-12-02). Runs keep Ray's default.
+os.environ.setdefault("RAY_LOG_MONITOR_MANY_FILES_THRESHOLD", "0")
 # `pytest /path/to/rayflow` works from any directory: tests that spawn tools and recipes name their
 # working directory themselves; the rest run from the repository root, whatever the caller's is.
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
