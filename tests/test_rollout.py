@@ -583,8 +583,8 @@ def test_the_driver_wakes_for_each_replacement_that_can_move_on_and_never_spins(
         pool.placing, pool.starting = {}, {1: SimpleNamespace(join_refs=[up, loading])}
         refs = pool.replacement_refs
         assert refs == [loading] and not ray.wait(refs, timeout=0.2)[0]
-        ray.get(rank.finish.remote())
-        assert pool.replacement_refs == [up, loading] and ray.wait(refs, timeout=10)[0]
+        ray.get(rank.finish.remote())  # returns before `join`'s reply reaches this process: wait for that first
+        assert ray.wait(refs, timeout=10)[0] and pool.replacement_refs == [up, loading]
     finally:
         ray.kill(rank)
 
