@@ -348,7 +348,7 @@ def test_a_rank_that_dies_while_the_restarted_group_builds_its_model_restarts_it
 
 
 def _train_one_batch_on_rank(rank: int, cfg, batch: list, store: str, out: str) -> None:
-    """Rank `rank` of 2 plain processes (gloo, no Ray): train `batch` once; rank 0 saves the "default" adapter."""
+    """Rank `rank` of 2 processes (a gloo group of their own): train `batch` once; rank 0 saves the "default" adapter."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2,
                             timeout=datetime.timedelta(seconds=30))  # a collective that never pairs up fails fast
@@ -362,7 +362,7 @@ def _train_one_batch_on_rank(rank: int, cfg, batch: list, store: str, out: str) 
         dist.destroy_process_group()
 
 
-def test_ranks_whose_shards_need_unequal_passes_train_as_the_reference(tiny_model_dir, tmp_path):
+def test_ranks_whose_shards_need_unequal_passes_train_as_the_reference(run_ranks, tiny_model_dir, tmp_path):
     """An asynchronous batch may mix SDE windows (a window per version); micro-batches are cut where they change, so
     one rank's shard can need more forward/backward passes than another's. Every FSDP2 pass is collectives, so the
     ranks run as many (the others of zero weight); with unequal counts they parted and the step hung until the
@@ -374,8 +374,7 @@ def test_ranks_whose_shards_need_unequal_passes_train_as_the_reference(tiny_mode
     # Rank 0 trains samples 0-1 (two windows: two micro-batches of 1), rank 1 samples 2-3 (one micro-batch of 2).
     batch = [dataclasses.replace(t, image=None) for t in (early[0], late[1], early[2], early[3])]
     out = tmp_path / "default.pt"
-    torch.multiprocessing.spawn(_train_one_batch_on_rank, args=(cfgs[0], batch, str(tmp_path / "store"), str(out)),
-                                nprocs=2)
+    run_ranks(_train_one_batch_on_rank, 2, cfgs[0], batch, str(tmp_path / "store"), str(out))
     run = runs[0]
     train_batch(run.spec, run.model, run.optimizer, run.spec.policy, [batch], version=0)
     expected, got = adapter_state(run.model.transformer, "default"), torch.load(out)
@@ -385,7 +384,7 @@ def test_ranks_whose_shards_need_unequal_passes_train_as_the_reference(tiny_mode
 
 
 def _fetch_ema_weights_on_rank(rank: int, cfg, store: str, out: str) -> None:
-    """Rank `rank` of 2 plain processes: adapter_weights("ema"), counting the whole tensors copied to host memory."""
+    """Rank `rank` of 2 processes: adapter_weights("ema"), counting the whole tensors copied to host memory."""
     import rayflow.learner.state as state
 
     torch.set_num_threads(1)
@@ -402,13 +401,13 @@ def _fetch_ema_weights_on_rank(rank: int, cfg, store: str, out: str) -> None:
         dist.destroy_process_group()
 
 
-def test_only_rank_0_holds_the_whole_ema_weights_of_full_fine_tuning(tiny_model_dir, tmp_path):
+def test_only_rank_0_holds_the_whole_ema_weights_of_full_fine_tuning(run_ranks, tiny_model_dir, tmp_path):
     """The evaluation's "ema" weights under learner.train_mode=full are a whole transformer: every rank takes part in
     the gathers, only rank 0 keeps them (every rank had copied the whole transformer into host memory to drop it)."""
     cfg = small_cfg(GRPO, tiny_model_dir, tmp_path / "run", "learner.world_size=2", "learner.train_mode=full",
                     "sync.mode=merged", "trainer.ema_decay=0.9")
     out = str(tmp_path / "fetched")
-    torch.multiprocessing.spawn(_fetch_ema_weights_on_rank, args=(cfg, str(tmp_path / "store"), out), nprocs=2)
+    run_ranks(_fetch_ema_weights_on_rank, 2, cfg, str(tmp_path / "store"), out)
     rank0, rank1 = torch.load(f"{out}.0"), torch.load(f"{out}.1")
     assert rank1["tensors"] is None and rank1["copied"] == 0
     assert rank0["copied"] == rank0["whole"] == sum(t.numel() for t in rank0["tensors"].values())

@@ -5,7 +5,6 @@ it."""
 
 import copy
 import json
-import multiprocessing
 import os
 import platform
 import re
@@ -96,35 +95,24 @@ def trained_weights(pipe) -> dict[str, torch.Tensor]:
             for part in ("vae", "transformer") for name, weight in getattr(pipe, part).state_dict().items()}
 
 
-def two_part_training(rank: int, cfg: PretrainConfig, store_path: str, results) -> None:
+def two_part_training(rank: int, cfg: PretrainConfig, store_path: str) -> tuple[list[float], dict]:
     """One of two processes: two VAE steps (whole batches, as every process trains the VAE) and two transformer
-    steps on batch part `rank`; part 0 reports."""
+    steps on batch part `rank`; the losses and the trained weights."""
     torch.set_num_threads(1)
     with joined(rank, 2, store_path) as share:
         pipe = build_shapes_pipeline(cfg.seed)
         losses = train_vae(pipe.vae, cfg, 2)
         latents, prompts = encode_pool(pipe, 2 * cfg.batch, cfg.pool_categories)
         losses += train_transformer(pipe, latents, prompts, cfg, 2, share)
-    if rank == 0:
-        # As numpy arrays: torch would share tensors' memory with the parent, and this process ends first.
-        results.put((losses, {name: w.numpy() for name, w in trained_weights(pipe).items()}))
+    return losses, trained_weights(pipe)
 
 
-def test_two_processes_sharing_each_batch_train_as_one_process_accumulating_both_halves(tmp_path):
+def test_two_processes_sharing_each_batch_train_as_one_process_accumulating_both_halves(run_ranks, tmp_path):
     """--workers 2: each process backpropagates half of every transformer batch and gloo sums the gradients; one
     process that backpropagates both halves in turn (accumulating), after the one-process VAE stage, is the
-    expectation, bit for bit: losses and weights."""
+    expectation, bit for bit: losses and weights (part 0's)."""
     cfg = PretrainConfig(workers=2)
-    context = multiprocessing.get_context("spawn")
-    results = context.Queue()
-    processes = [context.Process(target=two_part_training, args=(rank, cfg, str(tmp_path / "store"), results))
-                 for rank in range(2)]
-    for p in processes:
-        p.start()
-    losses, weights = results.get(timeout=300)
-    for p in processes:
-        p.join(timeout=60)
-        assert p.exitcode == 0
+    (losses, weights), _ = run_ranks(two_part_training, 2, cfg, str(tmp_path / "store"))
 
     pipe = build_shapes_pipeline(cfg.seed)
     both_halves = BatchShare(parts=(0, 1), of=2)
@@ -138,7 +126,7 @@ def test_two_processes_sharing_each_batch_train_as_one_process_accumulating_both
     expected_weights = trained_weights(pipe)
     assert weights.keys() == expected_weights.keys()
     for name, value in expected_weights.items():
-        assert torch.equal(torch.from_numpy(weights[name]), value), name
+        assert torch.equal(weights[name], value), name
 
 
 def test_caption_noise_misstates_that_share_of_counts_and_sides_and_nothing_else():
