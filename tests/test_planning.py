@@ -34,6 +34,7 @@ def test_model_sizes_equal_the_loaded_model(tiny_model_dir):
 
 
 def _probe(rank: int, *args) -> int:
+    """peak_delta as a run_ranks function (rank 0 of 1)."""
     return peak_delta(*args)
 
 
