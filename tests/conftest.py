@@ -112,32 +112,12 @@ def ray_session():
     placement groups) so the next test finds the resources free.
     """
     import ray
-    from ray.job_config import JobConfig
 
     from rayflow.distributed.worker_imports import init_local_ray, stop_worker_zygote
 
-    # As a local run's: workers forked from a zygote that holds torch and the tiny model's classes imported. They
-    # import the test modules too (`run_ranks` runs their functions), as pytest does: from this directory.
-    init_local_ray("QwenImagePipeline", num_cpus=8, include_dashboard=False, log_to_driver=True,
-                   job_config=JobConfig(_py_driver_sys_path=[os.path.dirname(os.path.abspath(__file__))]))
+    # As a local run's: workers forked from a zygote that holds torch and the tiny model's classes imported.
+    init_local_ray("QwenImagePipeline", num_cpus=8, include_dashboard=False, log_to_driver=True)
     yield ray
     ray.shutdown()
     stop_worker_zygote()
 
-
-@pytest.fixture
-def run_ranks(ray_session):
-    """`run_ranks(fn, world, *args)`: `fn(rank, *args)` in `world` processes at once (ranks of a process group that
-    `fn` joins), their return values by rank. The processes are workers of the session's Ray, forked from its zygote
-    with torch and the model code imported; a spawned process imported them again (about 10 s of CPU a rank on 2
-    cores, for a step of the tiny model). A rank that raises fails the call, and the ranks still waiting on it are
-    stopped, not left to their collective's timeout."""
-    def run(fn, world: int, *args, timeout_s: float = 300.0) -> list:
-        rank_task = ray_session.remote(num_cpus=0, max_calls=1)(fn)  # max_calls: no later test reuses its process
-        refs = [rank_task.remote(rank, *args) for rank in range(world)]
-        try:
-            return ray_session.get(refs, timeout=timeout_s)
-        finally:
-            for ref in refs:
-                ray_session.cancel(ref, force=True)  # a no-op for a rank that returned
-    return run

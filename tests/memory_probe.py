@@ -2,8 +2,8 @@
 
 `peak_delta` is the rise of the process's peak resident set (VmHWM, reset through /proc/self/clear_refs just
 before) over its resident set before the forward, with glibc's mmap threshold at 64 KiB so that freed activations go
-back to the OS and the peak is the peak. tests/test_planning.py runs it in a Ray worker of its own, forked from the
-suite's zygote: a fresh interpreter (`python -c`) measured the same peaks to within 1.2% (2026-12-02).
+back to the OS and the peak is the peak. tests/test_planning.py runs it in a process forked from the test session's
+forkserver (tests/ranks.py), whose peaks a fresh interpreter's matched (README, Memory planner).
 """
 
 import ctypes

@@ -27,6 +27,7 @@ from rayflow.learner.state import adapter_state, full_tensor, load_adapter_state
 from rayflow.learner.worker import LearnerError, LearnerGroup
 from rayflow.models.base import PromptEmbeds
 from rayflow.sync.buckets import from_wire
+from ranks import run_ranks
 from tiny_run import GRPO, NFT, small_cfg, wait_until_dead
 
 CPU = torch.device("cpu")
@@ -362,7 +363,7 @@ def _train_one_batch_on_rank(rank: int, cfg, batch: list, store: str, out: str) 
         dist.destroy_process_group()
 
 
-def test_ranks_whose_shards_need_unequal_passes_train_as_the_reference(run_ranks, tiny_model_dir, tmp_path):
+def test_ranks_whose_shards_need_unequal_passes_train_as_the_reference(tiny_model_dir, tmp_path):
     """An asynchronous batch may mix SDE windows (a window per version); micro-batches are cut where they change, so
     one rank's shard can need more forward/backward passes than another's. Every FSDP2 pass is collectives, so the
     ranks run as many (the others of zero weight); with unequal counts they parted and the step hung until the
@@ -401,7 +402,7 @@ def _fetch_ema_weights_on_rank(rank: int, cfg, store: str, out: str) -> None:
         dist.destroy_process_group()
 
 
-def test_only_rank_0_holds_the_whole_ema_weights_of_full_fine_tuning(run_ranks, tiny_model_dir, tmp_path):
+def test_only_rank_0_holds_the_whole_ema_weights_of_full_fine_tuning(tiny_model_dir, tmp_path):
     """The evaluation's "ema" weights under learner.train_mode=full are a whole transformer: every rank takes part in
     the gathers, only rank 0 keeps them (every rank had copied the whole transformer into host memory to drop it)."""
     cfg = small_cfg(GRPO, tiny_model_dir, tmp_path / "run", "learner.world_size=2", "learner.train_mode=full",

@@ -17,6 +17,7 @@ from rayflow.planning.memory import (
 from rayflow.planning.sizes import measure_model, model_directory
 
 from memory_probe import peak_delta
+from ranks import run_ranks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPE_8GPU = os.path.join(ROOT, "recipes", "flowgrpo_qwen_image_8gpu.yaml")
@@ -34,18 +35,18 @@ def test_model_sizes_equal_the_loaded_model(tiny_model_dir):
 
 
 def _probe(rank: int, *args) -> int:
-    """peak_delta as a run_ranks function (rank 0 of 1)."""
+    """peak_delta as a rank function (rank 0 of 1)."""
     return peak_delta(*args)
 
 
-def _measured_peak(run_ranks, model_dir: str, batch: int, size: int, checkpointing: bool, tokens: int) -> int:
+def _measured_peak(model_dir: str, batch: int, size: int, checkpointing: bool, tokens: int) -> int:
     """memory_probe.peak_delta in a process of its own."""
     (peak,) = run_ranks(_probe, 1, model_dir, batch, size, checkpointing, tokens)
     return peak
 
 
 @pytest.mark.parametrize("checkpointing", [False, True])
-def test_training_activations_match_measured_peak(run_ranks, tiny_model_dir, checkpointing):
+def test_training_activations_match_measured_peak(tiny_model_dir, checkpointing):
     """The planner's activations of a LoRA forward + backward against the rise of a new process's peak
     resident memory (CPU, fp32; tests/memory_probe.py). Measured error on CPU: within 3% (README); asserted within 15%, which
     leaves room for allocator noise while catching a missing term (a block's set is ~40% of this total)."""
@@ -54,12 +55,12 @@ def test_training_activations_match_measured_peak(run_ranks, tiny_model_dir, che
                              "learner.lora_alpha=8"])
     cost = measure_model(cfg, tiny_model_dir, {(batch, checkpointing)}, text_tokens=tokens).forward[(batch, checkpointing)]
     estimate = cost.saved + BACKWARD_BLOCK_SHARE * cost.block
-    measured = _measured_peak(run_ranks, tiny_model_dir, batch, size, checkpointing, tokens)
+    measured = _measured_peak(tiny_model_dir, batch, size, checkpointing, tokens)
     assert abs(estimate - measured) / measured < 0.15, (estimate, measured)
 
 
 @pytest.mark.parametrize("checkpointing", [False, True])
-def test_flux_activations_count_both_block_stacks(run_ranks, tiny_twin, checkpointing):
+def test_flux_activations_count_both_block_stacks(tiny_twin, checkpointing):
     """FLUX.1 has two stacks (double- and single-stream blocks, 19 and 38 in FLUX.1-dev): each is measured one block
     deeper on its own and scaled to its own depth. Its estimate against the measured peak, as for Qwen-Image above:
     -5.5% without checkpointing, -3.8% with it (2026-11-29); before, no depth override reached FLUX's (or SD3's)
@@ -71,7 +72,7 @@ def test_flux_activations_count_both_block_stacks(run_ranks, tiny_twin, checkpoi
     cost = measure_model(cfg, path, {(batch, checkpointing)}, text_tokens=tokens).forward[(batch, checkpointing)]
     assert cost.block > 0
     estimate = cost.saved + BACKWARD_BLOCK_SHARE * cost.block
-    measured = _measured_peak(run_ranks, path, batch, size, checkpointing, tokens)
+    measured = _measured_peak(path, batch, size, checkpointing, tokens)
     assert abs(estimate - measured) / measured < 0.15, (estimate, measured)
 
 

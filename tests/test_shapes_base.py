@@ -26,6 +26,7 @@ from rayflow.worlds.shapes import POSITIONS, parse_prompt, render, sample_scene
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
 
 from cpu_kernels import PINNED_CAPABILITY, PINNED_KERNELS  # noqa: E402
+from ranks import run_ranks  # noqa: E402
 from pretrain_shapes import (  # noqa: E402
     VAE_CHECK_SCENES, BatchShare, PretrainConfig, check_vae, encode_pool, joined,
     layout_scenes, layout_targets, main, miscaption, pretrain, save, train_transformer, train_vae,
@@ -107,7 +108,7 @@ def two_part_training(rank: int, cfg: PretrainConfig, store_path: str) -> tuple[
     return losses, trained_weights(pipe)
 
 
-def test_two_processes_sharing_each_batch_train_as_one_process_accumulating_both_halves(run_ranks, tmp_path):
+def test_two_processes_sharing_each_batch_train_as_one_process_accumulating_both_halves(tmp_path):
     """--workers 2: each process backpropagates half of every transformer batch and gloo sums the gradients; one
     process that backpropagates both halves in turn (accumulating), after the one-process VAE stage, is the
     expectation, bit for bit: losses and weights (part 0's)."""
