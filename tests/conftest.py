@@ -120,4 +120,3 @@ def ray_session():
     yield ray
     ray.shutdown()
     stop_worker_zygote()
-
