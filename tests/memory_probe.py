@@ -29,7 +29,7 @@ M_MMAP_THRESHOLD = -3
 
 def peak_delta(path: str, batch: int, size: int, checkpointing: bool, tokens: int) -> int:
     """The rise of this process's peak resident set over one LoRA forward + backward, after a warm-up one."""
-    ctypes.CDLL("libc.so.6").mallopt(M_MMAP_THRESHOLD, 65536)  # freed activations go back to the OS: the peak is the peak
+    ctypes.CDLL("libc.so.6").mallopt(M_MMAP_THRESHOLD, 65536)  # freed activations go back to the OS
     torch.set_num_threads(1)
     model = load_model(path, transformer_only=True)
     add_lora(model.transformer, rank=8, alpha=8, targets=model.lora_target_modules)

@@ -10,7 +10,6 @@ import multiprocessing
 import os
 import tempfile
 
-import torch
 import torch.multiprocessing
 
 PRELOAD = ["torch", "torch.distributed.fsdp", "peft", "diffusers.pipelines.qwenimage.pipeline_qwenimage",

@@ -47,9 +47,9 @@ def _measured_peak(model_dir: str, batch: int, size: int, checkpointing: bool, t
 
 @pytest.mark.parametrize("checkpointing", [False, True])
 def test_training_activations_match_measured_peak(tiny_model_dir, checkpointing):
-    """The planner's activations of a LoRA forward + backward against the rise of a new process's peak
-    resident memory (CPU, fp32; tests/memory_probe.py). Measured error on CPU: within 3% (README); asserted within 15%, which
-    leaves room for allocator noise while catching a missing term (a block's set is ~40% of this total)."""
+    """The planner's activations of a LoRA forward + backward against the rise of a new process's peak resident memory
+    (CPU, fp32; tests/memory_probe.py). Measured error on CPU: within 3% (README); asserted within 15%, which leaves room
+    for allocator noise while catching a missing term (a block's set is ~40% of this total)."""
     batch, size, tokens = 4, 384, 32
     cfg = load_config(None, [f"sampling.height={size}", f"sampling.width={size}", "learner.lora_rank=8",
                              "learner.lora_alpha=8"])
