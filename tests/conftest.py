@@ -31,18 +31,16 @@ import torch
 from rayflow.models.tiny import save_tiny_model
 
 
-LONGEST_FILES_FIRST = ("test_faults.py", "test_trainer.py", "test_sync.py", "test_cluster.py", "test_watchdog.py",
-                       "test_learner.py", "test_learning.py", "test_recipes.py", "test_rollout.py", "test_runs.py",
-                       "test_job_submit.py", "test_colocated.py", "test_bench_gpu.py", "test_reward_workers.py",
-                       "test_planning.py")
-"""The files that take longest (most Ray actors started, or long in-process training), longest first: under `-n 2
---dist loadfile` a worker takes the next file when it is free, so starting them first leaves short files to even
-out the end (longest-processing-time-first). Seconds per file on 2 cores, two runs of 2026-11-26: trainer 210 / 189,
-sync 108 / 100, cluster 74 / 74, watchdog 77 / 69, learner 75 / 63, faults 68 / 57, learning 53 / 55, recipes 61 / 40,
-rollout 52 / 42, runs 44 / 43, job_submit 46 / 26, colocated 39 / 29, bench_gpu 21 / 17, reward_workers 18,
-planning 17; every other file < 11. test_faults.py first since 2026-11-29 (fifteenth session): its 18 tests, six of
-them waiting out a stalled weight-sync actor's deadlines or a node's lost objects, take about 250 s (from the
-durations of a fresh-clone run), the longest file."""
+LONGEST_FILES_FIRST = ("test_faults.py", "test_trainer.py", "test_cluster.py", "test_learning.py", "test_runs.py",
+                       "test_learner.py", "test_planning.py", "test_recipes.py", "test_bench_gpu.py", "test_sync.py",
+                       "test_colocated.py", "test_shapes_base.py", "test_rollout.py", "test_speed_options.py",
+                       "test_zygote.py", "test_watchdog.py", "test_evaluate.py", "test_export.py")
+"""The files that take longest (most Ray actors started, long in-process training, clusters of their own), longest
+first: under `-n 2 --dist loadfile` a worker takes the next file when it is free, so starting them first leaves short
+files to even out the end (longest-processing-time-first). Seconds per file in a working-tree run on 2 cores at a
+slow hour (2026-12-02, twenty-seventh session): faults 298, trainer 204, cluster 183 (and job_submit 84, merged into
+it since), learning 151, runs 137, learner 108, planning 83, recipes 76, bench_gpu 66, sync 64, colocated 49,
+shapes_base 42, rollout 41, speed_options 39, zygote 36, watchdog 34, evaluate 34, export 34; every other file < 28."""
 
 
 def pytest_configure(config):

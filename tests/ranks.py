@@ -1,5 +1,5 @@
 """`run_ranks(fn, world, *args)`: `fn(rank, *args)` in `world` new processes at once (the ranks of a process group
-that `fn` joins), their return values by rank.
+that `fn` joins), their return values by rank. `FORKSERVER`: the multiprocessing context they fork from.
 
 The processes fork from multiprocessing's forkserver, started once per test session with PRELOAD imported: a spawned
 process imported torch and the model code again, about 10 s of CPU a rank on 2 cores, for a step of the tiny model.
@@ -16,7 +16,9 @@ PRELOAD = ["torch", "torch.distributed.fsdp", "peft", "diffusers.pipelines.qweni
            "rayflow.learner.backend"]
 """What the ranks find imported: torch, FSDP2, peft, the tiny model's classes and the learner."""
 
-multiprocessing.set_forkserver_preload(PRELOAD)  # before the server starts, at the first run_ranks
+multiprocessing.set_forkserver_preload(PRELOAD)  # before the server starts, at the first process forked from it
+FORKSERVER = multiprocessing.get_context("forkserver")
+"""For tests that start and stop their processes themselves (queues, kills): the same preloaded server."""
 
 
 def _returning(rank: int, fn, args: tuple, directory: str) -> None:

@@ -1,8 +1,9 @@
 """cluster/: the cluster-launcher configs pass Ray's own schema and config preparation, the KubeRay
 manifests carry what KubeRay requires, the job runtime env is one Ray accepts and packs only code;
-then two real multi-node runs on this machine, each on a Ray cluster of its own (never the session's):
-the recipe submitted with `ray job submit` to a fake autoscaling cluster that starts as a head only,
-and a weight sync from a learner node to rollout replicas on two other nodes."""
+then real multi-node runs on this machine, on Ray clusters of their own (never the session's): the recipe
+submitted with `ray job submit` to a fake autoscaling cluster that starts as a head only, then a second
+submission there stopped with `ray job stop`, and a weight sync from a learner node to rollout replicas on two
+other nodes."""
 
 import copy
 import json
@@ -13,6 +14,7 @@ import shlex
 import subprocess
 import sys
 import tempfile
+import time
 import zipfile
 from pathlib import Path
 
@@ -24,6 +26,7 @@ from ray.runtime_env import RuntimeEnv
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from cluster_fake import FakeAutoscalingCluster
+from rayflow.checkpoint import checkpoint_root, list_checkpoints, load_checkpoint
 from rayflow.config import load_config
 from rayflow.distributed.fake_nodes import FakeNodesWithOwnDirs
 from rayflow.distributed.resources import required_cpus
@@ -270,42 +273,69 @@ def test_runtime_env_is_valid_for_ray_job_submit_and_uploads_only_code(tmp_path)
 # -- multi-node runs (each on a Ray cluster of its own, in subprocesses) ---------------------------
 
 SMALL_RUN = [
-    "trainer.total_steps=2", "algorithm.prompts_per_step=1", "algorithm.group_size=2", "sampling.num_steps=2",
-    "trainer.eval_every=0", "learner.micro_batch_size=2", "rollout.micro_batch_size=2", "logging.progress_bar=false",
+    "algorithm.prompts_per_step=1", "algorithm.group_size=2", "sampling.num_steps=2", "trainer.eval_every=0",
+    "learner.micro_batch_size=2", "rollout.micro_batch_size=2", "logging.progress_bar=false",
 ]
+PLACEMENT = ["rollout.resources={rollout_node: 1}", "reward.resources={rollout_node: 1}",
+             "learner.resources={learner_node: 1}", "sync.resources={learner_node: 1}"]
+"""Each role on the worker node type of its own (cluster/fake_multinode.yaml)."""
 
 
-def test_autoscaler_adds_rollout_and_learner_nodes_and_the_submitted_recipe_completes(tiny_model_dir, tmp_path):
+@pytest.fixture(scope="module")
+def autoscaling_cluster():
+    """cluster/fake_multinode.yaml started as a CPU-less head only, for the two jobs below, in file order: the first
+    sees the autoscaler add its nodes; the second, stopped, runs on them (one cluster start, ~20 s, not two)."""
+    with FakeAutoscalingCluster(head_cpus=0) as cluster:
+        yield cluster
+
+
+def ray_job(cluster: FakeAutoscalingCluster, command: str, *args: str) -> str:
+    """`ray job COMMAND ARGS...` against the cluster, from the repository (the working dir a submission uploads)."""
+    result = subprocess.run([sys.executable, "-m", "ray.scripts.scripts", "job", command, "--address",
+                             cluster.dashboard_url, *args], cwd=REPO, env=cluster.env, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, (f"ray job {command} failed ({result.returncode}):\n{result.stdout[-4000:]}\n"
+                                    f"{result.stderr[-2000:]}\nhead:\n{cluster.head_log()}")
+    return result.stdout + result.stderr
+
+
+def submit(cluster: FakeAutoscalingCluster, tiny_model_dir: str, output_dir: Path, run_name: str, *overrides: str,
+           options: tuple[str, ...] = ()) -> str:
+    """The README's `ray job submit` (with `options`) of the default recipe on the tiny model, each role on its node
+    type."""
+    return ray_job(cluster, "submit", *options, "--working-dir", ".", "--runtime-env", "cluster/runtime_env.yaml", "--",
+                   sys.executable, "recipes/flowgrpo_qwen_image.py", "--config", "recipes/flowgrpo_tiny.yaml",
+                   f"model.path={tiny_model_dir}", f"trainer.output_dir={output_dir}", f"trainer.run_name={run_name}",
+                   *SMALL_RUN, *PLACEMENT, *overrides)
+
+
+def wait_for(predicate, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(1)
+
+
+def test_autoscaler_adds_rollout_and_learner_nodes_and_the_submitted_recipe_completes(
+        autoscaling_cluster, tiny_model_dir, tmp_path):
     """The README's `ray job submit` of the default recipe, on cluster/fake_multinode.yaml started as a
     CPU-less head only: the placement groups make the autoscaler add one node of each worker type, the
     rollout (and reward) actors land on the rollout node, the learner (and weight-sync) actors on the
     learner node, and the run completes with TensorBoard events and its final checkpoint."""
-    out = tmp_path / "run"
-    placement = ["rollout.resources={rollout_node: 1}", "reward.resources={rollout_node: 1}",
-                 "learner.resources={learner_node: 1}", "sync.resources={learner_node: 1}"]
-    with FakeAutoscalingCluster(head_cpus=0) as cluster:
-        before = cluster.state()
-        assert list(before["node_types"].values()) == ["ray.head.default"] and len(before["nodes"]) == 1
+    cluster, out = autoscaling_cluster, tmp_path / "run"
+    before = cluster.state()
+    assert list(before["node_types"].values()) == ["ray.head.default"] and len(before["nodes"]) == 1
 
-        submit = [
-            sys.executable, "-m", "ray.scripts.scripts", "job", "submit", "--address", cluster.dashboard_url,
-            "--working-dir", ".", "--runtime-env", "cluster/runtime_env.yaml", "--",
-            sys.executable, "recipes/flowgrpo_qwen_image.py", "--config", "recipes/flowgrpo_tiny.yaml", f"model.path={tiny_model_dir}",
-            f"trainer.output_dir={tmp_path}", "trainer.run_name=run", *SMALL_RUN, *placement,
-        ]
-        job = subprocess.run(submit, cwd=REPO, env=cluster.env, capture_output=True, text=True, timeout=300)
-        assert job.returncode == 0 and "succeeded" in job.stdout, (
-            f"job failed ({job.returncode}):\n{job.stdout[-4000:]}\n{job.stderr[-2000:]}\nhead:\n{cluster.head_log()}"
-        )
-        after = cluster.state()
-        # The run asked for every role's placement before waiting for any: the autoscaler saw the demand for both
-        # node types at once, and started them together (one after the other, the second waited for the first).
-        assert any({"rollout_node", "learner_node"} <= pending for pending in cluster.pending_demands())
-        # The head (for the job's driver) and each worker node unpacked the working dir into a directory of its own
-        # (rayflow/distributed/fake_nodes.py): the learner and rollout actors start at once on two nodes.
-        unpacked = [p.parent.parent.name for p in Path(cluster.temp_dir).glob("session_2*/runtime_resources*/working_dir_files/*")
-                    if p.is_dir()]
-        assert sorted(unpacked) == ["runtime_resources", "runtime_resources_node1", "runtime_resources_node2"], unpacked
+    assert "succeeded" in submit(cluster, tiny_model_dir, tmp_path, "run", "trainer.total_steps=2")
+    after = cluster.state()
+    # The run asked for every role's placement before waiting for any: the autoscaler saw the demand for both
+    # node types at once, and started them together (one after the other, the second waited for the first).
+    assert any({"rollout_node", "learner_node"} <= pending for pending in cluster.pending_demands())
+    # The head (for the job's driver) and each worker node unpacked the working dir into a directory of its own
+    # (rayflow/distributed/fake_nodes.py): the learner and rollout actors start at once on two nodes.
+    unpacked = [p.parent.parent.name for p in Path(cluster.temp_dir).glob("session_2*/runtime_resources*/working_dir_files/*")
+                if p.is_dir()]
+    assert sorted(unpacked) == ["runtime_resources", "runtime_resources_node1", "runtime_resources_node2"], unpacked
 
     node_types = after["node_types"]
     added = sorted(t for t in node_types.values() if t != "ray.head.default")
@@ -323,6 +353,27 @@ def test_autoscaler_adds_rollout_and_learner_nodes_and_the_submitted_recipe_comp
     events.Reload()
     scalars = events.Tags()["scalars"]
     assert "reward/mean" in scalars and {e.step for e in events.Scalars("reward/mean")} == {1, 2}
+
+
+def test_a_stopped_job_leaves_its_last_complete_checkpoint(autoscaling_cluster, tiny_model_dir, tmp_path):
+    """`ray job stop` of a submitted recipe (SIGTERM to its driver) while it saves every step: every checkpoint left is
+    complete and readable, and the driver says where it stopped and how to continue."""
+    cluster, root = autoscaling_cluster, checkpoint_root(str(tmp_path / "stopped"))
+    submit(cluster, tiny_model_dir, tmp_path, "stopped", "trainer.total_steps=1000", "trainer.save_every=1",
+           "trainer.keep_checkpoints=3", options=("--no-wait", "--submission-id", "rayflow-stop-test"))
+    wait_for(lambda: len(list_checkpoints(root)) >= 2, 300, "two checkpoints")
+    ray_job(cluster, "stop", "rayflow-stop-test")
+    wait_for(lambda: "was stopped" in ray_job(cluster, "status", "rayflow-stop-test"), 120, "the job to stop")
+    logs = ray_job(cluster, "logs", "rayflow-stop-test")
+    steps = [load_checkpoint(path).step for path in list_checkpoints(root)]  # each one complete and readable
+    assert len(steps) >= 2 and steps == sorted(steps) and max(steps) < 1000
+    # At most an unfinished write, re-save or rotation under a temporary name (.tmp-, .old-, .del-: the next start
+    # clears them, rayflow.checkpoint.remove_leftovers); never a partial step_* directory.
+    names = os.listdir(root)
+    assert all(name.startswith(("step_", ".tmp-", ".old-", ".del-")) for name in names), names
+    # The driver says where it stopped and how to continue, without a traceback of the interrupt.
+    assert "interrupted at step" in logs and "continue with the same command and trainer.run_name=stopped" in logs
+    assert "KeyboardInterrupt" not in logs
 
 
 def test_weight_sync_reaches_rollout_replicas_on_other_nodes_bit_for_bit(tiny_model_dir, tmp_path):

@@ -3,7 +3,6 @@ FORM_TIMEOUT_FLOOR_S for a member that joins late, while each collective keeps t
 rank whose collective failed releases its connections when it destroys the group, so its peers fail at once."""
 
 import gc
-import multiprocessing
 import time
 import warnings
 
@@ -11,6 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from ranks import FORKSERVER
 from rayflow.distributed import process_group
 from rayflow.distributed.process_group import (
     FORM_TIMEOUT_FLOOR_S,
@@ -29,7 +29,7 @@ LATE_S = 3.0
 def meet(rank: int, size: int, rendezvous_queue) -> Rendezvous:
     """Rank 0 takes a port of its own, held until its store opens on it (as a GroupHost does), and hands it to the
     others. A port picked free in the test's process could be taken by another process in the seconds before rank 0,
-    a spawned process, bound it (a CI run met that race on a cluster's port: tests/cluster_weight_sync.py)."""
+    a new process, bound it (a CI run met that race on a cluster's port: tests/cluster_weight_sync.py)."""
     process_group.node_ip = lambda: LOOPBACK  # what Ray reports on a loopback-only node
     if rank > 0:
         return rendezvous_queue.get(timeout=60)
@@ -82,7 +82,7 @@ def test_a_rendezvous_holds_its_port_until_rank_0_opens_the_store_on_it(monkeypa
 
 def test_a_late_member_joins_and_a_missing_peer_still_fails_a_collective_within_its_timeout():
     assert LATE_S < FORM_TIMEOUT_FLOOR_S
-    context = multiprocessing.get_context("spawn")
+    context = FORKSERVER
     results, rendezvous = context.Queue(), context.Queue()
     ranks = [context.Process(target=member, args=(rank, rendezvous, results)) for rank in (0, 1)]
     for p in ranks:
@@ -132,7 +132,7 @@ def broadcaster(rank: int, rendezvous_queue, results) -> None:
 
 
 def test_a_destroyed_group_fails_the_peers_still_waiting_at_once_not_at_their_timeout():
-    context = multiprocessing.get_context("spawn")
+    context = FORKSERVER
     results, rendezvous = context.Queue(), context.Queue()
     ranks = [context.Process(target=broadcaster, args=(rank, rendezvous, results), daemon=True) for rank in (0, 1, 2)]
     for p in ranks:
