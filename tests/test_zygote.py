@@ -308,8 +308,10 @@ def test_a_local_ray_on_a_gpu_machine_forks_from_a_zygote_only_when_asked(monkey
         started.update(kwargs, worker_path=params.worker_path, log_monitor=params.include_log_monitor)
 
     monkeypatch.setattr(ray, "init", node_start)
+    meanwhile = []  # the caller's imports for after the start: once, after ray.init (rayflow.driver.launch)
     try:
-        worker_imports.init_local_ray("QwenImagePipeline", num_cpus=2)
+        worker_imports.init_local_ray("QwenImagePipeline", meanwhile=lambda: meanwhile.append(dict(started)), num_cpus=2)
+        assert meanwhile == [started]
         zygote = worker_imports._zygote
         assert (zygote is not None) is (switch == "1")
         if zygote:

@@ -24,7 +24,7 @@ import os
 import shutil
 import sys
 import tempfile
-from typing import Iterator
+from collections.abc import Callable, Iterator
 
 from rayflow.distributed.zygote import Zygote
 from rayflow.distributed.zygote_client import SWITCH_ENV
@@ -47,14 +47,18 @@ _zygote: Zygote | None = None
 """This process's zygote, while its local Ray runs."""
 
 
-def init_local_ray(pipeline_class: str, **init_kwargs):
+def init_local_ray(pipeline_class: str, meanwhile: Callable[[], object] | None = None, **init_kwargs):
     """`ray.init(address="local", **init_kwargs)`, its workers forked from a zygote that preloads `pipeline_class`
     where `zygotes_wanted()`. The zygote imports while Ray starts; this returns once both are up (an error of either
-    stops both). After `ray.shutdown()`, `stop_worker_zygote()`."""
+    stops both). `meanwhile()` runs once Ray is up, before the wait for the zygote: the caller's own imports for after
+    the start, on a core the zygote's last imports leave idle. After `ray.shutdown()`, `stop_worker_zygote()`."""
     import ray
 
     if not zygotes_wanted():
-        return ray.init(address="local", **init_kwargs)
+        context = ray.init(address="local", **init_kwargs)
+        if meanwhile is not None:
+            meanwhile()
+        return context
     global _zygote
     if _zygote is not None:  # one local Ray per process: stopping it here would kill that Ray's workers
         raise RuntimeError("this process's zygote already runs (a local Ray started here is still up)")
@@ -64,6 +68,8 @@ def init_local_ray(pipeline_class: str, **init_kwargs):
                                 [*MODEL_MODULES, f"diffusers:{pipeline_class}", *MODEL_RAY_MODULES])
         with _worker_script(_zygote.write_worker_entry(_default_worker_script())):
             context = ray.init(address="local", _system_config=NO_WORKERS_AHEAD, **init_kwargs)
+        if meanwhile is not None:
+            meanwhile()
         _zygote.wait_ready()
     except BaseException:
         if ray.is_initialized():
