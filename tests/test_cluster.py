@@ -270,7 +270,7 @@ def test_runtime_env_is_valid_for_ray_job_submit_and_uploads_only_code(tmp_path)
     assert (tmp_path / "repo.zip").stat().st_size < 16 * 2**20
 
 
-# -- multi-node runs (each on a Ray cluster of its own, in subprocesses) ---------------------------
+# -- multi-node runs (on Ray clusters of their own, never the session's, in subprocesses) ----------
 
 SMALL_RUN = [
     "algorithm.prompts_per_step=1", "algorithm.group_size=2", "sampling.num_steps=2", "trainer.eval_every=0",
