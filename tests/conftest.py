@@ -31,6 +31,8 @@ import torch
 from rayflow.models.tiny import save_tiny_model
 
 
+pytest_plugins = ["crash_reports", "slow_test_stacks"]  # tests/: a crashed worker's last words; a slow test's stacks
+
 LONGEST_FILES_FIRST = ("test_faults.py", "test_trainer.py", "test_cluster.py", "test_learning.py", "test_runs.py",
                        "test_learner.py", "test_planning.py", "test_recipes.py", "test_bench_gpu.py", "test_sync.py",
                        "test_colocated.py", "test_shapes_base.py", "test_rollout.py", "test_speed_options.py",
