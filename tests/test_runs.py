@@ -569,7 +569,7 @@ if sys.argv[1] == "yes":
 else:
     ray.init(address="local", num_cpus=2, include_dashboard=False)
 MODEL_CODE = ("diffusers", "diffusers.pipelines.qwenimage.pipeline_qwenimage", "transformers", "peft")
-ACTOR_CODE = ("rayflow.learner.worker", "rayflow.rollout.rank")
+ACTOR_CODE = ("rayflow.learner.worker", "rayflow.learner.backend", "rayflow.rollout.rank")
 zygote = worker_imports._zygote.process.pid if worker_imports._zygote else None
 
 @ray.remote
@@ -630,7 +630,8 @@ def test_a_local_runs_workers_are_forked_with_the_model_code_imported(tmp_path, 
     assert f"worker: {model_code if forked else []}" in result.stdout, result.stdout
     # The zygote holds the learner's and the rollout rank's code too (imported with Ray, under the first worker's Ray
     # variables).
-    actor = (model_code, True, ["rayflow.learner.worker", "rayflow.rollout.rank"]) if forked else ([], False, [])
+    actor_code = ["rayflow.learner.worker", "rayflow.learner.backend", "rayflow.rollout.rank"]
+    actor = (model_code, True, actor_code) if forked else ([], False, [])
     assert f"actor: {actor}" in result.stdout, result.stdout
     assert "zygote off: ([], False, [])" in result.stdout, result.stdout
     assert "own ray variables: ([], False, [])" in result.stdout, result.stdout
@@ -649,13 +650,16 @@ from rayflow.driver.trainer import Trainer  # what the launcher imports once Ray
 from rayflow.runs import preflight
 preflight(load_config(sys.argv[1], [f"model.cache_dir={sys.argv[2]}", f"trainer.output_dir={sys.argv[2]}"]))
 print("model code:", [m for m in ("diffusers", "transformers", "peft") if m in sys.modules])
+print("sharding code:", [m for m in ("torch.distributed.tensor", "torch.distributed.fsdp", "torch.distributed.checkpoint")
+                         if m in sys.modules])
 """
 
 
 def test_the_driver_starts_a_run_on_a_cached_tiny_model_without_importing_the_model_code(tmp_path, tiny_model_dir):
     """Start-up (README, Benchmarks): the driver hands on specs and never runs the model, and on 2 cores its own
-    import of diffusers and transformers (about 2 s of CPU) would delay the actors that do. The cached tiny model is
-    the suite's, copied where the preflight looks for it."""
+    import of diffusers and transformers (about 2 s of CPU) would delay the actors that do; nor does it shard or
+    checkpoint a model (DTensor, FSDP2 and DCP: 0.65 s of CPU more). The cached tiny model is the suite's, copied where
+    the preflight looks for it."""
     import shutil
 
     from rayflow.models.tiny import cached_tiny_dir
@@ -665,6 +669,7 @@ def test_the_driver_starts_a_run_on_a_cached_tiny_model_without_importing_the_mo
                             text=True, timeout=120, env=dict(os.environ, PYTHONPATH=REPO_ROOT))
     assert result.returncode == 0, result.stderr[-3000:]
     assert "model code: []" in result.stdout, result.stdout
+    assert "sharding code: []" in result.stdout, result.stdout
 
 
 @pytest.mark.parametrize("missing", [None, "No module named 'opentelemetry'"])

@@ -168,16 +168,19 @@ def bench_rank(args, path: str) -> dict:
 
 
 def bench_replica(args, path: str) -> dict:
-    """The same generation through a W = 1 RolloutReplica on a local Ray (SDE steps, log-probs, decode)."""
+    """The same generation through a W = 1 RolloutReplica on a local Ray (SDE steps, log-probs, decode), started as a
+    run starts its own: on a small CPU-only machine its worker is forked from a zygote holding the model code."""
     os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
     import ray
 
     from rayflow.config import RolloutConfig
+    from rayflow.distributed.worker_imports import init_local_ray, stop_worker_zygote
+    from rayflow.models.base import pipeline_class_of
     from rayflow.rollout import RolloutReplica, RolloutRankSpec
 
     cfg = _config(args, path, 4.0, args.batch)
     gpus = 1 if args.device == "cuda" else 0
-    ray.init(address="local", num_cpus=4, num_gpus=gpus, include_dashboard=False, log_to_driver=False)
+    init_local_ray(pipeline_class_of(path), num_cpus=4, num_gpus=gpus, include_dashboard=False, log_to_driver=False)
     try:
         spec = RolloutRankSpec.from_config(cfg)
         replica = RolloutReplica(spec, RolloutConfig(cfg_parallel_size=1, gpus_per_rank=gpus), name="gpu-bench").wait_ready()
@@ -186,6 +189,7 @@ def bench_replica(args, path: str) -> dict:
         replica.shutdown()
     finally:
         ray.shutdown()
+        stop_worker_zygote()
     return {"images_per_s": args.batch / seconds, "seconds_per_request": seconds, "warmup_s": warmup}
 
 

@@ -4,6 +4,10 @@
 
 Each step is a small function of the module and explicit arguments; nothing here knows about
 LoRA, optimizers or Ray. The mesh is built once by the caller (`build_mesh`).
+
+FSDP2 is imported where it is used: the driver imports this module's callers (the learner's and colocated
+placement's actor classes) but never shards, and torch.distributed.fsdp with DTensor is 0.6 s of CPU on 2 cores
+at a run's start (`tests/test_runs.py -k without_importing`).
 """
 
 from __future__ import annotations
@@ -12,12 +16,15 @@ import contextlib
 import functools
 import warnings
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.utils.checkpoint
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+if TYPE_CHECKING:
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 
 
 def build_mesh(device: torch.device, world_size: int) -> DeviceMesh:
@@ -29,6 +36,8 @@ def mixed_precision_policy(mode: str) -> MixedPrecisionPolicy | None:
     """learner.mixed_precision (checked by LearnerConfig.validate) → FSDP2 policy: "bf16" computes in bf16 and
     reduces gradients in fp32; "none" and "autocast" leave FSDP2's dtypes alone."""
     if mode == "bf16":
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
         return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     return None
 
@@ -95,6 +104,8 @@ def apply_fsdp(
 
     `master_dtype`: each group's parameters cast to it right before it is sharded (full fine-tuning's fp32
     master weights over a bf16 model), so the whole model never exists in that dtype at once."""
+    from torch.distributed.fsdp import fully_shard
+
     # diffusers transformers return their output as a view; rayflow only uses velocities out of place
     # (CFG combine, flow_step, the losses), so FSDP2's warning about in-place ops on it does not apply.
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
@@ -120,6 +131,8 @@ def cast_parameters(params: Iterable[nn.Parameter], dtype: torch.dtype | None) -
 
 def fsdp_modules(transformer: nn.Module) -> list[FSDPModule]:
     """The transformer's FSDP2 groups (its blocks and the root), in module order: the same on every rank."""
+    from torch.distributed.fsdp import FSDPModule
+
     return [m for m in transformer.modules() if isinstance(m, FSDPModule)]
 
 

@@ -31,7 +31,7 @@ from rayflow.distributed.zygote_client import SWITCH_ENV
 
 MODEL_MODULES = ("torch", "torch.distributed.fsdp", "peft")
 """What the zygote imports at start besides the run's pipeline class (`diffusers:<class>`)."""
-MODEL_RAY_MODULES = ("ray", "rayflow.learner.worker", "rayflow.rollout.rank")
+MODEL_RAY_MODULES = ("ray", "rayflow.learner.worker", "rayflow.learner.backend", "rayflow.rollout.rank")
 """What the zygote imports when its first worker asks, under that worker's Ray variables
 (rayflow.distributed.zygote.RayEnvironment): Ray, and the actors' code that defines no Ray remote class. Defining one
 draws a random id from the generator of Ray's C++ side, which seeds it in the zygote, and every worker forked after

@@ -10,7 +10,6 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from rayflow.algorithms.diffusion_nft import ema_decay, ema_update
 from rayflow.algorithms.flow_grpo import train_ema_decay
@@ -33,6 +32,8 @@ def global_grad_norm(grads: list[torch.Tensor]) -> torch.Tensor:
     """The 2-norm over all gradients, a plain scalar tensor. For FSDP2 DTensor shards the per-rank
     partial norms are reduced first (torchtitan's order), so every rank clips by, and decides to
     skip on, the same global norm."""
+    from torch.distributed.tensor import DTensor  # here: the driver never needs it (parallelize.py's docstring)
+
     if not grads:
         return torch.zeros(())
     norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=False)

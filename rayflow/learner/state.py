@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, distribute_tensor
 
 from rayflow.models.lora import TRAINED_ADAPTER
 from rayflow.models.weight_sets import named_weights, weight_names
@@ -22,6 +21,8 @@ from rayflow.named_tensors import check_layout, layout
 
 def gathered(t: torch.Tensor) -> torch.Tensor:
     """The whole tensor, detached: all-gathered when `t` is a DTensor shard, else `t` itself (no copy)."""
+    from torch.distributed.tensor import DTensor  # here: the driver never needs it (parallelize.py's docstring)
+
     t = t.detach()
     return t.full_tensor() if isinstance(t, DTensor) else t
 
@@ -34,6 +35,8 @@ def full_tensor(t: torch.Tensor) -> torch.Tensor:
 def like(full: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
     """`full` in the layout of `ref`: this rank's shard of it if `ref` is a DTensor (local split, no
     communication), else `full` itself, on ref's device and dtype."""
+    from torch.distributed.tensor import DTensor, distribute_tensor  # as in `gathered`
+
     full = full.to(ref.device, ref.dtype)
     if isinstance(ref, DTensor):
         return distribute_tensor(full, ref.device_mesh, ref.placements, src_data_rank=None)

@@ -13,6 +13,10 @@ driver-side LearnerGroup that places the ranks, slices batches and collects resu
 
 Remote calls return ObjectRefs in rank order; `get` waits for all of them and, when a rank died,
 raises LearnerError naming the rank and its node instead of leaving its peers hanging in a collective.
+
+The model and checkpoint code (backend.py: FSDP2, DCP, diffusers, peft) is imported when a rank is built, not with
+this module: the driver imports it for LearnerGroup, and Ray imports an actor's class module in every process that
+receives one of its handles.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import dataclasses
 import os
 import tempfile
 import time
+from typing import TYPE_CHECKING
 
 import ray
 import torch
@@ -33,13 +38,14 @@ from rayflow.distributed.process_group import GroupHost, Rendezvous, init_defaul
 from rayflow.distributed.tensor_pickle import install as install_tensor_pickling
 from rayflow.driver.timing import Phases, process_age_s
 from rayflow.errors import ConfigError
-from rayflow.learner.backend import LearnerBackend
 from rayflow.learner.prefetch import TrajectoryCache
 from rayflow.distributed.parallelize import build_mesh
-from rayflow.learner.sharded import missing_files
 from rayflow.learner.spec import LEARNER_COLLECTIVE_TIMEOUT_S, LearnerSpec
 from rayflow.rng import get_rng_state
 from rayflow.types import Trajectory, TrajectoryRef
+
+if TYPE_CHECKING:
+    from rayflow.learner.backend import LearnerBackend
 
 
 class LearnerError(RuntimeError):
@@ -91,6 +97,8 @@ class LearnerWorker(GroupHost):
         with phase("process group"):
             init_default_group(rendezvous, self.rank, world_size, device, timeout_s=LEARNER_COLLECTIVE_TIMEOUT_S)
         with phase("model"):
+            from rayflow.learner.backend import LearnerBackend
+
             self.backend = LearnerBackend(self.spec, build_mesh(device, world_size), device,
                                           transformer_only=not self.whole_pipeline)
         return self.backend.identity
@@ -328,12 +336,16 @@ class LearnerGroup:
         if self.spec.learner.train_mode == "full":
             directory = sharded_staging_dir(self.spec.checkpoint_dir, step)
         states = self.get([w.state_dict.remote(directory) for w in self.workers], timeout_s, f"the save of step {step}")
-        if directory is not None and (missing := missing_files(directory)):
-            raise CheckpointWriteError(
-                f"the learner ranks' checkpoint shards are not all in {directory} here (missing {missing}): ranks on other "
-                f"nodes wrote them to their own disks. With a learner rank on another node than the driver's, "
-                f"trainer.output_dir must be storage the driver and every learner node share (NFS, a mounted bucket)"
-            )
+        if directory is not None:
+            from rayflow.learner.sharded import missing_files  # DCP, imported with the backend's code (module docstring)
+
+            if missing := missing_files(directory):
+                raise CheckpointWriteError(
+                    f"the learner ranks' checkpoint shards are not all in {directory} here (missing {missing}): ranks "
+                    f"on other nodes wrote them to their own disks. With a learner rank on another node than the "
+                    f"driver's, trainer.output_dir must be storage the driver and every learner node share (NFS, a "
+                    f"mounted bucket)"
+                )
         sharded = states[0]["sharded"]
         if sharded is not None:
             sharded = dataclasses.replace(sharded, finite=all(s["sharded"].finite for s in states))
