@@ -7,9 +7,10 @@ and one learner node, told apart by custom resources the config's `<component>.r
     head            rollout node A       rollout node B       learner node
     driver          replica 0 (W=1)      replica 1 (W=1)      learner ranks 0 and 1, WeightSyncActor
 
-The learner (two ranks) trains one FlowGRPO step and pushes its rollout adapter to the WeightSyncActor, which
-broadcasts it to both replicas over gloo (all nodes are on 127.0.0.1 here, with distinct node ids). Then replica 0
-samples a request and both learner ranks prefetch it (learner.prefetch), and the learners train on it.
+The learner (two ranks) trains one FlowGRPO step on a group replica 0 sampled and pushes its rollout adapter to the
+WeightSyncActor, which broadcasts it to both replicas over gloo (all nodes are on 127.0.0.1 here, with distinct node
+ids). Then replica 0 samples a request and both learner ranks prefetch it (learner.prefetch), and the learners train
+on it.
 Prints one JSON line for the test to check: where every actor ran (from the GCS actor table), whether every
 rank holds the learner's adapter bit for bit, and where the prefetched request's trajectories ended up.
 
@@ -30,7 +31,6 @@ import torch
 from ray.cluster_utils import Cluster
 from ray.experimental import get_object_locations
 
-from rayflow import reference
 from rayflow.learner.worker import LearnerGroup
 from rayflow.learner.spec import LearnerSpec
 from rayflow.rollout.pool import RolloutPool
@@ -52,18 +52,26 @@ def actor_nodes() -> dict[str, list[str]]:
     return nodes
 
 
+def sampled(replica, params: SamplingParams, name: str, first_seed: int, version: int):
+    """A group of 4 sampled on `replica`'s node under weight `version`: (its future, the batch of its trajectories
+    with fixed advantages)."""
+    seeds = list(range(first_seed, first_seed + 4))
+    future = replica.submit(RolloutRequest(name, ["a red apple"] * 4, [0] * 4, [0] * 4, seeds, params))
+    future.wait()
+    batch = [TrajectoryRef(future.ref, i, "a red apple", 0, 0, seed, [version], advantage=a)
+             for i, (seed, a) in enumerate(zip(seeds, [1.0, -1.0, 0.5, -0.5]))]
+    return future, batch
+
+
 def prefetch_across_nodes(replica, learners: LearnerGroup, params: SamplingParams) -> dict:
     """A request sampled on `replica`'s node, prefetched by every learner rank (as the driver does when it
     finishes), then trained on: where its trajectories are, and what each rank kept of them."""
-    future = replica.submit(RolloutRequest("prefetched", ["a red apple"] * 4, [0] * 4, [0] * 4, [11, 12, 13, 14], params))
-    future.wait()
+    future, batch = sampled(replica, params, "prefetched", 11, version=1)
     ray.get([w.prefetch.remote([future.ref], 1) for w in learners.workers])  # the driver does not wait; we do
     nodes = get_object_locations([future.ref])[future.ref]["node_ids"]
     # In a list: a top-level ObjectRef argument would arrive as its value.
     held = ray.get([w.__ray_call__.remote(lambda self, refs: self.trajectories._entries[refs[0]][1].result() is not None,
                                           [future.ref]) for w in learners.workers])
-    batch = [TrajectoryRef(future.ref, i, "a red apple", 0, 0, 11 + i, [1], advantage=a)
-             for i, a in enumerate([1.0, -1.0, 0.5, -0.5])]
     metrics = learners.get(learners.train_step(batch))[0]
     return {"nodes": nodes, "held": held, "prefetched": metrics["perf/prefetched"], "version": metrics["train/version"]}
 
@@ -82,15 +90,14 @@ def run(model_dir: str, out_dir: str) -> dict:
         learners = LearnerGroup(LearnerSpec.from_config(cfg), name="xnode-learner")
         before = [replica.adapter_weights() for replica in pool.replicas]
 
-        run_state = reference.build_run(cfg)  # the driver samples the batch in-process
-        batch, _ = reference.rollout(run_state)
+        params = SamplingParams(height=32, width=32, num_steps=2, guidance_scale=4.0, sde_type="sde")
+        _, batch = sampled(pool.replicas[0], params, "first-step", 1, version=0)
         learners.get(learners.train_step(batch))
         pushed = learners.get(learners.push_weights(sync.actor))[0]
         report = sync.wait(pushed["version"], timeout_s=120.0)
         version = pushed["version"]
         adapter = learners.get(learners.adapter_weights(learners.rollout_adapter_name))[0]
 
-        params = SamplingParams(height=32, width=32, num_steps=2, guidance_scale=4.0, sde_type="sde")
         replicas = []
         for i, replica in enumerate(pool.replicas):
             (trajectory,) = replica.generate(RolloutRequest(f"after-sync-{i}", ["a red apple"], [0], [0], [5], params))

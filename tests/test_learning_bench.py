@@ -98,7 +98,8 @@ def test_startup_records_the_load_average_before_its_runs(monkeypatch):
 
         def __init__(self, *args, **kwargs):
             load[0] += 1.5
-            self.stdout = iter(["rayflow INFO startup: ray 5.1s, actors 2.0s\n", "rayflow INFO step 1  reward 0.5\n"])
+            self.stdout = iter(["rayflow INFO startup: ray 5.1s, actors 2.0s\n", "rayflow INFO step 1  reward 0.5\n",
+                                "rayflow INFO done: 1 steps in 9s; reward 0.5000 (mean of the last 1 steps)\n"])
 
         def wait(self):
             return 0
@@ -108,6 +109,7 @@ def test_startup_records_the_load_average_before_its_runs(monkeypatch):
     result = bench.bench_startup(bench.parse_args(["startup", "--repeats", "1"]))
     assert result["load_average_before"] == 0.25
     assert result["runs"][0]["phases"] == {"ray": 5.1, "actors": 2.0}
+    assert result["end_s"]["median"] == result["runs"][0]["end_s"] >= 0  # from the "done:" line to the exit
 
 
 def test_pipeline_runs_do_not_evaluate_at_start(monkeypatch):

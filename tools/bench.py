@@ -4,7 +4,7 @@
     python tools/bench.py sync --json bench_sync.json [--lora-rank 128 --bucket-mb 64 --repeats 10]
     python tools/bench.py pipeline --json bench_pipeline.json [--recipe recipes/flowgrpo_tiny.yaml --steps 20 --rounds 3] [--placement colocated --colocated-devices 1 2]
     python tools/bench.py gpu --json bench_gpu.json [--depth N] | gpu --device cpu --tiny (smoke test); see tools/gpu_bench.py
-    python tools/bench.py startup --json bench_startup.json [--repeats 3]      command to first step, by phase
+    python tools/bench.py startup --json bench_startup.json [--repeats 3]      command to first step, by phase; and the end
     python tools/bench.py costs --json costs.json [--recipe ... --steps 8]      the simulator's costs; see tools/sim_bench.py
     python tools/bench.py simulator --json bench_sim.json [--steps 16]         the simulator against real runs
     python tools/bench.py learning --json bench_learning.json [--budget-s 180]  algorithms on the shapes world; see tools/learning_bench.py
@@ -486,7 +486,8 @@ STARTUP_GOAL_S = 15.0
 def bench_startup(args: argparse.Namespace) -> dict:
     """Seconds from the command to the end of its first step, the recipe run as a user runs it (a fresh
     process, a local Ray, the tiny model already cached by a first run), with the launcher's per-phase
-    breakdown (its "startup:" line)."""
+    breakdown (its "startup:" line); and seconds from its last line ("done:") to its exit, what a user waits for
+    after the run has ended."""
     import collections
     import re
     import subprocess
@@ -504,7 +505,7 @@ def bench_startup(args: argparse.Namespace) -> dict:
             start = time.perf_counter()
             proc = subprocess.Popen([*command, f"trainer.output_dir={out}"], stdout=subprocess.PIPE,
                                     stderr=subprocess.STDOUT, text=True)
-            phases, learner_rank_0, first_step_s = None, None, None
+            phases, learner_rank_0, first_step_s, done_at = None, None, None, None
             tail = collections.deque(maxlen=20)  # the run's last lines, to say why it failed
             for line in proc.stdout:
                 tail.append(line)
@@ -514,25 +515,31 @@ def bench_startup(args: argparse.Namespace) -> dict:
                     learner_rank_0 = seconds_by_name(line.split("startup of learner rank 0: ")[1])
                 elif first_step_s is None and re.search(r"rayflow INFO step 1 ", line):
                     first_step_s = time.perf_counter() - start
-            if proc.wait() != 0 or first_step_s is None:
+                elif done_at is None and re.search(r"rayflow INFO done: ", line):
+                    done_at = time.perf_counter()
+            if proc.wait() != 0 or first_step_s is None or done_at is None:
                 raise RuntimeError(f"{' '.join(command)} failed (exit {proc.returncode}); its last lines:\n"
                                    + "".join(tail))
+            end_s = time.perf_counter() - done_at
         # Each run as it ends (as bench.py gpu prints each phase): a bench stopped part-way keeps what it measured.
         print(f"startup run {attempt}{' (builds the model cache, not counted)' if not attempt else ''}: "
-              f"first step {first_step_s:.1f}s, phases {phases}, learner rank 0 {learner_rank_0}", file=sys.stderr,
-              flush=True)
+              f"first step {first_step_s:.1f}s, phases {phases}, learner rank 0 {learner_rank_0}, end {end_s:.2f}s",
+              file=sys.stderr, flush=True)
         if attempt:
-            runs.append({"first_step_s": first_step_s, "phases": phases, "learner_rank_0": learner_rank_0})
+            runs.append({"first_step_s": first_step_s, "phases": phases, "learner_rank_0": learner_rank_0,
+                         "end_s": end_s})
     best = min(runs, key=lambda r: r["first_step_s"])
     median = statistics.median(r["first_step_s"] for r in runs)
     return {
         "benchmark": "startup", "command": " ".join(command), "cpus": os.cpu_count(),
         "load_average_before": load_before, "first_step_s": {"median": median, "min": best["first_step_s"]},
+        "end_s": {"median": statistics.median(r["end_s"] for r in runs)},
         "phases_of_the_fastest": best["phases"], "runs": runs,
         "goals": {"first_step_at_most_s": STARTUP_GOAL_S, "met": median <= STARTUP_GOAL_S},
         "note": "phases from the launcher's startup line (learner_rank_0: its next line, rank 0's setup by part); "
                 "the rest of first_step_s is the interpreter, imports, "
-                "config checks and the first step itself",
+                "config checks and the first step itself; end_s: from the run's `done:` line to its process's exit "
+                "(the actors', Ray's and the worker zygote's shutdown, then the interpreter's)",
     }
 
 
@@ -583,7 +590,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         costs.add_argument("--steps", type=int, default=steps)
         costs.add_argument("--warmup", type=int, default=3, help="first steps left out of the medians")
         costs.add_argument("overrides", nargs="*", help="extra dotlist overrides for the recipe")
-    startup = _subcommand(sub, "startup", "seconds from the command to the end of its first step, by phase", model=False)
+    startup = _subcommand(sub, "startup", "seconds from the command to the end of its first step, by phase, and from "
+                                          "the run's end to its exit", model=False)
     startup.add_argument("--recipe-script", default="flowgrpo_qwen_image.py", help="a recipe launcher in recipes/")
     startup.add_argument("--config", default=recipe("flowgrpo_tiny.yaml"), help="the recipe YAML it runs (default: the tiny model's)")
     startup.add_argument("--repeats", type=int, default=3)
