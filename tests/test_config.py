@@ -53,6 +53,39 @@ def test_user_interpolation_resolves(tmp_path):
     assert "interpolation" in err.allowed
 
 
+RESOLVED_HERE = [
+    {"a": {"x": "/o", "y": "${a.x}/tb", "z": "${a.y}/deeper"}},  # text joined; a reference to a reference
+    {"a": {"n": 3, "m": "${a.n}", "none": None, "p": "${a.none}"}, "b": ["${a.n}", {"q": "${a.m}"}]},  # types kept
+    {"a": {"x": "r", "y": "pre-${a.x}-${a.x}-post"}},
+]
+LEFT_TO_OMEGACONF = [
+    {"a": {"n": 3, "s": "${a.n}/x"}},  # an int joined into text
+    {"a": {"x": "/o", "y": "${.x}/tb"}},  # a relative key
+    {"a": {"y": "${oc.env:HOME}/tb"}},  # a resolver
+    {"a": {"y": "\\${a.x}", "x": 1}},  # an escaped interpolation
+    {"a": {"y": "${ a.x }", "x": "v"}},  # spaces
+    {"a": {"x": {"k": 1}, "y": "${a.x}"}},  # a reference to a mapping
+    {"a": {"x": [1], "y": "${a.x.0}"}},  # into a list
+    {"a": {"y": "${a.nowhere}"}},  # a missing key
+    {"a": {"x": "${a.y}", "y": "${a.x}"}},  # a cycle
+]
+
+
+@pytest.mark.parametrize("data", RESOLVED_HERE + LEFT_TO_OMEGACONF)
+def test_references_resolve_as_omegaconf_resolves_them_and_the_rest_is_left_to_it(data):
+    """load_config resolves plain ${section.key} references itself (omegaconf's node tree took most of a load's time);
+    each is what omegaconf makes of it, and any other form is handed to omegaconf."""
+    from omegaconf import OmegaConf
+
+    from rayflow.config.loading import _NotAReference, _resolve_references
+
+    if data in RESOLVED_HERE:
+        assert _resolve_references(data) == OmegaConf.to_container(OmegaConf.create(data), resolve=True)
+        return
+    with pytest.raises(_NotAReference):
+        _resolve_references(data)
+
+
 @pytest.mark.parametrize(
     "overrides, key, value, allowed",
     [

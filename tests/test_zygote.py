@@ -239,7 +239,18 @@ RAY_PROBE = """
 import json, os, sys
 preloaded = all(m in sys.modules for m in sys.argv[1:])
 import ray._raylet
+from ray.util import serialization_addons
+
+
+class Discard:  # a serialization context that keeps nothing registered with it
+    def __getattr__(self, name):
+        return lambda *args, **kwargs: None
+
+
+before = set(sys.modules)
+serialization_addons.apply(Discard())  # what a Ray worker runs as it first serializes anything
 print(json.dumps({"pid": os.getpid(), "ppid": os.getppid(), "preloaded": preloaded,
+                  "imported_by_serializers": sorted(set(sys.modules) - before),
                   "delay": ray._raylet.Config.health_check_initial_delay_ms(),
                   "random_id": ray._raylet.UniqueID.from_random().hex()}), flush=True)
 """
@@ -267,8 +278,10 @@ def test_ray_is_imported_under_the_first_workers_ray_variables_and_a_worker_with
     (first, _), (second, _), (other, other_client) = reports
     for forked in (first, second):
         assert (forked["ppid"], forked["preloaded"], forked["delay"]) == (zygote.process.pid, True, 1234)
+        assert forked["imported_by_serializers"] == []  # RAY_SERIALIZER_MODULES: all of Ray's, from the zygote
     assert first["random_id"] != second["random_id"]
     assert (other["pid"], other["preloaded"], other["delay"]) == (other_client, False, 4321)
+    assert "ray._common.pydantic_compat" in other["imported_by_serializers"]  # imported by the worker itself
 
 
 def wait_gone(pid: int, timeout_s: float = 10.0) -> bool:

@@ -31,11 +31,18 @@ from rayflow.distributed.zygote_client import SWITCH_ENV
 
 MODEL_MODULES = ("torch", "torch.distributed.fsdp", "peft")
 """What the zygote imports at start besides the run's pipeline class (`diffusers:<class>`)."""
-MODEL_RAY_MODULES = ("ray", "rayflow.learner.worker", "rayflow.learner.backend", "rayflow.rollout.rank")
+RAY_SERIALIZER_MODULES = ("ray.util.serialization_addons", "ray._common.pydantic_compat", "pydantic.v1.fields",
+                          "ray._private.arrow_serialization")
+"""What Ray imports in a worker the first time it serializes anything (`ray.util.serialization_addons.apply`
+registers its pydantic and Arrow serializers): 0.12 s of CPU in every forked worker unless the zygote holds them
+(tests/test_zygote.py checks this list against what `apply` imports)."""
+MODEL_RAY_MODULES = ("ray", *RAY_SERIALIZER_MODULES, "rayflow.learner.worker", "rayflow.learner.backend",
+                     "rayflow.rollout.rank")
 """What the zygote imports when its first worker asks, under that worker's Ray variables
-(rayflow.distributed.zygote.RayEnvironment): Ray, and the actors' code that defines no Ray remote class. Defining one
-draws a random id from the generator of Ray's C++ side, which seeds it in the zygote, and every worker forked after
-that drew the same "random" ids (two forked workers put the same object into the store, and one of them died)."""
+(rayflow.distributed.zygote.RayEnvironment): Ray, its serializers' modules, and the actors' code that defines no Ray
+remote class. Defining one draws a random id from the generator of Ray's C++ side, which seeds it in the zygote, and
+every worker forked after that drew the same "random" ids (two forked workers put the same object into the store, and
+one of them died)."""
 MAX_CORES = 16
 """Above this many cores a local run starts plain workers: there the imports are not the bottleneck they are on a
 laptop."""
