@@ -44,11 +44,15 @@ def test_yaml_plus_overrides_merge_and_interpolate(tmp_path):
     assert cfg.learner.betas == [0.9, 0.999]  # untouched defaults stay
 
 
-def test_user_interpolation_resolves(tmp_path):
+def test_user_interpolation_resolves(tmp_path, monkeypatch):
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text("trainer:\n  output_dir: /runs/b\n  logdir: ${trainer.output_dir}/tb\n")
     assert load_config(str(recipe)).trainer.logdir == "/runs/b/tb"
     assert load_config(str(recipe), ["trainer.output_dir=/runs/c"]).trainer.logdir == "/runs/c/tb"
+    # Forms beyond a plain ${section.key}, resolved by omegaconf: a relative key, a resolver.
+    assert load_config(str(recipe), ["trainer.logdir=${.output_dir}/rel"]).trainer.logdir == "/runs/b/rel"
+    monkeypatch.setenv("RAYFLOW_TEST_RUN", "from-env")
+    assert load_config(None, ["trainer.run_name=${oc.env:RAYFLOW_TEST_RUN}"]).trainer.run_name == "from-env"
     err = config_error(["trainer.logdir=${trainer.nowhere}/tb"])
     assert "interpolation" in err.allowed
 
