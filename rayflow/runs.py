@@ -29,7 +29,7 @@ import torch
 import yaml
 
 from rayflow.checkpoint import CheckpointMismatch, check_train_mode, checkpoint_root, read_meta, resolve_resume
-from rayflow.config import RayflowConfig, to_dict, to_yaml, unread_at_defaults
+from rayflow.config import RayflowConfig, set_dotted, to_dict, to_yaml, unread_at_defaults
 from rayflow.data.prompts import load_prompts
 from rayflow.errors import ConfigError
 from rayflow.models.base import pipeline_class_of
@@ -228,18 +228,10 @@ def _compare_inputs_by_content(saved: dict, current: dict, fingerprints: dict[st
         now = current_fingerprints[key]["fingerprint"]
         if now == old["fingerprint"] and path != old["path"]:
             moved.append(f"{key}: {old['path']!r} -> {path!r} (moved; the same content)")
-            _set(current, key, old["path"])
+            set_dotted(current, key, old["path"])
         elif now != old["fingerprint"] and path == old["path"]:
-            _set(saved, key, f"{path} (as it was when the run last started; it has changed since)")
+            set_dotted(saved, key, f"{path} (as it was when the run last started; it has changed since)")
     return moved
-
-
-def _set(config: dict, dotted: str, value: str) -> None:
-    *parents, leaf = dotted.split(".")
-    node = config
-    for part in parents:
-        node = node[int(part)] if isinstance(node, list) else node[part]
-    node[leaf] = value
 
 
 def preflight(cfg: RayflowConfig) -> tuple[list[str], ResumePlan]:

@@ -11,7 +11,7 @@ what is allowed. Each component receives its own section, never the root.
 """
 
 from rayflow.config.loading import (
-    default_run_name, from_dict, load_config, split_overrides, to_dict, to_yaml, unread_at_defaults,
+    default_run_name, from_dict, load_config, set_dotted, split_overrides, to_dict, to_yaml, unread_at_defaults,
 )
 from rayflow.config.root import RayflowConfig, yaml_key
 from rayflow.config.sections import (
@@ -22,6 +22,6 @@ from rayflow.config.sections import (
 __all__ = [
     "AlgorithmConfig", "AsyncConfig", "CFGConfig", "DataConfig", "LearnerConfig", "LoggingConfig", "ModelConfig",
     "PlacementConfig", "RayflowConfig", "RewardConfig", "RewardFnConfig", "RolloutConfig", "SyncConfig",
-    "TrainerConfig", "default_run_name", "from_dict", "load_config", "split_overrides", "to_dict", "to_yaml",
-    "unread_at_defaults", "yaml_key",
+    "TrainerConfig", "default_run_name", "from_dict", "load_config", "set_dotted", "split_overrides", "to_dict",
+    "to_yaml", "unread_at_defaults", "yaml_key",
 ]
