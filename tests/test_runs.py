@@ -564,10 +564,7 @@ import os, sys
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
 import ray
 from rayflow.distributed import worker_imports
-if sys.argv[1] == "yes":
-    worker_imports.init_local_ray("QwenImagePipeline", num_cpus=2, include_dashboard=False)
-else:
-    ray.init(address="local", num_cpus=2, include_dashboard=False)
+worker_imports.init_local_ray("QwenImagePipeline", num_cpus=2, include_dashboard=False)
 MODEL_CODE = ("diffusers", "diffusers.pipelines.qwenimage.pipeline_qwenimage", "transformers", "peft")
 ACTOR_CODE = ("rayflow.learner.worker", "rayflow.learner.backend", "rayflow.rollout.rank")
 zygote = worker_imports._zygote.process.pid if worker_imports._zygote else None
@@ -612,20 +609,20 @@ finally:
 """
 
 
-@pytest.mark.parametrize("zygotes", ["yes", "no"])
-def test_a_local_runs_workers_are_forked_with_the_model_code_imported(tmp_path, zygotes):
+def test_a_local_runs_workers_are_forked_with_the_model_code_imported(tmp_path):
     """What start-up and the suite gain from (README, Benchmarks, start-up): Ray's workers are forked from a zygote
     that holds torch, diffusers and the run's pipeline class, then Ray and the learner's and rollout rank's code. Ray
     runs the zygote's client directly, not through its setup_worker.py (which a runtime env's py_executable needs, and
     which imports Ray, ~0.45 s of CPU on this machine, before it runs the client): each client takes a few hundredths
     of a second. A worker whose runtime env sets RAYFLOW_ZYGOTE=0, or a RAY_* variable of its own, is a plain process."""
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    result = subprocess.run([sys.executable, "-c", ZYGOTE_PROBE, zygotes], cwd=tmp_path, env=env, capture_output=True,
+    result = subprocess.run([sys.executable, "-c", ZYGOTE_PROBE], cwd=tmp_path, env=env, capture_output=True,
                             text=True, timeout=180)
     assert result.returncode == 0, result.stderr[-3000:]
     # Local runs use zygotes where `zygotes_wanted` says so (CI's machine: Linux, 2 cores, no GPU; test_zygote.py
-    # checks the gate); a plain Ray is the control.
-    forked = zygotes == "yes" and zygotes_wanted()
+    # checks the gate). The controls are in the same Ray: the two actors below are plain processes, in which the probe
+    # finds none of the preloaded code. (A second Ray started plainly as the control took 12 s of the suite.)
+    forked = zygotes_wanted()
     model_code = ["diffusers", "diffusers.pipelines.qwenimage.pipeline_qwenimage", "transformers", "peft"]
     assert f"worker: {model_code if forked else []}" in result.stdout, result.stdout
     # The zygote holds the learner's and the rollout rank's code too (imported with Ray, under the first worker's Ray

@@ -397,12 +397,13 @@ def test_learner_rank_0_waits_for_a_push_well_within_its_peers_collective_timeou
 
 def test_a_receiver_that_dies_or_stalls_is_left_out_and_the_newest_version_is_sent_again(ray_session, tiny_model_dir, tmp_path):
     cfg = small_cfg(GRPO, tiny_model_dir, tmp_path, "sync.cpus=0.5")
-    spec = dataclasses.replace(RolloutRankSpec.from_config(cfg), collective_timeout_s=5.0)
+    # 3 s, as test_faults.py's weight-sync stalls: the stalled receiver below is waited out in multiples of it.
+    spec = dataclasses.replace(RolloutRankSpec.from_config(cfg), collective_timeout_s=3.0)
     pool = RolloutPool([RolloutReplica(spec, RolloutConfig(), name=f"lost-{i}").wait_ready() for i in range(2)])
-    sync = WeightSync(cfg.sync, spec, pool.replicas, timeout_s=5.0, name="sync-lost")
-    # The broadcast's collectives time out at 5 s, the receivers get as long and a grace to answer, and a waiter a grace
+    sync = WeightSync(cfg.sync, spec, pool.replicas, timeout_s=3.0, name="sync-lost")
+    # The broadcast's collectives time out at 3 s, the receivers get as long and a grace to answer, and a waiter a grace
     # past that: the graces are the timeout itself when it is shorter than 10 s (a short timeout asks for quick verdicts).
-    assert sync.deadline_s == 2 * 5.0 + 5.0 + 5.0
+    assert sync.deadline_s == 2 * 3.0 + 3.0 + 3.0
     replacement, stopped_pid = None, None
     try:
         ray.get(push(sync, 1, adapter_like(spec, tiny_model_dir, 0.01)))

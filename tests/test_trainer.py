@@ -323,7 +323,7 @@ def test_a_synchronous_step_after_an_evaluation_times_its_own_rollout(ray_sessio
     """perf/step_s is the step's wall time, evaluation excluded. A synchronous run submitted the next batch before it
     evaluated, so that batch rolled out behind the evaluation's requests, inside the excluded time: the step after
     every evaluation showed (and perf/train_s and trainer.time_limit_s counted) its training alone."""
-    rollout_s = 3.0
+    rollout_s = 1.5  # a step's training alone takes 0.1-0.5 s here: a step timed without its rollout fails
     cfg = small_cfg(GRPO, tiny_model_dir, tmp_path, "trainer.total_steps=3", "trainer.eval_every=1",
                     "trainer.save_every=0", "logging.progress_bar=false", "async.max_staleness=0")
     trainer = Trainer(cfg)
