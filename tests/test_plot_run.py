@@ -112,7 +112,6 @@ def test_grid_rows_take_a_relative_eval_prompts_from_where_the_run_started(tmp_p
 def test_plot_run_reads_a_rewound_run_as_tensorboard_shows_it(tmp_path):
     """After a rewind (learners restarted from a checkpoint) the run logs the later steps again: plot_run's reader
     (EventAccumulator, which honours the purge Monitor.rewind writes) has only the values trained again."""
-    import numpy as np
     import torch
 
     from rayflow.config import LoggingConfig
