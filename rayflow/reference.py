@@ -57,6 +57,8 @@ class StepLog:
     skipped: bool
     zero_signal_groups: int
     seconds: float
+    rollout_seconds: float
+    """Of `seconds`, sampling, scoring and the advantages; the rest is learning."""
     metrics: dict[str, float] = field(default_factory=dict)
 
 
@@ -185,6 +187,7 @@ def train(cfg: RayflowConfig, log=print) -> tuple[DiffusionModel, list[StepLog]]
     while run.step < cfg.trainer.total_steps:
         start = time.perf_counter()
         trajectories, adv = rollout(run)
+        rolled_out = time.perf_counter()
         metrics, result = learn(run, trajectories)
         rewards = torch.tensor([t.reward for t in trajectories])
         entry = StepLog(
@@ -196,6 +199,7 @@ def train(cfg: RayflowConfig, log=print) -> tuple[DiffusionModel, list[StepLog]]
             skipped=result.skipped_steps > 0,
             zero_signal_groups=adv.zero_signal_groups,
             seconds=time.perf_counter() - start,
+            rollout_seconds=rolled_out - start,
             metrics=metrics,
         )
         history.append(entry)

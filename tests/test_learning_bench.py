@@ -112,9 +112,10 @@ def test_startup_records_the_load_average_before_its_runs(monkeypatch):
     assert result["end_s"]["median"] == result["runs"][0]["end_s"] >= 0  # from the "done:" line to the exit
 
 
-def test_pipeline_runs_do_not_evaluate_at_start(monkeypatch):
+def test_pipeline_runs_do_not_evaluate_at_start_and_split_their_steps_into_phases(monkeypatch):
     """A recipe's trainer.eval_at_start (the shapes recipes') evaluated before the first step, inside the window of
-    the bench's `cpu` figures (CPU per step), though outside the step times: trainer.eval_every=0 alone left it on."""
+    the bench's `cpu` figures (CPU per step), though outside the step times: trainer.eval_every=0 alone left it on.
+    The phases come from the runs' own logs: the reference's rollout seconds, the driver's idle shares."""
     import types
 
     import rayflow.driver.trainer
@@ -129,8 +130,8 @@ def test_pipeline_runs_do_not_evaluate_at_start(monkeypatch):
             self.cfg = cfg
 
         def run(self):
-            step = {"perf/step_s": 0.1, "perf/fetch_s": 0.0, "perf/prefetched": 1.0, "perf/rollout_idle": 0.0,
-                    "perf/learner_idle": 0.0, "staleness/mean": 0.0}
+            step = {"perf/step_s": 0.1, "perf/fetch_s": 0.0, "perf/prefetched": 1.0, "perf/rollout_idle": 0.55,
+                    "perf/learner_idle": 0.5, "staleness/mean": 0.0}
             return [dict(step) for _ in range(self.cfg.trainer.total_steps)]
 
         def shutdown(self):
@@ -138,7 +139,7 @@ def test_pipeline_runs_do_not_evaluate_at_start(monkeypatch):
 
     def fake_train(cfg, log=None):
         configs.append(cfg)
-        return None, [types.SimpleNamespace(seconds=0.1) for _ in range(cfg.trainer.total_steps)]
+        return None, [types.SimpleNamespace(seconds=0.1, rollout_seconds=0.04) for _ in range(cfg.trainer.total_steps)]
 
     monkeypatch.setattr(rayflow.driver.trainer, "Trainer", FakeTrainer)
     monkeypatch.setattr(reference, "train", fake_train)
@@ -148,6 +149,12 @@ def test_pipeline_runs_do_not_evaluate_at_start(monkeypatch):
                                                     "--steps", "2", "--warmup", "0"]))
     assert len(configs) == 4 and result["step_s"]["max_staleness_0"] == 0.1
     assert [c.trainer.eval_at_start for c in configs] == [False] * 4
+    # Steps of 0.1 s: the reference's 0.04 s rollout and 0.06 s learning; the roles busy 45% and 50% of a step, so
+    # neither is busy 5% of it.
+    assert result["phases"]["reference"] == pytest.approx({"rollout_s": 0.04, "learn_s": 0.06})
+    assert result["phases"]["max_staleness_0"] == pytest.approx(
+        {"rollout_busy_s": 0.045, "learner_busy_s": 0.05, "neither_busy_s": 0.005})
+    assert "neither_busy_s" not in result["phases"]["max_staleness_1"]  # the roles overlap there
 
 
 @pytest.mark.parametrize("flag", ["--images", "--threads"])

@@ -184,6 +184,57 @@ def test_a_collective_the_backend_refuses_as_it_is_enqueued_raises_collective_er
         group.destroy()
 
 
+class PolledWork:
+    """A collective that completes at its `done_after`-th poll (never: None); its wait raises `error`, if any."""
+
+    def __init__(self, done_after: int | None, error: RuntimeError | None = None):
+        self.done_after, self.error, self.polls, self.waits = done_after, error, 0, 0
+
+    def is_completed(self) -> bool:
+        self.polls += 1
+        return self.done_after is not None and self.polls >= self.done_after
+
+    def wait(self) -> None:
+        self.waits += 1
+        if self.error is not None:
+            raise self.error
+
+
+class PolledBackend:
+    def __init__(self, work: PolledWork):
+        self.work = work
+
+    def allgather(self, *args):
+        return self.work
+
+
+def test_a_spinning_group_polls_its_collective_before_it_waits_and_still_raises_its_failure(monkeypatch):
+    """spin_s (a CFG-parallel rollout rank's per-step gather): poll, yielding the core, until the collective completes
+    or spin_s passes, then wait as before, so a failed or timed-out collective still raises CollectiveError."""
+    monkeypatch.setattr(process_group, "node_ip", lambda: LOOPBACK)
+    spin_s = 0.2
+    group = CollectiveGroup("spin", Rendezvous.on_this_node(), 0, 1, "cpu", timeout_s=COLLECTIVE_S, spin_s=spin_s)
+    live = group._pg
+    try:
+        group._pg = PolledBackend(done := PolledWork(done_after=3))
+        group.all_gather(torch.ones(2))
+        assert (done.polls, done.waits) == (3, 1)
+
+        group._pg = PolledBackend(stuck := PolledWork(done_after=None, error=RuntimeError("Timed out waiting 1000ms")))
+        start = time.perf_counter()
+        with pytest.raises(CollectiveError, match="all_gather in group 'spin' failed on rank 0/1.*Timed out"):
+            group.all_gather(torch.ones(2))
+        assert time.perf_counter() - start >= spin_s and stuck.polls > 1 and stuck.waits == 1
+
+        group.spin_s = 0.0  # the default: wait at once
+        group._pg = PolledBackend(plain := PolledWork(done_after=1))
+        group.all_gather(torch.ones(2))
+        assert (plain.polls, plain.waits) == (0, 1)
+    finally:
+        group._pg = live
+        group.destroy()
+
+
 def test_a_group_that_fails_to_form_releases_its_port_at_once_and_its_socket_once(monkeypatch):
     """A member that never joins fails rank 0's construction (DistStoreError). The half-built group, held by the error's
     traceback, kept the port listening as long as the error lived, and the garbage collector then closed the listening

@@ -22,7 +22,11 @@ learner.prefetch=false (the learners fetching a batch's trajectories when its tr
 also placement.mode=colocated on the same number of devices (rollout ranks + learner ranks of the disaggregated run).
 --rounds N runs every configuration N times, the order reversed each round (step_s_by_round shows the spread).
 idle_penalty: one rollout step's transformer forwards timed right after this process slept 0, 10 and 100 ms (what a
-role that waits for the other pays on this machine, and the single-process reference never does).
+role that waits for the other pays on this machine, and the single-process reference never does), and right after it
+busy-waited 100 ms instead (whether keeping the core busy while waiting, as OpenMP's spin-wait does, would avoid it).
+phases: the reference's step split into its rollout (sampling, scoring, advantages) and its learning, beside each
+configuration's seconds a step with the rollout and the learners busy (the driver's view: a request or a train step
+in flight) and, synchronous, with neither (the hops between them).
 cpu: each configuration's CPU seconds per step by process role (tools/process_cpu.py: the learner and rollout actors,
 the driver, raylet, GCS, ...), their sum over the cores (least_step_s: the shortest step the cores allow at that CPU)
 and the share of the cores' time that was busy.
@@ -327,13 +331,15 @@ def _time_one_copy(worker) -> float:
 
 
 IDLE_GAPS_S = (0.0, 0.01, 0.1)
+BUSY_WAIT_S = 0.1
 
 
 def idle_penalty(cfg, repeats: int = 15) -> dict:
     """What idling costs this machine's next compute, which the synchronous distributed run pays and the reference
     does not: there rollout and learner each sleep while the other works, while the reference's one process never
     sleeps. Times one rollout step's worth of the recipe's transformer forwards (CFG branches x denoising steps, one
-    thread, in this process) right after sleeping each of IDLE_GAPS_S; medians of `repeats`."""
+    thread, in this process) right after sleeping each of IDLE_GAPS_S, and right after busy-waiting BUSY_WAIT_S (the
+    core kept busy, never idle); medians of `repeats`."""
     from rayflow import reference
 
     model, s = reference.build_run(cfg).model, cfg.sampling
@@ -350,16 +356,25 @@ def idle_penalty(cfg, repeats: int = 15) -> dict:
                 model.predict_velocity(latents, timestep, cond, s.height, s.width)
         return time.perf_counter() - start
 
-    burst()  # warm-up
-    seconds = {}
-    for gap in IDLE_GAPS_S:
+    def busy_wait(seconds: float) -> None:
+        end = time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            pass
+
+    def median_burst(wait) -> float:
         rounds = []
         for _ in range(repeats):
-            time.sleep(gap)
+            wait()
             rounds.append(burst())
-        seconds[str(gap)] = statistics.median(rounds)
+        return statistics.median(rounds)
+
+    burst()  # warm-up
+    seconds = {str(gap): median_burst(lambda gap=gap: time.sleep(gap)) for gap in IDLE_GAPS_S}
+    after_busy_wait = median_burst(lambda: busy_wait(BUSY_WAIT_S))
     return {"forwards_per_burst": forwards, "batch": batch, "burst_s_after_idle_s": seconds,
-            "slowdown_after_longest_idle": seconds[str(IDLE_GAPS_S[-1])] / seconds[str(IDLE_GAPS_S[0])]}
+            "slowdown_after_longest_idle": seconds[str(IDLE_GAPS_S[-1])] / seconds[str(IDLE_GAPS_S[0])],
+            "burst_s_after_busy_wait_s": {str(BUSY_WAIT_S): after_busy_wait},
+            "slowdown_after_busy_wait": after_busy_wait / seconds[str(IDLE_GAPS_S[0])]}
 
 
 def cpu_use(windows: list[tuple[process_cpu.Snapshot, process_cpu.Snapshot]], units: int, unit: str) -> dict:
@@ -419,7 +434,7 @@ def bench_pipeline(args: argparse.Namespace) -> dict:
                 shutil.rmtree(run_cfg.trainer.output_dir, ignore_errors=True)
                 if name == "reference":
                     before = process_cpu.snapshot()
-                    ref_steps += [h.seconds for h in reference.train(cfg, log=lambda *_: None)[1]][args.warmup:]
+                    ref_steps += reference.train(cfg, log=lambda *_: None)[1][args.warmup:]
                     cpu_windows[name].append((before, process_cpu.snapshot()))
                     continue
                 trainer = Trainer(run_cfg)
@@ -441,8 +456,18 @@ def bench_pipeline(args: argparse.Namespace) -> dict:
         n = len(steps) // args.rounds
         return [steps[i * n:(i + 1) * n] for i in range(args.rounds)]
 
+    def busy_s(history: list[dict], role: str) -> float:  # a step's seconds with the role busy (driver's view)
+        return statistics.median(h["perf/step_s"] * (1 - h[f"perf/{role}_idle"]) for h in history)
+
     sync_s, async_s, ref_s = (median(runs["max_staleness_0"], "perf/step_s"), median(runs["max_staleness_1"], "perf/step_s"),
-                              statistics.median(ref_steps))
+                              statistics.median(h.seconds for h in ref_steps))
+    phases = {"reference": {"rollout_s": statistics.median(h.rollout_seconds for h in ref_steps),
+                            "learn_s": statistics.median(h.seconds - h.rollout_seconds for h in ref_steps)}}
+    for name, history in runs.items():
+        phases[name] = {"rollout_busy_s": busy_s(history, "rollout"), "learner_busy_s": busy_s(history, "learner")}
+        if not name.startswith("max_staleness_1"):  # the roles take turns: the rest of the step is neither's
+            phases[name]["neither_busy_s"] = statistics.median(
+                h["perf/step_s"] * (h["perf/rollout_idle"] + h["perf/learner_idle"] - 1) for h in history)
     colocated = {}
     for name in [n for n in runs if n.startswith("colocated_")]:
         colocated_s = median(runs[name], "perf/step_s")
@@ -462,7 +487,8 @@ def bench_pipeline(args: argparse.Namespace) -> dict:
                      "overhead_without": median(runs["max_staleness_0_no_prefetch"], "perf/step_s") / ref_s - 1,
                      "fetch_s": {name: median(v, "perf/fetch_s") for name, v in runs.items()},
                      "prefetched": {name: median(v, "perf/prefetched") for name, v in runs.items()}},
-        "step_s_by_round": {"reference": [statistics.median(steps) for steps in by_round(ref_steps)],
+        "phases": phases,
+        "step_s_by_round": {"reference": [statistics.median(h.seconds for h in steps) for steps in by_round(ref_steps)],
                             **{name: [median(steps, "perf/step_s") for steps in by_round(v)] for name, v in runs.items()}},
         "idle": {name: {"rollout": median(v, "perf/rollout_idle"), "learner": median(v, "perf/learner_idle")}
                  for name, v in runs.items() if not name.startswith("colocated")},

@@ -21,6 +21,7 @@ from __future__ import annotations
 import datetime
 import os
 import socket
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -144,11 +145,16 @@ class CollectiveGroup:
     """One named group of `size` ranks. Methods take and return tensors on this rank's device."""
 
     def __init__(self, name: str, rendezvous: Rendezvous, rank: int, size: int, device: torch.device | str,
-                 timeout_s: float = 300.0):
+                 timeout_s: float = 300.0, spin_s: float = 0.0):
+        """`spin_s`: on gloo (CPU), poll each collective for up to that long, yielding the core, before blocking in its
+        wait. A blocked thread leaves its core idle; a virtual machine's core that halts then computes slower for tens of
+        milliseconds (README, Rollout — CFG parallelism). For collectives that wait a few milliseconds between compute,
+        as CFG-parallel ranks do each step. NCCL's wait does not block the CPU: it never spins."""
         self.name, self.rank, self.size = name, rank, size
         self.device = torch.device(device)
         self.backend = device_backend(self.device)
         self.timeout_s = timeout_s
+        self.spin_s = spin_s if self.backend == "gloo" else 0.0
         self.address = node_ip()
         bind_collectives_to(self.address)
         timeout = datetime.timedelta(seconds=timeout_s)
@@ -188,6 +194,9 @@ class CollectiveGroup:
         except dist.DistError as e:
             raise self._error(what, e) from e
         try:
+            deadline = time.perf_counter() + self.spin_s
+            while self.spin_s and not work.is_completed() and time.perf_counter() < deadline:
+                os.sched_yield()
             work.wait()
             return
         except RuntimeError as e:
