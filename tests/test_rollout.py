@@ -90,8 +90,8 @@ def oracle(model, req, policy, switches: dict[int, tuple[int, dict]], version=0)
 
 
 def test_a_one_rank_replica_gathers_without_its_backend():
-    """The backend's wait blocked the sampling thread at every step: on a VM whose idle core halts, a one-rank replica
-    sampled 20-25% slower than the same loop without the gather (README, Pipeline). Its gather is its own tensor."""
+    """The backend's wait blocked the sampling thread at every step: on a 2-core VM a one-rank replica sampled 20-25%
+    slower than the same loop without the gather (README, Pipeline). Its gather is its own tensor."""
 
     class Refusing:
         rank, size = 0, 1

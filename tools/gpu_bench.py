@@ -145,12 +145,10 @@ def bench_pipeline(args, path: str) -> dict:
 
 
 class _OneRank:
-    """The group of a replica of one rank, in this process: all_gather returns the rank's own tensor."""
+    """The group of a replica of one rank, in this process: RolloutRank's TimedGroup gathers a group of one itself,
+    so only the rank and size are read."""
 
     rank, size = 0, 1
-
-    def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
-        return [tensor]
 
 
 def bench_rank(args, path: str) -> dict:

@@ -53,9 +53,8 @@ class TimedGroup:
     """A group that adds up the seconds its all_gathers take (waiting for the slowest rank included).
 
     A replica of one rank gathers its own tensor without the backend. The backend's wait blocks the sampling thread
-    at every step, however short the gather; a core left with nothing to run halts, and on a virtual machine it then
-    computes slower for up to a hundred milliseconds: a one-rank replica sampled 20-25% slower than the same denoising
-    loop without the gather (README, Pipeline)."""
+    at every step, however short the gather, and the forwards after it ran slower: on a 2-core VM a one-rank replica
+    sampled 20-25% slower than the same denoising loop without the gather (README, Pipeline)."""
 
     def __init__(self, group: Group):
         self.group, self.rank, self.size = group, group.rank, group.size
