@@ -5,6 +5,11 @@ from __future__ import annotations
 from typing import Any
 
 
+def one_line(error: BaseException) -> str:
+    """`error` as type and first line."""
+    return f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0]}"
+
+
 class ConfigError(ValueError):
     """A config key, request field or file holds a value that is not allowed."""
 

@@ -9,6 +9,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -357,20 +358,24 @@ def test_the_local_start_lock_is_usable_by_every_user_and_read_only_is_enough(tm
 
 @pytest.mark.parametrize("stop, again, status", [
     ("ctrl-c", None, 130), ("sigterm", None, 143),
+    ("sigterm in ray.wait", None, 143),  # Ray re-raises the handler's Terminated as a bare KeyboardInterrupt
+    ("sigterm breaking a call", None, 143),  # the call in flight fails with an error of its own: still a stop
     ("sigterm", "sigterm", 143), ("ctrl-c", "ctrl-c", 130),  # a second stop while the actors shut down
     (None, "sigterm", 143),  # the run had ended, and was stopped while it shut down
     ("failure", "sigterm", "error: RuntimeError: a rank failed; "),  # a failed run keeps its message (exit 1)
     ("ctrl-c", "failure", RuntimeError),  # the actors' shutdown failing: Ray still stopped, the directory released
 ])
-def test_an_interrupted_run_exits_with_the_signals_status(tiny_model_dir, tmp_path, monkeypatch, capsys, stop, again,
-                                                          status):
+def test_an_interrupted_run_exits_with_the_signals_status(tiny_model_dir, tmp_path, monkeypatch, capsys, request, stop,
+                                                          again, status):
     """Ctrl-C exits 130 and SIGTERM (`ray job stop`, a container's shutdown) 143, as the shell reports a process a
     signal ended, after the line that says where to continue; a failure exits 1. Both exited 1, so a script around the
     command could not tell a stop from a failure. A second stop during the teardown cuts the actors' shutdown short
     and the local Ray (and its worker zygotes) are still stopped and the run directory released, with the first stop's
     status, or a failed run's message: it escaped the teardown as a traceback and exit 130. An error in the actors'
-    shutdown is raised once the rest of the teardown has run."""
+    shutdown is raised once the rest of the teardown has run. A SIGTERM that reached the run inside a Ray call, or
+    broke a call that then failed with an error of its own, is still a stop."""
     import signal
+    import threading
 
     import ray
 
@@ -383,6 +388,20 @@ def test_an_interrupted_run_exits_with_the_signals_status(tiny_model_dir, tmp_pa
             raise RuntimeError("a rank failed")
         if signal_name == "ctrl-c":
             raise KeyboardInterrupt
+        if signal_name == "sigterm in ray.wait":
+            sleeping = ray.remote(num_cpus=0)(lambda: time.sleep(3)).remote()
+            timer = threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGTERM))
+            timer.start()
+            try:
+                ray.wait([sleeping], timeout=30)
+            finally:
+                timer.cancel()  # no SIGTERM after the test, should the wait have returned first
+            pytest.fail("SIGTERM did not stop the run")
+        if signal_name == "sigterm breaking a call":
+            try:
+                os.kill(os.getpid(), signal.SIGTERM)
+            except KeyboardInterrupt as e:  # as a library that reports any failure of its own call as its error
+                raise RuntimeError("the broadcast was cut short") from e
         os.kill(os.getpid(), signal.SIGTERM)  # the launcher's handler raises here, before the next line
         pytest.fail("SIGTERM did not stop the run")
 
@@ -404,6 +423,8 @@ def test_an_interrupted_run_exits_with_the_signals_status(tiny_model_dir, tmp_pa
             if again:
                 send(again)
 
+    if stop == "sigterm in ray.wait":  # Ray started before the run's handlers, as start_ray does
+        request.getfixturevalue("ray_session")
     torn_down = []
     monkeypatch.setattr(launch, "start_ray", lambda cfg: True)
     monkeypatch.setattr(ray, "shutdown", lambda: torn_down.append("ray"))
@@ -413,12 +434,13 @@ def test_an_interrupted_run_exits_with_the_signals_status(tiny_model_dir, tmp_pa
     monkeypatch.setattr(launch, "check_cluster_fits", lambda cfg, joined: None)
     monkeypatch.setattr(device_check, "check_before_start", lambda cfg: None)
     monkeypatch.setattr(trainer_module, "Trainer", Stopped)
-    previous = signal.getsignal(signal.SIGTERM)
+    previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         with pytest.raises((SystemExit, RuntimeError)) as exited:
             launch.run_recipe(GRPO, [f"model.path={tiny_model_dir}", f"trainer.output_dir={tmp_path}", "trainer.run_name=r"])
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for s, handler in previous.items():
+            signal.signal(s, handler)
     if isinstance(status, type):
         assert exited.type is status, exited.value
     elif isinstance(status, str):  # sys.exit(message): printed, exit status 1
@@ -426,7 +448,7 @@ def test_an_interrupted_run_exits_with_the_signals_status(tiny_model_dir, tmp_pa
     else:
         assert exited.value.code == status
     assert torn_down == ["ray", "zygote", "run dir"]
-    assert ("interrupted at step 2; " in capsys.readouterr().err) == (stop in ("ctrl-c", "sigterm"))
+    assert ("interrupted at step 2; " in capsys.readouterr().err) == (stop not in (None, "failure"))
 
 
 def test_a_failure_inside_an_actor_is_reported_as_its_root_cause_in_one_line(ray_session):

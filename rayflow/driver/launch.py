@@ -21,12 +21,13 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
+from typing import NoReturn
 
 from rayflow.checkpoint import checkpoint_root, newest_resumable
 from rayflow.config import RayflowConfig, load_config
 from rayflow.distributed.resources import check_cluster_fits, required_cpus
 from rayflow.distributed.worker_imports import init_local_ray, stop_worker_zygote
-from rayflow.errors import ConfigError
+from rayflow.errors import ConfigError, one_line
 from rayflow.runs import USER_ERRORS, RunComplete, lock_run_dir, preflight, release_run_dir, write_run_config
 
 log = logging.getLogger("rayflow")
@@ -117,13 +118,22 @@ class Terminated(KeyboardInterrupt):
     """SIGTERM, unwound as Ctrl-C is."""
 
 
-def _stop_on_sigterm() -> None:
-    """`ray job stop` and container shutdowns send SIGTERM: unwind like Ctrl-C, so actors are shut down
-    and the last complete checkpoint stays as it is."""
+_stop_signals: list[int] = []
+"""The stop signals (SIGINT, SIGTERM) the run received, in order. The exception a stop unwinds with does not say which
+it was, nor always that it was a stop: Ray's blocking calls (ray.wait, ray.get) re-raise the handler's Terminated as a
+bare KeyboardInterrupt, and a call in flight that the stop broke may fail with an error of its own."""
+
+
+def _stop_on_signals() -> None:
+    """Ctrl-C (SIGINT), `ray job stop` and container shutdowns (SIGTERM): unwind as KeyboardInterrupt, so actors are
+    shut down and the last complete checkpoint stays as it is; each signal recorded in _stop_signals."""
+    _stop_signals.clear()
 
     def handler(signum, frame):
-        raise Terminated(f"signal {signum}")
+        _stop_signals.append(signum)
+        raise Terminated(f"signal {signum}") if signum == signal.SIGTERM else KeyboardInterrupt
 
+    signal.signal(signal.SIGINT, handler)
     signal.signal(signal.SIGTERM, handler)
 
 
@@ -184,7 +194,7 @@ def run_recipe(default_config: str, argv: list[str] | None = None) -> list[dict[
     start = time.perf_counter()
     started = start_ray(cfg)
     ray_s = time.perf_counter() - start
-    _stop_on_sigterm()
+    _stop_on_signals()
     from rayflow.driver.trainer import Trainer  # imports Ray
     from rayflow.planning.device_check import check_before_start
 
@@ -202,10 +212,12 @@ def run_recipe(default_config: str, argv: list[str] | None = None) -> list[dict[
         history = trainer.run()
         log.info("%s", summary(cfg, history, time.perf_counter() - start))
     except KeyboardInterrupt as e:
-        step = trainer.version if trainer is not None else 0
-        print(f"interrupted at step {step}; {_where(cfg)}", file=sys.stderr)
-        sys.exit(_stopped_status(e))
+        _exit_stopped(trainer, cfg, e)
     except Exception as e:
+        if _stop_signals:  # the stop broke a call in flight, which failed with an error of its own: still a stop
+            log.info("the stop broke a call in flight: %s", one_line(e))
+            log.debug("the call the stop broke", exc_info=True)
+            _exit_stopped(trainer, cfg, e)
         if isinstance(root_cause(e), USER_ERRORS):
             sys.exit(f"error: {describe_failure(e)}")
         log.exception("the run failed")
@@ -217,8 +229,18 @@ def run_recipe(default_config: str, argv: list[str] | None = None) -> list[dict[
     return history
 
 
-def _stopped_status(stop: KeyboardInterrupt) -> int:
-    """The shell's 128 + signal number, so a script around the command tells a stop from a failure (1)."""
+def _exit_stopped(trainer, cfg: RayflowConfig, stop: BaseException) -> NoReturn:
+    """Say where the stopped run can continue from, and exit with the stop's status."""
+    step = trainer.version if trainer is not None else 0
+    print(f"interrupted at step {step}; {_where(cfg)}", file=sys.stderr)
+    sys.exit(_stopped_status(stop))
+
+
+def _stopped_status(stop: BaseException) -> int:
+    """The shell's 128 + signal number of the first stop signal, so a script around the command tells a stop from a
+    failure (1); without one recorded, the stop's own kind (Terminated: SIGTERM, else SIGINT)."""
+    if _stop_signals:
+        return 128 + _stop_signals[0]
     return 128 + (signal.SIGTERM if isinstance(stop, Terminated) else signal.SIGINT)
 
 

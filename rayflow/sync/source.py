@@ -44,6 +44,7 @@ from typing import Callable, Protocol
 import torch
 
 from rayflow.distributed.process_group import answer_grace_s
+from rayflow.errors import one_line
 from rayflow.sync.broadcast import send
 from rayflow.sync.buckets import Manifest, Packed, WirePush, from_wire, make_manifest, pack_all
 
@@ -55,11 +56,6 @@ class WeightSyncError(RuntimeError):
 
 class ReceiversLost(RuntimeError):
     """Receivers of the weight-sync group died or stalled; the newest version goes to the next group generation."""
-
-
-def one_line(error: BaseException) -> str:
-    """`error` as type and first line."""
-    return f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0]}"
 
 
 @dataclass(frozen=True)

@@ -31,9 +31,10 @@ from rayflow.config import SyncConfig
 from rayflow.distributed.placement import Reservation, resolve_gpus
 from rayflow.distributed.placement import reserve as reserve_placement
 from rayflow.distributed.restart_budget import RestartBudget
+from rayflow.errors import one_line
 from rayflow.models.synced import SyncedModelSpec
 from rayflow.sync.actor import WeightSyncActor
-from rayflow.sync.source import SyncReport, SyncSpec, WeightSyncError, one_line
+from rayflow.sync.source import SyncReport, SyncSpec, WeightSyncError
 
 log = logging.getLogger("rayflow")
 
