@@ -2,6 +2,7 @@
 training nothing, changed settings are listed and the ones that change the run's meaning refused, and
 the recipes work from any working directory."""
 
+import contextlib
 import json
 import logging
 import os
@@ -449,6 +450,35 @@ def test_an_interrupted_run_exits_with_the_signals_status(tiny_model_dir, tmp_pa
         assert exited.value.code == status
     assert torn_down == ["ray", "zygote", "run dir"]
     assert ("interrupted at step 2; " in capsys.readouterr().err) == (stop not in (None, "failure"))
+
+
+def test_a_sigterm_while_ray_starts_is_a_stop_that_leaves_no_ray_running(tiny_model_dir, tmp_path):
+    """ray.init puts in a SIGTERM handler of its own that exits with status 15 and says nothing: a `ray job stop` in the
+    run's first seconds looked like a failure. Sent once the local Ray's GCS server is up (its start goes on for
+    seconds after), the stop exits 143 with the line that says where to continue, and every process the run started is
+    gone."""
+    import signal
+
+    import psutil
+
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    run = subprocess.Popen([sys.executable, os.path.join(REPO_ROOT, "recipes", "flowgrpo_qwen_image.py"),
+                            f"model.path={tiny_model_dir}", f"trainer.output_dir={tmp_path}", "trainer.run_name=early"],
+                           cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    driver, started, names = psutil.Process(run.pid), [], set()
+    deadline = time.monotonic() + 120
+    while "gcs_server" not in names and run.poll() is None and time.monotonic() < deadline:
+        with contextlib.suppress(psutil.NoSuchProcess):  # a short-lived child gone between listing and naming
+            started = driver.children(recursive=True)
+            names = {p.name() for p in started}
+        time.sleep(0.05)
+    run.send_signal(signal.SIGTERM)
+    _, stderr = run.communicate(timeout=120)
+    assert "gcs_server" in names, stderr[-3000:]
+    assert run.returncode == 143, stderr[-3000:]
+    assert stderr.strip().splitlines()[-1].startswith("interrupted at step 0; no checkpoint was written"), stderr[-3000:]
+    _, alive = psutil.wait_procs(started, timeout=30)
+    assert not alive, [p.name() for p in alive]
 
 
 def test_a_failure_inside_an_actor_is_reported_as_its_root_cause_in_one_line(ray_session):

@@ -191,10 +191,19 @@ def run_recipe(default_config: str, argv: list[str] | None = None) -> list[dict[
     except BaseException:
         release_run_dir(run_lock)
         raise
-    start = time.perf_counter()
-    started = start_ray(cfg)
-    ray_s = time.perf_counter() - start
     _stop_on_signals()
+    start = time.perf_counter()
+    try:
+        started = start_ray(cfg)
+    except (KeyboardInterrupt, SystemExit) as e:
+        # ray.init puts in a SIGTERM handler of its own, which exits with the signal's number (15): a stop while Ray
+        # starts is a stop too. What Ray had started is stopped already (init_local_ray).
+        if isinstance(e, SystemExit) and e.code != signal.SIGTERM:
+            raise
+        release_run_dir(run_lock)
+        _exit_stopped(None, cfg, Terminated() if isinstance(e, SystemExit) else e)
+    ray_s = time.perf_counter() - start
+    _stop_on_signals()  # again, over ray.init's
     from rayflow.driver.trainer import Trainer  # imports Ray
     from rayflow.planning.device_check import check_before_start
 
