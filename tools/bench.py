@@ -27,6 +27,9 @@ busy-waited 100 ms instead (whether keeping the core busy while waiting, as Open
 phases: the reference's step split into its rollout (sampling, scoring, advantages) and its learning, beside each
 configuration's seconds a step with the rollout and the learners busy (the driver's view: a request or a train step
 in flight) and, synchronous, with neither (the hops between them).
+critical_path: each synchronous configuration's step as one chain read off Ray's task events (tools/critical_path.py):
+the learners' train step, its end to the next rollout's start, the rollout, its end to the last request's scoring, the
+scoring, its end to the next train step; and when the new weights were staged on the rollout ranks.
 cpu: each configuration's CPU seconds per step by process role (tools/process_cpu.py: the learner and rollout actors,
 the driver, raylet, GCS, ...), their sum over the cores (least_step_s: the shortest step the cores allow at that CPU)
 and the share of the cores' time that was busy.
@@ -70,6 +73,7 @@ from rayflow.paths import check_output_dirs, recipe
 from rayflow.types import RolloutRequest, SamplingParams
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the sibling gpu_bench.py, however bench.py is run
+import critical_path  # noqa: E402
 import gpu_bench  # noqa: E402
 import gradient_bench  # noqa: E402
 import learning_bench  # noqa: E402
@@ -427,6 +431,7 @@ def bench_pipeline(args: argparse.Namespace) -> dict:
     # the round before: a machine that speeds up or slows down during the benchmark favours no configuration.
     runs, ref_steps, order = {name: [] for name in run_cfgs}, [], ["reference", *run_cfgs]
     cpu_windows: dict[str, list[tuple[process_cpu.Snapshot, process_cpu.Snapshot]]] = {name: [] for name in order}
+    run_windows: dict[str, list[tuple[float, float]]] = {name: [] for name in run_cfgs}  # wall clock, for Ray's events
     try:
         for round_ in range(args.rounds):
             for name in (order if round_ % 2 == 0 else order[::-1]):
@@ -439,11 +444,13 @@ def bench_pipeline(args: argparse.Namespace) -> dict:
                     continue
                 trainer = Trainer(run_cfg)
                 try:
-                    before = process_cpu.snapshot()  # the steps only: the actors' start-up is not a step's cost
+                    before, started = process_cpu.snapshot(), time.time()  # the steps only, not the actors' start-up
                     runs[name] += trainer.run()[args.warmup:]
                     cpu_windows[name].append((before, process_cpu.snapshot()))
+                    run_windows[name].append((started, time.time()))
                 finally:
                     trainer.shutdown()
+        events = ray.timeline()  # every actor call's execution, for the synchronous steps' critical path
     finally:
         ray.shutdown()
 
@@ -468,6 +475,10 @@ def bench_pipeline(args: argparse.Namespace) -> dict:
         if not name.startswith("max_staleness_1"):  # the roles take turns: the rest of the step is neither's
             phases[name]["neither_busy_s"] = statistics.median(
                 h["perf/step_s"] * (h["perf/rollout_idle"] + h["perf/learner_idle"] - 1) for h in history)
+    # Entry i of synchronous_steps is train step i + 2: the warm-up's steps are left out as from the step times.
+    chains = {name: [s for start, end in windows
+                     for s in critical_path.synchronous_steps(critical_path.task_spans(events, start, end))[max(args.warmup - 1, 0):]]
+              for name, windows in run_windows.items() if name.startswith("max_staleness_0")}
     colocated = {}
     for name in [n for n in runs if n.startswith("colocated_")]:
         colocated_s = median(runs[name], "perf/step_s")
@@ -488,6 +499,7 @@ def bench_pipeline(args: argparse.Namespace) -> dict:
                      "fetch_s": {name: median(v, "perf/fetch_s") for name, v in runs.items()},
                      "prefetched": {name: median(v, "perf/prefetched") for name, v in runs.items()}},
         "phases": phases,
+        "critical_path": {name: critical_path.summarize(steps) for name, steps in chains.items()},
         "step_s_by_round": {"reference": [statistics.median(h.seconds for h in steps) for steps in by_round(ref_steps)],
                             **{name: [median(steps, "perf/step_s") for steps in by_round(v)] for name, v in runs.items()}},
         "idle": {name: {"rollout": median(v, "perf/rollout_idle"), "learner": median(v, "perf/learner_idle")}

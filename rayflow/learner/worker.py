@@ -309,7 +309,9 @@ class LearnerGroup:
         """Train one batch: algorithm.steps_per_batch optimizer steps, each rank on its slice of every
         mini-batch (TrajectoryRefs are fetched by the ranks, never by the driver); then push the new version to
         the weight-sync actor `push_to` (None: no push); refs to each rank's (equal) metrics."""
-        light = ray.put(light_batch(batch, self.world_size))
+        light = light_batch(batch, self.world_size)
+        if self.world_size > 1:  # stored once for every rank; one rank takes it inline, without a store round trip
+            light = ray.put(light)
         return [w.train_step.remote(light, push_to) for w in self.workers]
 
     def prefetch(self, refs: list[ray.ObjectRef], version: int) -> None:
