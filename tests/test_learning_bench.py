@@ -143,7 +143,8 @@ def test_pipeline_runs_do_not_evaluate_at_start_and_split_their_steps_into_phase
 
     monkeypatch.setattr(rayflow.driver.trainer, "Trainer", FakeTrainer)
     monkeypatch.setattr(reference, "train", fake_train)
-    monkeypatch.setattr(bench, "start_local_ray", lambda num_cpus: types.SimpleNamespace(shutdown=lambda: None, __version__="x"))
+    monkeypatch.setattr(bench, "start_local_ray", lambda num_cpus: types.SimpleNamespace(shutdown=lambda: None, __version__="x",
+                                                                                   timeline=lambda: []))
     monkeypatch.setattr(bench, "idle_penalty", lambda cfg: {})
     result = bench.bench_pipeline(bench.parse_args(["pipeline", "--recipe", recipe("flowgrpo_qwen_image.yaml"),
                                                     "--steps", "2", "--warmup", "0"]))
@@ -155,6 +156,8 @@ def test_pipeline_runs_do_not_evaluate_at_start_and_split_their_steps_into_phase
     assert result["phases"]["max_staleness_0"] == pytest.approx(
         {"rollout_busy_s": 0.045, "learner_busy_s": 0.05, "neither_busy_s": 0.005})
     assert "neither_busy_s" not in result["phases"]["max_staleness_1"]  # the roles overlap there
+    # The critical path is read for the synchronous runs only; these fake runs left Ray no task events to read.
+    assert result["critical_path"] == {"max_staleness_0": {"steps": 0}, "max_staleness_0_no_prefetch": {"steps": 0}}
 
 
 @pytest.mark.parametrize("flag", ["--images", "--threads"])
