@@ -476,8 +476,9 @@ def bench_pipeline(args: argparse.Namespace) -> dict:
             phases[name]["neither_busy_s"] = statistics.median(
                 h["perf/step_s"] * (h["perf/rollout_idle"] + h["perf/learner_idle"] - 1) for h in history)
     # Entry i of synchronous_steps is train step i + 2: the warm-up's steps are left out as from the step times.
+    after_warmup = slice(max(args.warmup - 1, 0), None)
     chains = {name: [s for start, end in windows
-                     for s in critical_path.synchronous_steps(critical_path.task_spans(events, start, end))[max(args.warmup - 1, 0):]]
+                     for s in critical_path.synchronous_steps(critical_path.task_spans(events, start, end))[after_warmup]]
               for name, windows in run_windows.items() if name.startswith("max_staleness_0")}
     colocated = {}
     for name in [n for n in runs if n.startswith("colocated_")]:

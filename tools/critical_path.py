@@ -56,10 +56,11 @@ def merge_overlapping(spans: list[Span]) -> list[Span]:
 
 
 def synchronous_steps(spans: dict[str, list[Span]]) -> list[dict[str, float]]:
-    """One entry per train step after the first (entry i: the (i + 2)-th): its chain's links (`LINKS`, seconds), `step` (their sum: from the
-    train step before's end to this one's) and `weights_staged` (from the train step before's end to the end of the
-    last rank's receipt of the new version, off the chain while the rollout encodes its prompts). A step whose
-    rollout or scoring is missing from the events (an evaluation between, events dropped) is left out."""
+    """One entry per train step after the first (entry i: the (i + 2)-th): its chain's links (`LINKS`, seconds),
+    `step` (their sum: from the train step before's end to this one's) and `weights_staged` (from the train step
+    before's end to the end of the last rank's receipt of the new version, off the chain while the rollout encodes its
+    prompts). A step whose rollout or scoring is missing from the events (an evaluation between, events dropped) is
+    left out."""
     trains = merge_overlapping(spans.get(TRAIN, []))
     steps = []
     for before, train in zip(trains, trains[1:]):
